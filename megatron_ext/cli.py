@@ -1,0 +1,71 @@
+"""The `megatron-ext` console script: argparse dispatch to megatron_ext.commands.* modules.
+
+Each command module exposes `add_parser(subparsers)` (registering its subcommand with
+`set_defaults(run=...)`) and a `run(args) -> int`. Machine-readable output goes to stdout or
+--out, human summaries to stderr. Exit codes: 0 success, 2 bad input (one-line message naming
+the field, the value and the fix), 3 no feasible plan. Nothing imports this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from megatron_ext.errors import InfeasiblePlanError, PlanError
+
+# Subcommand modules, in the order `--help` lists them. A module that is not there yet is skipped,
+# so the CLI works while features land one by one.
+COMMAND_MODULES = (
+    "megatron_ext.commands.search",
+    "megatron_ext.commands.args",
+    "megatron_ext.commands.validate",
+    "megatron_ext.commands.profile",
+    "megatron_ext.commands.flexsp",
+)
+
+logger = logging.getLogger("megatron_ext")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports usage errors as one line and exit code 2, like PlanError."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"megatron-ext: error: {message}; see megatron-ext --help\n")
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="megatron-ext", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if err.name != name:
+                raise
+            continue
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr,
+        format="[megatron_ext] %(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except PlanError as err:
+        sys.stderr.write(f"megatron-ext: error: {err}\n")
+        return 2
+    except InfeasiblePlanError as err:
+        sys.stderr.write(f"megatron-ext: infeasible: {err}\n")
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""Cross-field consistency rules of a ParallelPlan; each failure is one PlanError line.
+
+Kept apart from plan.py so the rules read as a list. Errors name layers as `layers[7]` or
+`layers[8:16]` (global, zero-based, half-open), the same indexing the JSON ranges use.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from megatron_ext.errors import PlanError
+
+if TYPE_CHECKING:
+    from megatron_ext.plan import LayerStrategy, ParallelPlan
+
+
+def check_plan(plan: ParallelPlan) -> None:
+    _check_world(plan)
+    _check_stages(plan)
+    if len(plan.layers) != plan.model.num_layers:
+        raise PlanError(
+            f"layers cover {len(plan.layers)} layers but model.num_layers="
+            f"{plan.model.num_layers}; give one strategy per layer"
+        )
+    for start, end, strategy in plan.layer_runs():
+        label = f"layers[{start}]" if end - start == 1 else f"layers[{start}:{end}]"
+        _check_layer(plan, strategy, label, start)
+    _check_batch(plan)
+    _check_vocab(plan)
+    _check_flexsp(plan)
+
+
+def _check_world(plan: ParallelPlan) -> None:
+    if plan.world_size < 1 or plan.pp < 1:
+        raise PlanError(f"world_size={plan.world_size} and pp={plan.pp} must be >= 1")
+    if plan.world_size % plan.pp:
+        raise PlanError(
+            f"pp={plan.pp} does not divide world_size={plan.world_size}; choose a divisor"
+        )
+    if plan.cluster is not None and plan.cluster.num_gpus != plan.world_size:
+        raise PlanError(
+            f"world_size={plan.world_size} but cluster has {plan.cluster.num_gpus} GPUs "
+            f"(num_nodes={plan.cluster.num_nodes} x gpus_per_node={plan.cluster.gpus_per_node}); "
+            "make them equal"
+        )
+
+
+def _check_stages(plan: ParallelPlan) -> None:
+    if len(plan.stages) != plan.pp:
+        raise PlanError(
+            f"stages has {len(plan.stages)} ranges but pp={plan.pp}; give one per pipeline stage"
+        )
+    expected_start = 0
+    for i, (start, end) in enumerate(plan.stages):
+        if start != expected_start:
+            raise PlanError(
+                f"stages[{i}].start={start} but the previous stage ends at {expected_start}; "
+                "stages must be contiguous"
+            )
+        if end <= start:
+            raise PlanError(f"stage {i} is empty ([{start}, {end})); give it at least one layer")
+        expected_start = end
+    if expected_start != plan.model.num_layers:
+        raise PlanError(
+            f"stages end at layer {expected_start} but model.num_layers={plan.model.num_layers}; "
+            "the last stage must end at num_layers"
+        )
+
+
+def _check_layer(plan: ParallelPlan, s: LayerStrategy, label: str, first: int) -> None:
+    model = plan.model
+    if s.width != plan.stage_width:
+        raise PlanError(
+            f"tp*cp*ulysses*dp of layer {first} is {s.width} but world_size/pp is "
+            f"{plan.stage_width}; adjust {label}.dp"
+        )
+    if model.num_attention_heads % s.tp:
+        raise PlanError(
+            f"{label}.tp={s.tp} does not divide num_attention_heads={model.num_attention_heads}"
+        )
+    if model.num_query_groups % s.tp:
+        raise PlanError(
+            f"{label}.tp={s.tp} does not divide num_query_groups={model.num_query_groups}"
+        )
+    if s.ulysses > 1 and s.tp * s.ulysses > model.num_query_groups:
+        raise PlanError(
+            f"{label}.ulysses={s.ulysses} exceeds num_query_groups={model.num_query_groups}"
+            + (f" / tp={s.tp}" if s.tp > 1 else "") + "; lower ulysses or use cp"
+        )
+    if model.num_query_groups % (s.tp * s.ulysses):
+        raise PlanError(
+            f"{label}.ulysses={s.ulysses} does not divide num_query_groups/tp="
+            f"{model.num_query_groups // s.tp}"
+        )
+    chunks = (s.tp if s.sp else 1) * s.ulysses * (2 * s.cp if s.cp > 1 else 1)
+    if plan.seq_length % chunks:
+        raise PlanError(
+            f"seq_length={plan.seq_length} is not divisible by {chunks}, the sequence chunks of "
+            f"{label} (tp if sp) * ulysses * (2*cp if cp>1); change seq_length or the degrees"
+        )
+
+
+def _check_batch(plan: ParallelPlan) -> None:
+    if plan.global_batch_size % plan.micro_batch_size:
+        raise PlanError(
+            f"global_batch_size={plan.global_batch_size} is not a multiple of "
+            f"micro_batch_size={plan.micro_batch_size}"
+        )
+    for start, end, s in plan.layer_runs():
+        if plan.micro_batch_size % s.dp:
+            label = f"layers[{start}]" if end - start == 1 else f"layers[{start}:{end}]"
+            raise PlanError(
+                f"micro_batch_size={plan.micro_batch_size} does not split over {label}.dp={s.dp}; "
+                "micro_batch_size counts samples over all data-parallel replicas: use a multiple "
+                f"of {s.dp}"
+            )
+    if plan.model.position_embedding == "learned_absolute" and (
+        plan.seq_length > plan.model.max_position_embeddings
+    ):
+        raise PlanError(
+            f"seq_length={plan.seq_length} exceeds model.max_position_embeddings="
+            f"{plan.model.max_position_embeddings} of the learned position embedding"
+        )
+
+
+def _check_vocab(plan: ParallelPlan) -> None:
+    if plan.stage_width % plan.vocab.tp:
+        raise PlanError(
+            f"vocab.tp={plan.vocab.tp} does not divide world_size/pp={plan.stage_width}"
+        )
+    if plan.vocab.mode == "vocab_parallel" and plan.pp == 1:
+        raise PlanError(
+            "vocab.mode='vocab_parallel' needs pp > 1 (it spreads the vocabulary over pipeline "
+            "stages); use mode 'tp' with pp=1"
+        )
+
+
+def _check_flexsp(plan: ParallelPlan) -> None:
+    if plan.flexsp is None:
+        return
+    for start, end, s in plan.layer_runs():
+        if plan.pp != 1 or s.tp != 1 or s.cp != 1 or s.ulysses != 1:
+            raise PlanError(
+                f"flexsp needs pp=1 and tp=cp=ulysses=1 in every layer (got pp={plan.pp}, "
+                f"layers[{start}:{end}] {s.describe()}); FlexSP picks sequence-parallel groups "
+                "per step"
+            )
+    if plan.flexsp.max_group_size > plan.world_size:
+        raise PlanError(
+            f"flexsp.max_group_size={plan.flexsp.max_group_size} exceeds world_size="
+            f"{plan.world_size}"
+        )
+    if plan.model.num_attention_heads % plan.flexsp.max_group_size:
+        raise PlanError(
+            f"flexsp.max_group_size={plan.flexsp.max_group_size} does not divide "
+            f"num_attention_heads={plan.model.num_attention_heads}"
+        )

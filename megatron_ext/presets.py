@@ -1,0 +1,148 @@
+"""Built-in model and cluster presets, and readers for HuggingFace `config.json` model files.
+
+Model shapes are the published configurations. Cluster link bandwidths are achievable bus
+bandwidths per GPU (NCCL all-reduce busbw), not the marketing bidirectional figure:
+A100 NVLink3 600 GB/s bidirectional -> ~230 GB/s busbw; H100/H200 NVLink4 900 GB/s -> ~360 GB/s;
+inter-node one HDR 200 Gb/s NIC per GPU -> ~22 GB/s, one NDR 400 Gb/s NIC per GPU -> ~45 GB/s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from megatron_ext.errors import PlanError
+from megatron_ext.schema import load_json_file
+from megatron_ext.specs import ClusterSpec, LinkSpec, ModelSpec
+
+
+def _gpt3(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
+    return ModelSpec(
+        name=name, num_layers=layers, hidden_size=hidden, ffn_hidden_size=4 * hidden,
+        num_attention_heads=heads, num_query_groups=heads, vocab_size=50257,
+        tied_embeddings=True, activation="gelu", normalization="LayerNorm",
+        position_embedding="learned_absolute", max_position_embeddings=2048, add_bias_linear=True,
+    )
+
+
+def _llama(
+    name: str, layers: int, hidden: int, heads: int, kv: int, ffn: int, vocab: int, ctx: int
+) -> ModelSpec:
+    return ModelSpec(
+        name=name, num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn,
+        num_attention_heads=heads, num_query_groups=kv, vocab_size=vocab, tied_embeddings=False,
+        activation="swiglu", normalization="RMSNorm", position_embedding="rope",
+        max_position_embeddings=ctx,
+    )
+
+
+MODEL_PRESETS: dict[str, ModelSpec] = {
+    m.name: m
+    for m in (
+        _gpt3("gpt3-1.3b", 24, 2048, 16),
+        _gpt3("gpt3-6.7b", 32, 4096, 32),
+        _gpt3("gpt3-13b", 40, 5120, 40),
+        _gpt3("gpt3-175b", 96, 12288, 96),
+        _llama("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
+        _llama("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
+        _llama("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
+        _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
+        _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
+        _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192),
+        dataclasses.replace(
+            _llama("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064, 32768), add_bias_linear=False
+        ),
+        # Small enough to train on CPU under gloo: tests, examples and the CPU walk-through.
+        _llama("tiny-llama", 4, 64, 4, 2, 176, 512, 256),
+        dataclasses.replace(_gpt3("tiny-gpt", 4, 64, 4), vocab_size=512, max_position_embeddings=256),
+    )
+}
+
+
+def _dgx(name: str, memory_gib: float, flops: float, nvlink: float, net: float) -> ClusterSpec:
+    return ClusterSpec(
+        name=name, num_nodes=1, gpus_per_node=8, memory_gib=memory_gib, peak_flops=flops,
+        intra_node=LinkSpec(bandwidth_bytes_per_s=nvlink, latency_s=5e-6),
+        inter_node=LinkSpec(bandwidth_bytes_per_s=net, latency_s=1.5e-5),
+    )
+
+
+CLUSTER_PRESETS: dict[str, ClusterSpec] = {
+    c.name: c
+    for c in (
+        _dgx("dgx-a100-40g", 40.0, 312e12, 230e9, 22e9),
+        _dgx("dgx-a100-80g", 80.0, 312e12, 230e9, 22e9),
+        _dgx("dgx-h100", 80.0, 989e12, 360e9, 45e9),
+        _dgx("dgx-h200", 140.0, 989e12, 360e9, 45e9),
+    )
+}
+
+
+def model_preset(name: str) -> ModelSpec:
+    if name not in MODEL_PRESETS:
+        raise PlanError(
+            f"--model={name!r} is not a preset; use one of {', '.join(MODEL_PRESETS)} "
+            "or --model-config FILE"
+        )
+    return MODEL_PRESETS[name]
+
+
+def cluster_preset(name: str, *, num_nodes: int = 1, memory_gib: float | None = None) -> ClusterSpec:
+    if name not in CLUSTER_PRESETS:
+        raise PlanError(
+            f"--cluster={name!r} is not a preset; use one of {', '.join(CLUSTER_PRESETS)} "
+            "or --cluster-profile FILE"
+        )
+    if num_nodes < 1:
+        raise PlanError(f"--nodes={num_nodes} must be >= 1")
+    cluster = dataclasses.replace(CLUSTER_PRESETS[name], num_nodes=num_nodes)
+    if memory_gib is not None:
+        if not memory_gib > 0:
+            raise PlanError(f"--memory-gib={memory_gib} must be > 0")
+        cluster = dataclasses.replace(cluster, memory_gib=memory_gib)
+    return cluster
+
+
+# HuggingFace config.json key -> ModelSpec field.
+_HF_KEYS = {
+    "num_hidden_layers": "num_layers",
+    "hidden_size": "hidden_size",
+    "intermediate_size": "ffn_hidden_size",
+    "num_attention_heads": "num_attention_heads",
+    "num_key_value_heads": "num_query_groups",
+    "vocab_size": "vocab_size",
+    "head_dim": "kv_channels",
+    "tie_word_embeddings": "tied_embeddings",
+    "max_position_embeddings": "max_position_embeddings",
+}
+
+
+def model_from_file(path: str | Path) -> ModelSpec:
+    """A ModelSpec JSON (our field names) or a HuggingFace `config.json` (Llama/Qwen/GPT-2 keys)."""
+    data = load_json_file(path, "model config")
+    if "num_hidden_layers" in data or "n_layer" in data:
+        return _model_from_hf(data, Path(path).stem)
+    return ModelSpec.from_dict(data, path="model")
+
+
+def _model_from_hf(data: dict[str, Any], label: str) -> ModelSpec:
+    if "n_layer" in data:  # GPT-2 style keys
+        hidden = data.get("n_embd")
+        mapped: dict[str, Any] = {
+            "num_layers": data.get("n_layer"), "hidden_size": hidden,
+            "ffn_hidden_size": data.get("n_inner") or (4 * hidden if isinstance(hidden, int) else None),
+            "num_attention_heads": data.get("n_head"), "vocab_size": data.get("vocab_size"),
+            "tied_embeddings": True, "activation": "gelu", "normalization": "LayerNorm",
+            "position_embedding": "learned_absolute",
+            "max_position_embeddings": data.get("n_positions", 1024), "add_bias_linear": True,
+        }
+    else:
+        mapped = {ours: data[hf] for hf, ours in _HF_KEYS.items() if data.get(hf) is not None}
+        act = data.get("hidden_act", "silu")
+        mapped["activation"] = "swiglu" if act in ("silu", "swiglu") else "gelu"
+        mapped["normalization"] = "RMSNorm" if "rms_norm_eps" in data else "LayerNorm"
+        mapped["position_embedding"] = "rope"
+    mapped["name"] = str(data.get("_name_or_path") or data.get("model_type") or label)
+    mapped = {k: v for k, v in mapped.items() if v is not None}
+    return ModelSpec.from_dict(mapped, path="model-config")

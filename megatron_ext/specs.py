@@ -1,0 +1,193 @@
+"""What a plan is made for: the model (ModelSpec) and the cluster (ClusterSpec, LinkSpec).
+
+Pure data with JSON I/O; no torch. Units are suffixes: `_gib`, `_flops`, `_bytes_per_s`, `_s`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from megatron_ext.errors import PlanError
+from megatron_ext.schema import (
+    expect_object,
+    get_bool,
+    get_float,
+    get_int,
+    get_str,
+    reject_unknown,
+)
+
+Activation = Literal["gelu", "swiglu"]
+Normalization = Literal["LayerNorm", "RMSNorm"]
+PositionEmbedding = Literal["rope", "learned_absolute"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelSpec:
+    """Shape of a GPT/Llama decoder-only model, in Megatron's terms."""
+
+    name: str = "custom"
+    """Preset name or a label for a custom model."""
+    num_layers: int
+    """Transformer layers (Megatron --num-layers)."""
+    hidden_size: int
+    """Model width h (--hidden-size)."""
+    ffn_hidden_size: int
+    """MLP inner width (--ffn-hidden-size); with swiglu, the width of each of the two branches."""
+    num_attention_heads: int
+    """Query heads a (--num-attention-heads)."""
+    num_query_groups: int
+    """Key/value heads (--num-query-groups); equal to num_attention_heads without GQA."""
+    vocab_size: int
+    """Tokenizer vocabulary before Megatron's padding to a multiple of 128 x tp."""
+    kv_channels: int = 0
+    """Per-head width (--kv-channels); 0 means hidden_size // num_attention_heads."""
+    tied_embeddings: bool = False
+    """Input embedding and output layer share one weight (Megatron's default; Llama unties)."""
+    activation: Activation = "swiglu"
+    """MLP activation: swiglu (Llama, --swiglu) or gelu (GPT-3)."""
+    normalization: Normalization = "RMSNorm"
+    """--normalization."""
+    position_embedding: PositionEmbedding = "rope"
+    """--position-embedding-type."""
+    max_position_embeddings: int = 4096
+    """--max-position-embeddings: the longest sequence the position embedding covers."""
+    add_bias_linear: bool = False
+    """Linear layers carry biases (GPT-3: yes; Llama: no). --disable-bias-linear is its negation."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                     "num_query_groups", "vocab_size", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise PlanError(f"model.{name}={getattr(self, name)} must be >= 1")
+        if self.num_attention_heads % self.num_query_groups:
+            raise PlanError(
+                f"model.num_query_groups={self.num_query_groups} does not divide "
+                f"num_attention_heads={self.num_attention_heads}; use a divisor"
+            )
+        if self.kv_channels == 0 and self.hidden_size % self.num_attention_heads:
+            raise PlanError(
+                f"model.hidden_size={self.hidden_size} is not a multiple of "
+                f"num_attention_heads={self.num_attention_heads}; set kv_channels explicitly"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str = "model") -> ModelSpec:
+        data = expect_object(data, path)
+        reject_unknown(data, set(cls.__dataclass_fields__), path)
+        return cls(
+            name=get_str(data, "name", path, default="custom"),
+            num_layers=get_int(data, "num_layers", path, minimum=1),
+            hidden_size=get_int(data, "hidden_size", path, minimum=1),
+            ffn_hidden_size=get_int(data, "ffn_hidden_size", path, minimum=1),
+            num_attention_heads=get_int(data, "num_attention_heads", path, minimum=1),
+            num_query_groups=get_int(
+                data, "num_query_groups", path, default=data.get("num_attention_heads"), minimum=1
+            ),
+            vocab_size=get_int(data, "vocab_size", path, minimum=1),
+            kv_channels=get_int(data, "kv_channels", path, default=0, minimum=0),
+            tied_embeddings=get_bool(data, "tied_embeddings", path, default=False),
+            activation=get_str(data, "activation", path, default="swiglu",
+                               choices=("gelu", "swiglu")),  # type: ignore[arg-type]
+            normalization=get_str(data, "normalization", path, default="RMSNorm",
+                                  choices=("LayerNorm", "RMSNorm")),  # type: ignore[arg-type]
+            position_embedding=get_str(
+                data, "position_embedding", path, default="rope",
+                choices=("rope", "learned_absolute"),
+            ),  # type: ignore[arg-type]
+            max_position_embeddings=get_int(data, "max_position_embeddings", path, default=4096,
+                                            minimum=1),
+            add_bias_linear=get_bool(data, "add_bias_linear", path, default=False),
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LinkSpec:
+    """One class of links under the alpha-beta model: time = latency_s + bytes / bandwidth."""
+
+    bandwidth_bytes_per_s: float
+    """Achievable bus bandwidth per GPU for collectives over this link class."""
+    latency_s: float
+    """Per-message start-up latency (alpha)."""
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth_bytes_per_s > 0 or not self.latency_s >= 0:
+            raise PlanError(
+                f"link bandwidth_bytes_per_s={self.bandwidth_bytes_per_s} must be > 0 and "
+                f"latency_s={self.latency_s} >= 0"
+            )
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str) -> LinkSpec:
+        data = expect_object(data, path)
+        reject_unknown(data, {"bandwidth_bytes_per_s", "latency_s"}, path)
+        return cls(
+            bandwidth_bytes_per_s=get_float(data, "bandwidth_bytes_per_s", path, positive=True),
+            latency_s=get_float(data, "latency_s", path, default=0.0),
+        )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClusterSpec:
+    """A homogeneous GPU cluster: nodes of equal GPUs, an intra-node and an inter-node link class."""
+
+    name: str = "custom"
+    """Preset name or a label."""
+    num_nodes: int = 1
+    """Nodes in the job."""
+    gpus_per_node: int = 8
+    """GPUs per node; Megatron keeps tensor-parallel ranks inside one node."""
+    memory_gib: float = 80.0
+    """Usable memory per GPU."""
+    peak_flops: float = 989e12
+    """Dense bf16 peak per GPU."""
+    intra_node: LinkSpec = field(
+        default_factory=lambda: LinkSpec(bandwidth_bytes_per_s=360e9, latency_s=5e-6)
+    )
+    """NVLink/NVSwitch inside a node."""
+    inter_node: LinkSpec = field(
+        default_factory=lambda: LinkSpec(bandwidth_bytes_per_s=45e9, latency_s=1e-5)
+    )
+    """Network between nodes, bandwidth per GPU."""
+
+    def __post_init__(self) -> None:
+        if self.num_nodes < 1 or self.gpus_per_node < 1:
+            raise PlanError(
+                f"cluster num_nodes={self.num_nodes} and gpus_per_node={self.gpus_per_node} "
+                "must be >= 1"
+            )
+        if not self.memory_gib > 0 or not self.peak_flops > 0:
+            raise PlanError(
+                f"cluster memory_gib={self.memory_gib} and peak_flops={self.peak_flops} must be > 0"
+            )
+
+    @property
+    def num_gpus(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str = "cluster") -> ClusterSpec:
+        data = expect_object(data, path)
+        reject_unknown(data, set(cls.__dataclass_fields__), path)
+        if "intra_node" not in data or "inter_node" not in data:
+            raise PlanError(f"{path} needs both intra_node and inter_node link objects")
+        return cls(
+            name=get_str(data, "name", path, default="custom"),
+            num_nodes=get_int(data, "num_nodes", path, minimum=1),
+            gpus_per_node=get_int(data, "gpus_per_node", path, minimum=1),
+            memory_gib=get_float(data, "memory_gib", path, positive=True),
+            peak_flops=get_float(data, "peak_flops", path, positive=True),
+            intra_node=LinkSpec.from_dict(data["intra_node"], f"{path}.intra_node"),
+            inter_node=LinkSpec.from_dict(data["inter_node"], f"{path}.inter_node"),
+        )
