@@ -348,7 +348,11 @@ def _range_from_json(item: Any, path: str) -> tuple[int, int]:
 
 def _stages_from_json(value: Any) -> tuple[tuple[int, int], ...]:
     items = expect_list(value, "stages")
-    return tuple(_range_from_json(item, f"stages[{i}]") for i, item in enumerate(items))
+    stages = []
+    for i, item in enumerate(items):
+        stages.append(_range_from_json(item, f"stages[{i}]"))
+        reject_unknown(item, {"start", "end"}, f"stages[{i}]")
+    return tuple(stages)
 
 
 def _layers_from_json(value: Any, num_layers: int) -> tuple[LayerStrategy, ...]:

@@ -15,32 +15,46 @@ from typing import Any, TypeVar
 from megatron_ext.errors import PlanError
 
 T = TypeVar("T")
+MAX_INT = 2**63 - 1
+"""Largest integer magnitude the readers accept (JSON files meant for int64 consumers)."""
 
 
 def load_json_file(path: str | Path, what: str) -> dict[str, Any]:
     """Read a JSON object from `path`; missing files and syntax errors become PlanError."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as err:
         raise PlanError(f"cannot read {what} {path}: {err.strerror}; check the path") from None
+    except UnicodeDecodeError as err:
+        raise PlanError(
+            f"{what} {path} is not UTF-8 text (byte {err.start}); give a JSON file"
+        ) from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:
         raise PlanError(
             f"{what} {path} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno}"
         ) from None
+    except RecursionError:
+        raise PlanError(f"{what} {path} nests JSON too deeply; check the file") from None
+    except ValueError as err:  # e.g. an integer literal longer than Python's 4300-digit limit
+        raise PlanError(f"{what} {path} is not valid JSON: {err}") from None
     if not isinstance(data, dict):
         raise PlanError(f"{what} {path} must hold a JSON object, got {type(data).__name__}")
     return data
 
 
 def expect_object(value: Any, path: str) -> Mapping[str, Any]:
+    if value is None:
+        raise PlanError(f"{path} is missing; add it as a JSON object")
     if not isinstance(value, Mapping):
         raise PlanError(f"{path} must be a JSON object, got {_show(value)}")
     return value
 
 
 def expect_list(value: Any, path: str) -> list[Any]:
+    if value is None:
+        raise PlanError(f"{path} is missing; add it as a JSON list")
     if not isinstance(value, list):
         raise PlanError(f"{path} must be a JSON list, got {_show(value)}")
     return value
@@ -62,6 +76,8 @@ def get_int(
     value = _get(data, key, path, default)
     if isinstance(value, bool) or not isinstance(value, int):
         raise PlanError(f"{_at(path, key)}={_show(value)} must be an integer")
+    if abs(value) > MAX_INT:
+        raise PlanError(f"{_at(path, key)}={_show(value)} is out of range; use |value| < 2**63")
     if minimum is not None and value < minimum:
         raise PlanError(f"{_at(path, key)}={value} must be >= {minimum}")
     return value
@@ -71,7 +87,7 @@ def get_float(
     data: Mapping[str, Any], key: str, path: str, *, default: Any = ..., positive: bool = False
 ) -> float:
     value = _get(data, key, path, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not _is_number(value):
         raise PlanError(f"{_at(path, key)}={_show(value)} must be a finite number")
     if positive and value <= 0:
         raise PlanError(f"{_at(path, key)}={value} must be > 0")
@@ -87,7 +103,12 @@ def get_float_list(data: Mapping[str, Any], key: str, path: str) -> tuple[float,
 
 
 def _is_number(value: Any) -> bool:
-    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def _bad_number(path: str, value: Any) -> float:
@@ -135,5 +156,10 @@ def _at(path: str, key: str) -> str:
 
 
 def _show(value: Any) -> str:
-    text = repr(value)
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+        return f"<{value.bit_length()}-bit integer>"  # repr fails past 4300 digits
+    try:
+        text = repr(value)
+    except (RecursionError, ValueError):  # deeply nested or an over-long int inside
+        return f"<{type(value).__name__}>"
     return text if len(text) <= 40 else text[:37] + "..."

@@ -21,6 +21,8 @@ from megatron_ext.schema import (
 Activation = Literal["gelu", "swiglu"]
 Normalization = Literal["LayerNorm", "RMSNorm"]
 PositionEmbedding = Literal["rope", "learned_absolute"]
+MAX_NUM_LAYERS = 100_000
+"""Upper bound on ModelSpec.num_layers (the largest published models have a few hundred)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,6 +63,11 @@ class ModelSpec:
                      "num_query_groups", "vocab_size", "max_position_embeddings"):
             if getattr(self, name) < 1:
                 raise PlanError(f"model.{name}={getattr(self, name)} must be >= 1")
+        if self.num_layers > MAX_NUM_LAYERS:
+            # Plans hold one strategy per layer; an absurd count would exhaust memory, not fail.
+            raise PlanError(
+                f"model.num_layers={self.num_layers} exceeds the supported {MAX_NUM_LAYERS}"
+            )
         if self.num_attention_heads % self.num_query_groups:
             raise PlanError(
                 f"model.num_query_groups={self.num_query_groups} does not divide "
