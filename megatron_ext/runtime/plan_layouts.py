@@ -1,0 +1,74 @@
+"""Layouts a ParallelPlan needs per pipeline stage: layer layouts, vocabulary layouts, boundaries.
+
+Legend: s = sequence, b = micro-batch (all replicas), S = ranks per stage, vtp = plan.vocab.tp.
+
+- Layer l runs in `Layout.of(plan.layers[l])`.
+- The embedding (first stage) and the output layer with its loss (last stage) run over the vocab
+  tensor-parallel group of vtp ranks. When the neighbouring layer has tp == vtp they reuse that
+  layer's layout (no re-layout, exactly Megatron's uniform case); otherwise the remaining S/vtp
+  ranks split the batch as far as the micro-batch allows and the sequence for the rest.
+- Stage boundaries carry the sending stage's last-layer layout: senders never re-layout, the
+  receiving stage does, and each stage's recv/send shapes are known from the plan alone.
+"""
+
+from __future__ import annotations
+
+from megatron_ext.errors import PlanError
+from megatron_ext.plan import LayerStrategy, ParallelPlan
+from megatron_ext.runtime.layout import Layout
+
+__all__ = [
+    "boundary_layout",
+    "embedding_layout",
+    "output_layout",
+    "stage_layouts",
+    "stage_of_rank",
+]
+
+
+def stage_of_rank(plan: ParallelPlan, rank: int) -> tuple[int, int]:
+    """(pipeline stage, local rank inside the stage) of a global rank."""
+    return rank // plan.stage_width, rank % plan.stage_width
+
+
+def _vocab_layout(plan: ParallelPlan, neighbour: LayerStrategy) -> Layout:
+    vtp = plan.vocab.tp
+    if neighbour.tp == vtp:
+        return Layout.of(neighbour)
+    rest = plan.stage_width // vtp
+    dp = max(d for d in range(1, rest + 1) if rest % d == 0 and plan.micro_batch_size % d == 0)
+    seq = rest // dp
+    sp = vtp > 1 and plan.seq_length % (seq * vtp) == 0
+    if plan.seq_length % (seq * (vtp if sp else 1)):
+        raise PlanError(
+            f"seq_length={plan.seq_length} cannot be split over the {seq} vocabulary-layer "
+            f"ranks that micro_batch_size={plan.micro_batch_size} leaves; use a micro-batch "
+            f"size that is a multiple of {rest} or a seq_length divisible by {seq}"
+        )
+    return Layout(tp=vtp, sp=sp, seq=seq, dp=dp)
+
+
+def embedding_layout(plan: ParallelPlan) -> Layout:
+    """Layout of the embedding output on the first stage."""
+    return _vocab_layout(plan, plan.layers[0])
+
+
+def output_layout(plan: ParallelPlan) -> Layout:
+    """Layout of the final norm, output layer and loss on the last stage."""
+    return _vocab_layout(plan, plan.layers[-1])
+
+
+def boundary_layout(plan: ParallelPlan, stage: int) -> Layout:
+    """Layout of the activation stage `stage` sends to stage `stage + 1`."""
+    return Layout.of(plan.layers[plan.stages[stage][1] - 1])
+
+
+def stage_layouts(plan: ParallelPlan, stage: int, *, vocab: bool = True) -> list[Layout]:
+    """Distinct layouts used on `stage`, in first-use order (layers, then vocabulary layers)."""
+    start, end = plan.stages[stage]
+    found = [Layout.of(s) for s in plan.layers[start:end]]
+    if vocab and stage == 0:
+        found.insert(0, embedding_layout(plan))
+    if vocab and stage == plan.pp - 1:
+        found.append(output_layout(plan))
+    return list(dict.fromkeys(found))
