@@ -156,8 +156,8 @@ def _at(path: str, key: str) -> str:
 
 
 def _show(value: Any) -> str:
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
-        return f"<{value.bit_length()}-bit integer>"  # repr fails past 4300 digits
+    if isinstance(value, int) and value.bit_length() > 13_000:  # repr fails past 4300 digits
+        return f"<{value.bit_length()}-bit integer>"
     try:
         text = repr(value)
     except (RecursionError, ValueError):  # deeply nested or an over-long int inside
