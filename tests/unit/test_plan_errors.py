@@ -1,0 +1,96 @@
+"""The plan file's documented error messages (issue 2, item 3), each as one exact line."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from megatron_ext.errors import PlanError
+from megatron_ext.plan import ParallelPlan
+
+PLANS_DIR = Path(__file__).resolve().parents[2] / "examples" / "plans"
+
+
+def _llama(num_query_groups: int = 32) -> dict[str, Any]:
+    return {
+        "name": "llama2-7b", "num_layers": 32, "hidden_size": 4096, "ffn_hidden_size": 11008,
+        "num_attention_heads": 32, "num_query_groups": num_query_groups, "vocab_size": 32000,
+    }
+
+
+def _plan(world_size: int, stages: list[tuple[int, int]], layers: list[dict[str, Any]],
+          *, micro_batch_size: int = 12, model: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {
+        "schema_version": 1, "world_size": world_size, "pp": len(stages),
+        "stages": [{"start": s, "end": e} for s, e in stages], "layers": layers,
+        "micro_batch_size": micro_batch_size, "global_batch_size": 96, "seq_length": 4096,
+        "model": model or _llama(),
+    }
+
+
+def _error(data: dict[str, Any]) -> str:
+    with pytest.raises(PlanError) as info:
+        ParallelPlan.from_dict(data)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_tp_must_divide_heads() -> None:
+    layers = [{"start": 0, "end": 7, "tp": 2, "dp": 6}, {"start": 7, "end": 8, "tp": 3, "dp": 4},
+              {"start": 8, "end": 32, "tp": 4, "dp": 3}]
+    assert _error(_plan(12, [(0, 32)], layers)) == (
+        "layers[7].tp=3 does not divide num_attention_heads=32"
+    )
+
+
+def test_empty_stage() -> None:
+    layers = [{"start": 0, "end": 32, "tp": 2, "dp": 2}]
+    message = _error(_plan(12, [(0, 16), (16, 32), (32, 32)], layers))
+    assert message.startswith("stage 2 is empty"), message
+
+
+def test_layer_width_must_fill_the_stage() -> None:
+    layers = [{"start": 0, "end": 4, "tp": 4, "dp": 4}, {"start": 4, "end": 32, "tp": 4, "dp": 3}]
+    message = _error(_plan(32, [(0, 16), (16, 32)], layers))
+    assert message.startswith("tp*cp*ulysses*dp of layer 4 is 12 but world_size/pp is 16"), message
+
+
+def test_ulysses_bounded_by_query_groups() -> None:
+    layers = [{"start": 0, "end": 32, "ulysses": 8, "dp": 1}]
+    message = _error(_plan(8, [(0, 32)], layers, micro_batch_size=1, model=_llama(4)))
+    assert message.startswith("layers[0:32].ulysses=8 exceeds num_query_groups=4"), message
+
+
+def _example() -> dict[str, Any]:
+    return json.loads((PLANS_DIR / "llama2-7b_uniform_tp2_pp2.json").read_text())
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (lambda d: d.pop("model"), "model is missing; add it as a JSON object"),
+        (lambda d: d.pop("stages"), "stages is missing; add it as a JSON list"),
+        (lambda d: d.pop("world_size"), "world_size is missing; add it"),
+        (lambda d: d["stages"][0].update(middle=3), "stages[0].middle is not a known field"),
+        (lambda d: d.update(pp=True), "pp=True must be an integer"),
+        (lambda d: d.update(pp=2.0), "pp=2.0 must be an integer"),
+        (lambda d: d.update(pp=2**70), "pp=1180591620717411303424 is out of range"),
+        (lambda d: d["layers"][0].update(tp="2"), "layers[0:16].tp='2' must be an integer"),
+        (lambda d: d["model"].update(num_layers=10**9),
+         "model.num_layers=1000000000 exceeds the supported 100000"),
+        (lambda d: d["cluster"].update(memory_gib=10**400), "cluster.memory_gib=1000000000000000000000000000000000000... must be a finite number"),
+        (lambda d: d.update(schema_version=2), "schema_version=2 is not supported"),
+        (lambda d: d.update(extra=1), "extra is not a known field"),
+        (lambda d: d.update(pp=10**5000), "pp=<16610-bit integer> is out of range"),
+    ],
+)
+def test_field_errors_name_field_value_and_fix(edit: Any, expected: str) -> None:
+    data = copy.deepcopy(_example())
+    edit(data)
+    message = _error(data)
+    assert message.startswith(expected), message
