@@ -1,0 +1,116 @@
+"""Level packing: choose the group multiset and place the long sequences for a target makespan C.
+
+For a level C every long ("big") sequence s needs a degree d with t_d(s) <= C. Taking them by
+descending length, each goes to the smallest such degree (least GPU-seconds: a larger degree only
+adds all-to-all), into an open group of that degree where it still finishes by C (best fit), or
+else into a new group of that degree while devices remain. Devices left over become groups of
+the smallest degree. The short sequences are treated as fluid: C is feasible when their work
+fits the slack below C of all groups (each degree at its own speed) and their tokens fit the
+free memory. `level_pack_search` bisects C between a lower bound and a known makespan and
+returns the multiset of the smallest feasible level with the long sequences placed; assign.py's
+water-filling then places the short ones and refine.py polishes the result.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from megatron_ext.planner.flexsp.assign import Assignment, MicroBatchProblem, _fill
+
+
+def _pack(problem: MicroBatchProblem, num_gpus: int, num_big: int, level: float,
+          small_work: np.ndarray, small_tokens: int):
+    """Open groups and big placements for `level`, or None if the level is infeasible."""
+    degrees = problem.degrees.tolist()
+    num_deg = len(degrees)
+    times, jmin = problem.times, problem.min_deg_idx.tolist()
+    lengths = problem.lengths.tolist()
+    cap = problem.capacity_tokens
+    lat = problem.latency_s.tolist()
+    group_j: list[int] = []
+    loads: list[float] = []
+    tokens: list[int] = []
+    by_degree: list[list[int]] = [[] for _ in range(num_deg)]
+    seq_group = [-1] * num_big
+    free = num_gpus
+    for k in range(num_big):
+        row, length = times[k].tolist(), lengths[k]
+        placed = False
+        for j in range(jmin[k], num_deg):
+            t = row[j]
+            if t + lat[j] > level:
+                continue
+            best_g, best_load = -1, -1.0
+            for g in by_degree[j]:  # best fit among open groups of this degree
+                new = loads[g] + t
+                if new <= level and tokens[g] + length <= cap * degrees[j] and new > best_load:
+                    best_g, best_load = g, new
+            if best_g < 0 and free >= degrees[j]:
+                best_g, best_load = len(group_j), t + lat[j]
+                group_j.append(j)
+                loads.append(0.0)
+                tokens.append(0)
+                by_degree[j].append(best_g)
+                free -= degrees[j]
+            if best_g >= 0:
+                loads[best_g] = best_load
+                tokens[best_g] += length
+                seq_group[k] = best_g
+                placed = True
+                break
+        if not placed:
+            return None
+    d0 = degrees[0]
+    num_small_groups = free // d0
+    # fluid check for the short sequences: slack below the level, in degree-0 time units
+    if small_tokens:
+        gj = np.asarray(group_j, dtype=np.int64)
+        slack = np.maximum(level - np.asarray(loads), 0.0) if gj.size else np.zeros(0)
+        # fraction of the short sequences' work that fits; small_work[j]: all of it at degree j
+        capacity = float((slack / small_work[gj]).sum()) if gj.size else 0.0
+        capacity += num_small_groups * max(level - lat[0], 0.0) / small_work[0]
+        room = int((cap * np.asarray(degrees)[gj] - np.asarray(tokens)).sum()) if gj.size else 0
+        room += num_small_groups * cap * d0
+        if capacity < 1.0 or room < small_tokens:
+            return None
+    return group_j, loads, tokens, seq_group, num_small_groups
+
+
+def level_pack_search(
+    problem: MicroBatchProblem, num_gpus: int, num_big: int, lo: float, hi: float,
+    iters: int = 10,
+) -> tuple[Assignment, float] | None:
+    """Smallest feasible level in [lo, hi] by bisection (to 0.1%), realised as a full Assignment,
+    with that level (the fluid estimate of the makespan the short sequences can reach)."""
+    k = problem.lengths.size
+    small_work = problem.times[num_big:].sum(axis=0)  # [num_deg]: all short ones at degree j
+    small_tokens = int(problem.lengths[num_big:].sum())
+    best = _pack(problem, num_gpus, num_big, hi, small_work, small_tokens)
+    if best is None:
+        return None
+    level = hi
+    for _ in range(iters):
+        if hi <= lo * 1.001:
+            break
+        mid = 0.5 * (lo + hi)
+        packed = _pack(problem, num_gpus, num_big, mid, small_work, small_tokens)
+        if packed is None:
+            lo = mid
+        else:
+            hi, best, level = mid, packed, mid
+    group_j, loads, tokens, seq_group, num_small_groups = best
+    group_j = group_j + [0] * num_small_groups
+    loads = loads + [0.0] * num_small_groups
+    tokens = tokens + [0] * num_small_groups
+    order = sorted(range(len(group_j)), key=lambda g: -group_j[g])  # descending degree: aligned
+    rank = {g: i for i, g in enumerate(order)}
+    state = Assignment(
+        group_deg_idx=np.asarray([group_j[g] for g in order], dtype=np.int64),
+        seq_group=np.full(k, -1, dtype=np.int64),
+        loads=np.asarray([loads[g] for g in order]),
+        tokens=np.asarray([tokens[g] for g in order], dtype=np.int64),
+    )
+    state.seq_group[:num_big] = [rank[g] for g in seq_group]
+    if not _fill(problem, state, num_big):
+        return None
+    return state, level

@@ -1,0 +1,183 @@
+"""The fast FlexSP planner: micro-batch cutting x group multisets x assignment, in milliseconds.
+
+plan_step(lengths, cost) -> StepPlan:
+1. sort the batch by descending length; M_min = ceil(tokens / (N * capacity));
+2. for M in [M_min, M_min + extra] and each cut (blaster.py), build every micro-batch's candidate
+   assignments without local search (microbatch.py) and score the cut by the sum of
+   (fixed per-micro-batch time + best candidate score); a cut is skipped as soon as its lower
+   bound or partial score reaches the best score so far;
+3. refine the best-scored cut, then any other cut whose score still beats the refined time;
+   keep the fastest. Each micro-batch's time is beta_1 + its slowest group (cost.py).
+Deterministic: no randomness and no time limits, so every rank can plan the same batch itself.
+`fixed_degree` runs the same machinery with one degree (the static-Ulysses baseline).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_ext.errors import PlanError
+from megatron_ext.planner.flexsp.assign import Assignment, MicroBatchProblem
+from megatron_ext.planner.flexsp.blaster import balanced_cut, consecutive_cut
+from megatron_ext.planner.flexsp.cost import FlexSPCostModel
+from megatron_ext.planner.flexsp.microbatch import (
+    Candidates,
+    finish,
+    make_problem,
+    microbatch_candidates,
+)
+from megatron_ext.planner.flexsp.step_plan import MicroBatchPlan, SPGroup, StepPlan
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlannerOptions:
+    """Search effort knobs of the fast planner."""
+
+    extra_microbatches: int = 2
+    """Micro-batch counts tried beyond the memory minimum (FlexSP tries 4-5)."""
+    cuts: tuple[str, ...] = ("consecutive", "balanced")
+    """Micro-batch cutting rules tried (blaster.py)."""
+    max_evals: int = 2
+    """Group multisets assigned per micro-batch, in lower-bound order."""
+    level_pack: bool = True
+    """Also run the level-packing search (level_pack.py) per micro-batch."""
+    refine_top: int = 2
+    """How many of the best-scored candidates of a micro-batch get local search."""
+    refine_rounds: int = 200
+    """Local-search rounds per refined assignment."""
+    max_refined_cuts: int = 3
+    """At most this many micro-batch cuts are refined."""
+    big_fraction: float = 0.25
+    """Sequences slower than this fraction of the average device load are placed one by one."""
+    token_fill: float = 0.95
+    """balanced cut: a micro-batch holds at most this fraction of the cluster's tokens."""
+
+    def __post_init__(self) -> None:
+        bad = set(self.cuts) - {"consecutive", "balanced"}
+        if bad or not self.cuts:
+            raise PlanError(f"cuts={self.cuts} must be a non-empty subset of consecutive, balanced")
+        if min(self.max_evals, self.refine_top, self.max_refined_cuts) < 1:
+            raise PlanError(f"max_evals={self.max_evals}, refine_top={self.refine_top} and "
+                            f"max_refined_cuts={self.max_refined_cuts} must be >= 1")
+        if self.extra_microbatches < 0:
+            raise PlanError(f"extra_microbatches={self.extra_microbatches} must be >= 0")
+
+
+def plan_step(
+    lengths: list[int] | np.ndarray, cost: FlexSPCostModel, options: PlannerOptions | None = None,
+    *, fixed_degree: int | None = None,
+) -> StepPlan:
+    """Plan one global batch. `fixed_degree` forces N/d groups of degree d (static baseline)."""
+    options = options or PlannerOptions()
+    lengths_arr = np.asarray(lengths, dtype=np.int64)
+    if lengths_arr.ndim != 1 or lengths_arr.size == 0 or lengths_arr.min() < 1:
+        raise PlanError("lengths must be a non-empty list of positive token counts")
+    order = np.argsort(-lengths_arr, kind="stable")
+    desc = lengths_arr[order]
+    cost.min_degree_for(int(desc[0]))  # PlanError if the longest sequence fits no group
+    fixed = _fixed_counts(cost, fixed_degree, int(desc[0]))
+    scored = _score_cuts(desc, cost, options, fixed)
+    if not scored:
+        raise PlanError(
+            f"no plan fits {desc.size} sequences ({desc.sum()} tokens) on {cost.num_gpus} GPUs "
+            f"of {cost.capacity_tokens} tokens within {options.extra_microbatches} extra "
+            "micro-batches; raise extra_microbatches or the memory budget"
+        )
+    best: tuple[float, list[tuple[np.ndarray, Assignment]]] | None = None
+    for score, runs, cands in sorted(scored, key=lambda item: item[0])[:options.max_refined_cuts]:
+        if best is not None and score >= best[0]:
+            break
+        done = [(run, finish(c, refine_top=options.refine_top,
+                             refine_rounds=options.refine_rounds)) for run, c in zip(runs, cands)]
+        total = sum(cost.fixed_s_per_microbatch + a.makespan_s for _, a in done)
+        if best is None or total < best[0]:
+            best = (total, done)
+    assert best is not None
+    return _to_step_plan(lengths_arr, order, best, cost)
+
+
+def _score_cuts(desc: np.ndarray, cost: FlexSPCostModel, options: PlannerOptions,
+                fixed: np.ndarray | None) -> list[tuple[float, list[np.ndarray], list[Candidates]]]:
+    """(score, runs, candidates) of every micro-batch cut worth considering."""
+    whole = make_problem(desc, cost)
+    rows = np.arange(desc.size)
+    min_gpu_s = whole.times[rows, whole.min_deg_idx] * whole.degrees[whole.min_deg_idx]  # [K]
+    fastest = np.where(np.arange(whole.degrees.size)[None, :] >= whole.min_deg_idx[:, None],
+                       whole.times, np.inf).min(axis=1)  # [K]
+    beta = cost.fixed_s_per_microbatch
+    m_min = max(1, math.ceil(desc.sum() / (cost.num_gpus * cost.capacity_tokens)))
+    out: list[tuple[float, list[np.ndarray], list[Candidates]]] = []
+    best = math.inf
+    for num_mb in range(m_min, m_min + options.extra_microbatches + 1):
+        for runs in _cuts(desc, whole, cost, num_mb, options):
+            runs = [r for r in runs if r.size]
+            bound = sum(beta + max(min_gpu_s[r].sum() / cost.num_gpus, fastest[r].max())
+                        for r in runs)
+            if bound >= best:
+                continue
+            score, cands = 0.0, []
+            for run in runs:
+                c = microbatch_candidates(
+                    make_problem(desc[run], cost), cost.num_gpus, max_evals=options.max_evals,
+                    big_fraction=options.big_fraction, level_pack=options.level_pack,
+                    fixed_counts=fixed)
+                score += beta + c.score
+                if score >= best:
+                    break
+                cands.append(c)
+            if score < best:
+                best = score
+                out.append((score, runs, cands))
+    return out
+
+
+def _fixed_counts(cost: FlexSPCostModel, degree: int | None, longest: int) -> np.ndarray | None:
+    if degree is None:
+        return None
+    if degree not in cost.degrees or cost.num_gpus % degree:
+        raise PlanError(f"fixed degree {degree} must be one of {cost.degrees} dividing "
+                        f"{cost.num_gpus} GPUs")
+    if cost.min_degree_for(longest) > degree:
+        raise PlanError(f"fixed degree {degree} cannot hold a {longest}-token sequence; "
+                        f"use >= {cost.min_degree_for(longest)}")
+    counts = np.zeros(len(cost.degrees), dtype=np.int64)
+    counts[cost.degrees.index(degree)] = cost.num_gpus // degree
+    return counts
+
+
+def _cuts(desc: np.ndarray, problem: MicroBatchProblem, cost: FlexSPCostModel, num_mb: int,
+          options: PlannerOptions):
+    if "consecutive" in options.cuts:
+        yield consecutive_cut(desc, num_mb)
+    if "balanced" in options.cuts and num_mb > 1:
+        idx = problem.min_deg_idx
+        gpu_s = problem.times[np.arange(desc.size), idx] * problem.degrees[idx]
+        limit = options.token_fill * cost.num_gpus * cost.capacity_tokens
+        runs = balanced_cut(desc, gpu_s, num_mb, max(limit, float(desc[0])))
+        if runs is not None:
+            yield runs
+
+
+def _to_step_plan(lengths: np.ndarray, order: np.ndarray,
+                  best: tuple[float, list[tuple[np.ndarray, Assignment]]],
+                  cost: FlexSPCostModel) -> StepPlan:
+    total, planned = best
+    degrees = cost.degrees
+    microbatches = []
+    for run, result in planned:
+        seq_ids = order[run]  # original index of each position of this micro-batch
+        groups, start = [], 0
+        for g, j in enumerate(result.group_deg_idx.tolist()):
+            members = seq_ids[np.flatnonzero(result.seq_group == g)]
+            groups.append(SPGroup(start_rank=start, degree=degrees[j],
+                                  seq_ids=tuple(int(i) for i in members),
+                                  predicted_time_s=float(result.loads[g])))
+            start += degrees[j]
+        microbatches.append(MicroBatchPlan(
+            groups=tuple(groups),
+            predicted_time_s=cost.fixed_s_per_microbatch + result.makespan_s))
+    return StepPlan(lengths=tuple(int(x) for x in lengths), num_gpus=cost.num_gpus,
+                    microbatches=tuple(microbatches), predicted_time_s=total)
