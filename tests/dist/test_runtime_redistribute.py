@@ -1,8 +1,11 @@
 """Every pair of activation layouts on 4 ranks (and sampled pairs on 8): forward and backward of
-`redistribute` against slicing a single global tensor.
+`redistribute` against slicing a single global tensor; ring attention (cp), Ulysses and both
+combined against single-process causal attention.
 
-A re-layout only moves data, so results must be bit-identical (no tolerance): any mismatch is a
-wrong index, not rounding.
+A re-layout only moves data, so its results must be bit-identical (no tolerance): any mismatch
+is a wrong index, not rounding. Attention runs in fp64, where the only differences are the
+order of the online-softmax merge: 1e-12 is ~1e4 ulp of headroom and far below any indexing or
+masking bug (those are O(1)).
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import torch.distributed as dist
 
 from megatron_ext.runtime.layout import Layout
 from megatron_ext.runtime.redistribute import exchange_plan, local_block, redistribute
+from megatron_ext.runtime.ring_attention import ring_attention
+from megatron_ext.runtime.ulysses import heads_to_seq, seq_to_heads
 from megatron_ext.runtime.testing import run_distributed
 
 pytestmark = pytest.mark.dist
@@ -48,8 +53,46 @@ def _check_pairs(rank: int, world_size: int, *, seq_length: int, batch: int,
     return len(pairs)
 
 
-def test_every_layout_pair_on_4_ranks() -> None:
-    counts = run_distributed(_check_pairs, world_size=4, timeout_s=240, seq_length=16, batch=4,
+def reference_attention(q, k, v, scale):  # [s, b, n, d], [s, b, g, d] -> [s, b, n, d]
+    rep = q.shape[2] // k.shape[2]
+    qh, kh, vh = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    kh, vh = kh.repeat_interleave(rep, 1), vh.repeat_interleave(rep, 1)
+    scores = qh @ kh.transpose(-1, -2) * scale  # [b, n, s, s]
+    causal = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool).triu(1)
+    return (scores.masked_fill(causal, float("-inf")).softmax(-1) @ vh).permute(2, 0, 1, 3)
+
+
+def _check_attention(rank: int, layout: Layout, seq_group, cp_group) -> None:
+    """Ulysses over `seq_group` around ring attention over `cp_group`, as in a layer."""
+    s, b, n, g, d, scale = 16, 2, 4, 2, 3, 0.37
+    q, k, v = (torch.randn(s, b, h, d, dtype=torch.float64, requires_grad=True)
+               for h in (n, g, g))
+    out = reference_attention(q, k, v, scale)
+    grad_out = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    local = [local_block(t.detach(), layout, rank).requires_grad_() for t in (q, k, v)]
+    heads = [seq_to_heads(t, seq_group) for t in local]  # [s/cp, b, heads/seq, d]
+    mine = heads_to_seq(ring_attention(*heads, group=cp_group, softmax_scale=scale), seq_group)
+    tol = dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(mine, local_block(out.detach(), layout, rank), **tol)
+    mine.backward(local_block(grad_out, layout, rank))
+    for t, ref in zip(local, grads):
+        torch.testing.assert_close(t.grad, local_block(ref, layout, rank), **tol)
+
+
+def _check_ops(rank: int, world_size: int, **kwargs) -> int:
+    count = _check_pairs(rank, world_size, **kwargs)
+    world = dist.group.WORLD
+    pairs = [dist.new_group(r) for r in ([0, 1], [2, 3], [0, 2], [1, 3])]
+    single = [dist.new_group([r]) for r in range(world_size)][rank]
+    _check_attention(rank, Layout(cp=4), single, world)
+    _check_attention(rank, Layout(seq=2, dp=2), pairs[rank // 2], single)
+    _check_attention(rank, Layout(seq=2, cp=2), pairs[rank // 2], pairs[2 + rank % 2])
+    return count
+
+
+def test_every_layout_pair_and_attention_on_4_ranks() -> None:
+    counts = run_distributed(_check_ops, world_size=4, timeout_s=240, seq_length=16, batch=4,
                              max_pairs=None)
     assert counts[0] == len(all_layouts(4)) ** 2 == 14 * 14
 
