@@ -1,0 +1,91 @@
+"""`megatron-ext args PLAN.json` and `megatron-ext plan-from-args -- <Megatron flags>`.
+
+`args` prints Megatron-LM flags one argv token per line, so
+`mapfile -t ARGS < <(megatron-ext args plan.json)` keeps layout strings such as `Et*3|tL`
+intact; a note on stderr says when the plan needs megatron_ext's pretrain_gpt.py.
+`plan-from-args` builds the plan a Megatron command line describes (JSON on stdout or --out,
+the layer table on stderr), so a hand-written configuration can be compared with a searched one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from megatron_ext.errors import PlanError
+from megatron_ext.megatron_adapter.args import plan_to_megatron_args
+from megatron_ext.megatron_adapter.arguments import parse_megatron_args, plan_from_megatron_args
+from megatron_ext.plan import ParallelPlan
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "args", aliases=["emit-args"],
+        help="print the Megatron-LM flags of a plan, one argv token per line",
+    )
+    p.add_argument("plan", help="plan JSON file")
+    p.set_defaults(run=run_args)
+    q = sub.add_parser(
+        "plan-from-args",
+        help="build the plan of a Megatron-LM command line: plan-from-args [--world-size N] "
+        "[--out plan.json] -- <megatron flags>",
+    )
+    q.add_argument("--world-size", type=int, default=None,
+                   help="ranks of the job (default: $WORLD_SIZE, else tp*pp*cp, i.e. dp=1)")
+    q.add_argument("--out", default=None, help="write the plan here instead of stdout")
+    q.add_argument("megatron_args", nargs=argparse.REMAINDER,
+                   help="Megatron-LM pretrain_gpt.py flags, after --")
+    q.set_defaults(run=run_plan_from_args)
+
+
+def run_args(args: argparse.Namespace) -> int:
+    result = plan_to_megatron_args(ParallelPlan.load(args.plan), plan_path=args.plan)
+    if result.needs_megatron_ext:
+        sys.stderr.write(
+            "megatron-ext: note: this plan needs megatron_ext's pretrain_gpt.py (stock "
+            f"Megatron-LM cannot run it): {'; '.join(result.needs_megatron_ext)}\n"
+        )
+    sys.stdout.write("".join(token + "\n" for token in result.argv))
+    return 0
+
+
+def run_plan_from_args(args: argparse.Namespace) -> int:
+    argv = list(args.megatron_args)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        raise PlanError("no Megatron flags given; use plan-from-args [--world-size N] -- <flags>")
+    world_size = _world_size(args.world_size)
+    ns = parse_megatron_args(argv, world_size=world_size)
+    if world_size is None:
+        world_size = (ns.tensor_model_parallel_size * ns.pipeline_model_parallel_size
+                      * ns.context_parallel_size)
+        sys.stderr.write(f"megatron-ext: note: assuming world size {world_size} (data-parallel "
+                         "size 1); pass --world-size N\n")
+        ns = parse_megatron_args(argv, world_size=world_size)
+    plan = plan_from_megatron_args(ns, world_size)
+    if args.out:
+        plan.save(args.out)
+    else:
+        sys.stdout.write(plan.to_json())
+    sys.stderr.write(f"plan for {plan.model.name} on {plan.world_size} ranks, pp={plan.pp}, "
+                     f"micro_batch_size={plan.micro_batch_size} (all replicas), "
+                     f"global_batch_size={plan.global_batch_size}\n")
+    for start, end, strategy in plan.layer_runs():
+        sys.stderr.write(f"  [{start:>3}, {end:>3})  stage {plan.stage_of_layer(start)}  "
+                         f"{strategy.describe()}\n")
+    return 0
+
+
+def _world_size(given: int | None) -> int | None:
+    if given is not None:
+        if given < 1:
+            raise PlanError(f"--world-size={given} must be >= 1")
+        return given
+    env = os.environ.get("WORLD_SIZE")
+    if env is None:
+        return None
+    if not env.isdigit() or int(env) < 1:
+        raise PlanError(f"$WORLD_SIZE={env!r} is not a positive integer; pass --world-size N")
+    return int(env)

@@ -1,0 +1,195 @@
+"""Megatron-LM pretrain_gpt.py arguments: one argparse parser with Megatron's names and meanings.
+
+Flag names, dests, defaults and choices follow Megatron-LM core_v0.16.1
+`megatron/training/arguments.py`, so a Megatron launch script works unchanged with
+megatron_ext's pretrain_gpt.py; cross-flag rules Megatron-LM enforces in `validate_args` and
+`TransformerConfig.__post_init__` are checked in arguments_checks.py. megatron_ext adds
+--strategy-config, --vocab-parallel, --flexsp and --cpu. Every problem is a one-line PlanError
+that names the flag: unknown flags, flags Megatron-LM has but megatron_ext does not support
+yet, bad values and inconsistent combinations. Nothing here imports megatron.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from megatron_ext.errors import PlanError
+from megatron_ext.megatron_adapter.arguments_checks import apply_aliases, validate_megatron_args
+from megatron_ext.megatron_adapter.arguments_training import add_training_groups
+from megatron_ext.megatron_adapter.megatron_flags import is_unsupported_megatron_flag
+from megatron_ext.megatron_adapter.plan_from_args import (
+    apply_strategy_config,
+    plan_from_megatron_args,
+)
+
+__all__ = ["build_megatron_parser", "parse_megatron_args", "plan_from_megatron_args"]
+
+
+class MegatronArgumentParser(argparse.ArgumentParser):
+    """argparse that raises a one-line PlanError instead of printing usage and exiting."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise PlanError(message)
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def build_megatron_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
+    parser = MegatronArgumentParser(
+        prog=prog, allow_abbrev=False,
+        description="Megatron-LM pretrain_gpt.py arguments accepted by megatron_ext",
+    )
+    _add_model(parser)
+    _add_parallel(parser)
+    _add_batch_and_precision(parser)
+    add_training_groups(parser)
+    _add_megatron_ext(parser)
+    return parser
+
+
+def parse_megatron_args(
+    argv: Sequence[str], *, world_size: int | None = None
+) -> argparse.Namespace:
+    """Parse and validate Megatron-LM flags like Megatron-LM's parse_args + validate_args.
+
+    Derived defaults are filled in as Megatron-LM does (ffn_hidden_size, kv_channels,
+    global_batch_size when `world_size` is known, ...). `ns.explicit_args` holds the dests given
+    on the command line. With --strategy-config the plan file is loaded and checked against the
+    given flags; values it carries and the flags omit are filled in, values that vary per layer
+    are None.
+    """
+    argv = list(argv)
+    parser = build_megatron_parser()
+    ns, extra = parser.parse_known_args(argv)
+    if extra:
+        raise PlanError(_unknown_message(extra))
+    unset = object()  # not a str: argparse would run a str default through `type`
+    explicit = build_megatron_parser()
+    explicit.set_defaults(**dict.fromkeys(vars(ns), unset))
+    given = vars(explicit.parse_known_args(argv)[0])
+    ns.explicit_args = frozenset(dest for dest, value in given.items() if value is not unset)
+    apply_aliases(ns)
+    if ns.strategy_config is not None:
+        apply_strategy_config(ns, world_size=world_size)
+    validate_megatron_args(ns, world_size=world_size)
+    return ns
+
+
+def _unknown_message(extra: list[str]) -> str:
+    for token in extra:
+        if token.startswith("-") and not _is_number(token):
+            flag = token.split("=", 1)[0]
+            if is_unsupported_megatron_flag(flag):
+                return f"{flag} is a Megatron flag megatron_ext does not support yet"
+            return (
+                f"{flag} is not a Megatron flag megatron_ext accepts; check the spelling "
+                "(pretrain_gpt.py --help lists them)"
+            )
+    return f"unexpected argument {extra[0]!r}; Megatron flags start with --"
+
+
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
+
+
+def _add_model(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("model shape (the plan's ModelSpec)")
+    g.add_argument("--num-layers", type=positive_int, default=None)
+    g.add_argument("--hidden-size", type=positive_int, default=None)
+    g.add_argument("--ffn-hidden-size", type=positive_int, default=None,
+                   help="default 4*hidden, or int(8*hidden/3/64)*64 with --swiglu")
+    g.add_argument("--num-attention-heads", type=positive_int, default=None)
+    g.add_argument("--kv-channels", type=positive_int, default=None,
+                   help="per-head width; default hidden/heads")
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=positive_int, default=1,
+                   help="key/value heads; used only with --group-query-attention")
+    g.add_argument("--max-position-embeddings", type=positive_int, default=None)
+    g.add_argument("--position-embedding-type", type=str, default="learned_absolute",
+                   choices=["learned_absolute", "rope", "mrope", "relative", "none"])
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="deprecated: same as --position-embedding-type rope")
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None)
+    g.add_argument("--use-rope-scaling", action="store_true", help="Llama 3.x rope scaling")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0)
+    g.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128)
+    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP instead of GeLU")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
+    g.add_argument("--add-qkv-bias", action="store_true", dest="add_qkv_bias")
+    g.add_argument("--vocab-size", type=positive_int, default=None,
+                   help="vocabulary before padding; Megatron-LM reads it with NullTokenizer")
+
+
+def _add_parallel(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("parallelism, pipeline layout and recompute")
+    g.add_argument("--tensor-model-parallel-size", type=positive_int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=positive_int, default=1)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=positive_int, default=None)
+    g.add_argument("--decoder-last-pipeline-num-layers", type=positive_int, default=None)
+    g.add_argument("--pipeline-model-parallel-layout", type=str, default=None,
+                   help="e.g. 'Et*3|tL': E embedding, t layer, L loss, | stage boundary")
+    g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
+                   default=False)
+    g.add_argument("--account-for-loss-in-pipeline-split", action="store_true", default=False)
+    g.add_argument("--context-parallel-size", type=positive_int, default=1)
+    g.add_argument("--cp-comm-type", nargs="+", type=str, default=["p2p"],
+                   help="p2p (ring; the plan's cp), a2a (Ulysses; the plan's ulysses), "
+                   "allgather, or a2a+p2p with --hierarchical-context-parallel-sizes U C")
+    g.add_argument("--hierarchical-context-parallel-sizes", nargs="+", type=positive_int,
+                   default=None)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--use-distributed-optimizer", action="store_true", help="ZeRO-1 (zero=1)")
+    g.add_argument("--use-torch-fsdp2", action="store_true", help="torch FSDP2 (zero=3)")
+    g.add_argument("--no-gradient-accumulation-fusion", action="store_false",
+                   dest="gradient_accumulation_fusion")
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="same as --recompute-granularity selective")
+    g.add_argument("--recompute-granularity", type=str, default=None,
+                   choices=["full", "selective"])
+    g.add_argument("--recompute-method", type=str, default=None, choices=["uniform", "block"])
+    g.add_argument("--recompute-num-layers", type=positive_int, default=None)
+    g.add_argument("--recompute-modules", nargs="*", type=str, default=None,
+                   help="megatron_ext's selective recompute covers core_attn only")
+
+
+def _add_batch_and_precision(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("batch and precision")
+    g.add_argument("--micro-batch-size", type=positive_int, default=None,
+                   help="samples per data-parallel replica per micro-batch")
+    g.add_argument("--global-batch-size", type=positive_int, default=None,
+                   help="samples per step; default micro-batch-size x data-parallel size")
+    g.add_argument("--seq-length", type=positive_int, default=None)
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--bf16", action="store_true")
+
+
+def _add_megatron_ext(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("megatron_ext (not in Megatron-LM)")
+    g.add_argument("--strategy-config", type=str, default=None, metavar="PLAN.json",
+                   help="run the per-layer layout of this plan file (megatron-ext search)")
+    g.add_argument("--vocab-parallel", action="store_true",
+                   help="split embedding and output layer over the pipeline stages")
+    g.add_argument("--vocab-parallel-algorithm", type=int, default=1, choices=[1, 2])
+    g.add_argument("--flexsp", action="store_true",
+                   help="flexible sequence parallelism: Ulysses groups chosen per step")
+    g.add_argument("--flexsp-max-group-size", type=positive_int, default=8)
+    g.add_argument("--flexsp-min-group-size", type=positive_int, default=1)
+    g.add_argument("--cpu", action="store_true", help="run on CPU with gloo")

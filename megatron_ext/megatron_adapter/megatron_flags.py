@@ -1,0 +1,114 @@
+"""Megatron-LM flag names as data: the emission table and the flags megatron_ext refuses.
+
+`EMIT_TABLE` lists, in print order and grouped by concern as Megatron's example scripts group
+them, every flag `megatron-ext args` can print, with its argparse `dest` (the attribute of
+Megatron-LM's args namespace) and how a value becomes argv tokens. The parser in arguments.py
+defines the same flags with the same dests, so printing and parsing round-trip.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+Kind = Literal["value", "true", "false", "list"]
+"""value: `--flag V`; true: `--flag` when True (store_true); false: `--flag` when False
+(store_false, e.g. --disable-bias-linear for add_bias_linear=False); list: `--flag V1 V2 ...`."""
+
+EMIT_TABLE: tuple[tuple[str, str, str, Kind], ...] = (
+    # (concern, dest, flag, kind)
+    ("model", "num_layers", "--num-layers", "value"),
+    ("model", "hidden_size", "--hidden-size", "value"),
+    ("model", "ffn_hidden_size", "--ffn-hidden-size", "value"),
+    ("model", "num_attention_heads", "--num-attention-heads", "value"),
+    ("model", "group_query_attention", "--group-query-attention", "true"),
+    ("model", "num_query_groups", "--num-query-groups", "value"),
+    ("model", "kv_channels", "--kv-channels", "value"),
+    ("model", "max_position_embeddings", "--max-position-embeddings", "value"),
+    ("model", "position_embedding_type", "--position-embedding-type", "value"),
+    ("model", "normalization", "--normalization", "value"),
+    ("model", "swiglu", "--swiglu", "true"),
+    ("model", "untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights",
+     "true"),
+    ("model", "add_bias_linear", "--disable-bias-linear", "false"),
+    ("model", "vocab_size", "--vocab-size", "value"),
+    ("parallel", "tensor_model_parallel_size", "--tensor-model-parallel-size", "value"),
+    ("parallel", "pipeline_model_parallel_size", "--pipeline-model-parallel-size", "value"),
+    ("parallel", "decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers",
+     "value"),
+    ("parallel", "decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers",
+     "value"),
+    ("parallel", "pipeline_model_parallel_layout", "--pipeline-model-parallel-layout", "value"),
+    ("parallel", "context_parallel_size", "--context-parallel-size", "value"),
+    ("parallel", "cp_comm_type", "--cp-comm-type", "list"),
+    ("parallel", "hierarchical_context_parallel_sizes", "--hierarchical-context-parallel-sizes",
+     "list"),
+    ("parallel", "sequence_parallel", "--sequence-parallel", "true"),
+    ("parallel", "use_distributed_optimizer", "--use-distributed-optimizer", "true"),
+    ("parallel", "use_torch_fsdp2", "--use-torch-fsdp2", "true"),
+    ("parallel", "gradient_accumulation_fusion", "--no-gradient-accumulation-fusion", "false"),
+    ("parallel", "recompute_granularity", "--recompute-granularity", "value"),
+    ("parallel", "recompute_method", "--recompute-method", "value"),
+    ("parallel", "recompute_num_layers", "--recompute-num-layers", "value"),
+    ("batch", "micro_batch_size", "--micro-batch-size", "value"),
+    ("batch", "global_batch_size", "--global-batch-size", "value"),
+    ("batch", "seq_length", "--seq-length", "value"),
+    ("precision", "bf16", "--bf16", "true"),
+    ("precision", "fp16", "--fp16", "true"),
+    ("megatron_ext", "vocab_parallel", "--vocab-parallel", "true"),
+    ("megatron_ext", "vocab_parallel_algorithm", "--vocab-parallel-algorithm", "value"),
+    ("megatron_ext", "flexsp", "--flexsp", "true"),
+    ("megatron_ext", "flexsp_max_group_size", "--flexsp-max-group-size", "value"),
+    ("megatron_ext", "flexsp_min_group_size", "--flexsp-min-group-size", "value"),
+    ("megatron_ext", "strategy_config", "--strategy-config", "value"),
+)
+
+FLAG_OF_DEST: dict[str, str] = {dest: flag for _, dest, flag, _ in EMIT_TABLE}
+
+OUR_DESTS = frozenset(dest for concern, dest, _, _ in EMIT_TABLE if concern == "megatron_ext")
+"""Flags that only megatron_ext's pretrain_gpt.py understands."""
+
+# Megatron-LM flags (core_v0.16.1 arguments.py) that megatron_ext recognises but does not
+# implement. Each gets "X is a Megatron flag megatron_ext does not support yet" instead of
+# being ignored. Families are matched by prefix.
+UNSUPPORTED_FLAGS = frozenset({
+    # mixture of experts, MLA, multi-token prediction
+    "--num-experts", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
+    "--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
+    "--qk-pos-emb-head-dim", "--v-head-dim", "--rotary-scaling-factor", "--mtp-num-layers",
+    "--mtp-loss-scaling-factor",
+    # interleaved (virtual) pipeline, batch ramp-up, rank order
+    "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
+    "--microbatch-group-size-per-virtual-pipeline-stage", "--rampup-batch-size",
+    "--decrease-batch-size-if-needed", "--use-tp-pp-dp-mapping",
+    "--overlap-param-gather-with-optimizer-step", "--torch-fsdp2-no-reshard-after-forward",
+    # encoder/decoder and legacy models
+    "--encoder-num-layers", "--decoder-num-layers", "--encoder-seq-length",
+    "--decoder-seq-length", "--use-legacy-models", "--yaml-cfg", "--spec",
+    "--heterogeneous-layers-config-path", "--heterogeneous-layers-config-encoded-json",
+    # model variants the plan's ModelSpec cannot describe
+    "--squared-relu", "--quick-geglu", "--openai-gelu", "--apply-layernorm-1p",
+    "--apply-residual-connection-post-layernorm", "--qk-layernorm", "--qk-l2-norm",
+    "--window-size", "--window-attn-skip-freq", "--softmax-type", "--no-rope-freq",
+    "--mrope-section", "--rotary-interleaved", "--no-position-embedding",
+    "--padded-vocab-size", "--vocab-extra-ids",
+    # activation memory features other than recompute
+    "--distribute-saved-activations", "--cpu-offloading-num-layers",
+    # optimizer variants
+    "--use-precision-aware-optimizer", "--optimizer-cpu-offload", "--decoupled-lr",
+    "--decoupled-min-lr", "--main-grads-dtype", "--main-params-dtype", "--exp-avg-dtype",
+    "--exp-avg-sq-dtype",
+    # deprecated in Megatron-LM itself (it asserts on them)
+    "--batch-size", "--model-parallel-size", "--warmup", "--checkpoint-activations",
+    "--data-args-path", "--per-split-data-args-path",
+})
+UNSUPPORTED_PREFIXES = (
+    "--moe-", "--mtp-", "--fp8", "--fp4", "--tp-comm-", "--cuda-graph", "--enable-cuda-graph",
+    "--external-cuda-graph", "--retro-", "--wandb-", "--one-logger", "--inprocess-",
+    "--inference-", "--rl-", "--grpo-", "--langrl-", "--muon-", "--dino-", "--kitchen-",
+    "--straggler", "--log-straggler", "--non-persistent-", "--ft-", "--enable-ft-package",
+    "--heterogeneous-", "--biencoder-", "--ict-", "--vision-", "--img-",
+)
+
+
+def is_unsupported_megatron_flag(flag: str) -> bool:
+    return flag in UNSUPPORTED_FLAGS or flag.startswith(UNSUPPORTED_PREFIXES)
