@@ -1,0 +1,188 @@
+"""`megatron-ext search`: find the fastest layout that fits, write the plan, print Megatron flags.
+
+With no arguments it runs the built-in default case (llama2-7b on one dgx-h100 node, global
+batch 512, seq 4096). The stage/layer table and the prediction go to stderr, the Megatron-LM
+arguments (one token per line, as `megatron-ext args`) to stdout, the plan to --out.
+Exit 3 with the smallest memory per GPU or GPU count that would fit when nothing does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import sys
+import time
+from pathlib import Path
+
+from megatron_ext.errors import PlanError
+from megatron_ext.presets import cluster_preset, model_from_file, model_preset
+from megatron_ext.specs import ModelSpec
+
+DEFAULT_MODEL = "llama2-7b"
+DEFAULT_CLUSTER = "dgx-h100"
+DEFAULT_GLOBAL_BATCH = 512
+DEFAULT_SEQ = 4096
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("search", help="search the fastest parallel layout that fits; write a plan")
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--model", help=f"model preset (default {DEFAULT_MODEL})")
+    model.add_argument(
+        "--model-config",
+        help="HuggingFace config.json, ModelSpec JSON, or a file of Megatron-LM model flags",
+    )
+    cluster = p.add_mutually_exclusive_group()
+    cluster.add_argument("--cluster", help=f"cluster preset (default {DEFAULT_CLUSTER})")
+    cluster.add_argument(
+        "--cluster-profile", help="cluster profile JSON from the hardware profiler"
+    )
+    p.add_argument("--nodes", type=int, default=None, help="nodes (default 1, or the profile's)")
+    p.add_argument("--memory-gib", type=float, default=None, help="usable memory per GPU")
+    p.add_argument("--global-batch-size", type=int, default=DEFAULT_GLOBAL_BATCH)
+    p.add_argument("--seq-length", type=int, default=DEFAULT_SEQ)
+    p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    vocab = p.add_mutually_exclusive_group()
+    vocab.add_argument(
+        "--allow-vocab-parallel",
+        dest="vocab_parallel",
+        action="store_true",
+        default=True,
+        help="may use vocabulary parallelism (default)",
+    )
+    vocab.add_argument(
+        "--no-vocab-parallel",
+        dest="vocab_parallel",
+        action="store_false",
+        help="keep the vocabulary layers on the first/last stage",
+    )
+    p.add_argument(
+        "--uniform",
+        action="store_true",
+        help="search only what stock Megatron-LM expresses (same strategy every layer)",
+    )
+    p.add_argument(
+        "--explain",
+        action="store_true",
+        help="print the best uniform layout beside the plan and why they differ",
+    )
+    p.add_argument("--plot", default=None, help="draw strategies and stage bars to this PNG")
+    p.add_argument("--out", default=None, help="write the plan JSON here")
+    p.set_defaults(run=run)
+
+
+def _model(args: argparse.Namespace) -> ModelSpec:
+    if args.model_config is None:
+        return model_preset(args.model or DEFAULT_MODEL)
+    path = Path(args.model_config)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise PlanError(f"cannot read --model-config {path}: {err}; check the path") from None
+    if text.lstrip().startswith("{"):
+        return model_from_file(path)
+    from megatron_ext.megatron_adapter.arguments import parse_megatron_args
+    from megatron_ext.megatron_adapter.plan_from_args import model_from_args
+
+    return model_from_args(parse_megatron_args(shlex.split(text, comments=True)))
+
+
+def _cost_model(args: argparse.Namespace, model: ModelSpec):
+    from megatron_ext.planner.cost.comm import AlphaBetaComm, MeasuredComm
+    from megatron_ext.planner.cost.model import CostModel
+    from megatron_ext.planner.profiles import load_cluster_profile
+    from megatron_ext.planner.training import TrainingSpec
+
+    comm = compute = None
+    if args.cluster_profile:
+        profile = load_cluster_profile(args.cluster_profile)
+        cluster, comm, compute = profile.cluster, profile.comm, profile.compute
+        if args.nodes is not None:
+            if args.nodes < 1:
+                raise PlanError(f"--nodes={args.nodes} must be >= 1")
+            cluster = dataclasses.replace(cluster, num_nodes=args.nodes)
+        if args.memory_gib is not None:
+            if not args.memory_gib > 0:
+                raise PlanError(f"--memory-gib={args.memory_gib} must be > 0")
+            cluster = dataclasses.replace(cluster, memory_gib=args.memory_gib)
+        if isinstance(comm, MeasuredComm):
+            comm = MeasuredComm(curves=comm.curves, fallback=AlphaBetaComm(cluster=cluster))
+    else:
+        cluster = cluster_preset(
+            args.cluster or DEFAULT_CLUSTER, num_nodes=args.nodes or 1, memory_gib=args.memory_gib
+        )
+    training = TrainingSpec(
+        global_batch_size=args.global_batch_size,
+        seq_length=args.seq_length,
+        precision=args.precision,
+        allow_vocab_parallel=args.vocab_parallel,
+    )
+    return CostModel(model, cluster, training, comm=comm, compute=compute)
+
+
+class _Progress:
+    """Progress lines on stderr, only once the search has run for a second, at most one a second."""
+
+    def __init__(self) -> None:
+        self.start = self.last = time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        now = time.perf_counter()
+        if now - self.start >= 1.0 and now - self.last >= 1.0:
+            sys.stderr.write(f"search [{now - self.start:5.1f} s] {message}\n")
+            self.last = now
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_ext.planner.report import explain, plan_table, plot_plan
+    from megatron_ext.planner.search import SearchOptions, search
+
+    model = _model(args)
+    cm = _cost_model(args, model)
+    c = cm.cluster
+    sys.stderr.write(
+        f"search: {model.name} on {c.num_gpus} x {c.name} GPUs ({c.num_nodes} nodes, "
+        f"{c.memory_gib:g} GiB), global batch {args.global_batch_size}, "
+        f"seq {args.seq_length}, {args.precision}"
+        + (", uniform layouts only" if args.uniform else "")
+        + "\n"
+    )
+    result = search(cm, options=SearchOptions(uniform_only=args.uniform), progress=_Progress())
+    plan = result.plan
+    sys.stderr.write(f"search took {result.search_s:.2f} s\n")
+    sys.stderr.write(plan_table(plan))
+    if args.explain:
+        sys.stderr.write(
+            explain(plan, result.evaluation, result.uniform_plan, result.uniform_evaluation)
+        )
+    if args.out:
+        plan.save(args.out)
+        sys.stderr.write(f"wrote {args.out}\n")
+    if args.plot:
+        plot_plan(plan, args.plot)
+        sys.stderr.write(f"wrote {args.plot}\n")
+    _print_megatron_args(plan, args.out)
+    return 0
+
+
+def _print_megatron_args(plan, plan_path: str | None) -> None:
+    try:
+        from megatron_ext.megatron_adapter.args import plan_to_megatron_args
+    except ImportError:
+        sys.stderr.write(
+            "note: megatron_ext.megatron_adapter.args is not available; "
+            "run `megatron-ext args PLAN.json` later\n"
+        )
+        return
+    try:
+        result = plan_to_megatron_args(plan, plan_path=plan_path)
+    except PlanError as err:
+        sys.stderr.write(f"note: no Megatron-LM arguments printed: {err}\n")
+        return
+    if result.needs_megatron_ext:
+        sys.stderr.write(
+            "note: this plan needs megatron_ext's pretrain_gpt.py: "
+            f"{'; '.join(result.needs_megatron_ext)}\n"
+        )
+    sys.stdout.write("".join(token + "\n" for token in result.argv))

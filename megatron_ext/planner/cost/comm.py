@@ -1,0 +1,235 @@
+"""Communication cost: collectives under an alpha-beta model that knows when a group crosses nodes.
+
+Legend: p = group size, q = group members inside one node, n = p / q nodes spanned,
+N = bytes (all_reduce / broadcast: the buffer; all_gather: the gathered output; reduce_scatter:
+the full input; all_to_all: one rank's send buffer; p2p: the message).
+
+Every cost goes through one interface, `CommModel.time_s(collective, num_bytes, layout)`, so a
+measured table from the hardware profiler (`MeasuredComm`) replaces the formulas without touching
+the rest of the cost model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import numpy as np
+
+from megatron_ext.errors import PlanError
+from megatron_ext.schema import (
+    expect_list,
+    expect_object,
+    get_float_list,
+    get_int,
+    get_str,
+)
+from megatron_ext.specs import ClusterSpec
+
+Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p"]
+COLLECTIVES: tuple[str, ...] = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "broadcast",
+    "p2p",
+)
+ArrayLike = float | np.ndarray
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GroupLayout:
+    """Where the members of one process group sit: p ranks, q of them per node."""
+
+    size: int
+    """Ranks in the group (p)."""
+    ranks_per_node: int
+    """Members inside one node (q); size // ranks_per_node nodes are spanned."""
+
+    @property
+    def num_nodes(self) -> int:
+        return max(1, self.size // self.ranks_per_node)
+
+    @property
+    def crosses_nodes(self) -> bool:
+        return self.num_nodes > 1
+
+
+def group_layout(size: int, stride: int, gpus_per_node: int) -> GroupLayout:
+    """Layout of a group whose members are `stride` ranks apart (Megatron order: tp innermost,
+    then cp, ulysses, dp, pp; a group's stride is the product of the degrees inside it)."""
+    assert size >= 1 and stride >= 1 and gpus_per_node >= 1
+    if size == 1:
+        return GroupLayout(size=1, ranks_per_node=1)
+    per_node = max(1, gpus_per_node // stride)
+    return GroupLayout(size=size, ranks_per_node=min(size, per_node))
+
+
+class CommModel(Protocol):
+    """Seconds one collective takes; vectorised over `num_bytes`."""
+
+    def time_s(
+        self, collective: Collective, num_bytes: ArrayLike, layout: GroupLayout
+    ) -> ArrayLike: ...
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AlphaBetaComm:
+    """Ring/hierarchical collectives: time = latency * steps + volume / bus bandwidth.
+
+    A group inside one node runs at the NVLink bus bandwidth. A group spanning n > 1 nodes with q
+    members per node drives q NICs in parallel (one per GPU, as on DGX), so its bus bandwidth is
+    min(intra, q * inter). Latency: q-1 intra-node ring steps plus ceil(log2 n) inter-node tree
+    steps per reduce or gather phase (NCCL switches to trees at scale).
+    """
+
+    cluster: ClusterSpec
+    """Link bandwidths and latencies."""
+
+    def bus_bandwidth_bytes_per_s(self, layout: GroupLayout) -> float:
+        intra = self.cluster.intra_node.bandwidth_bytes_per_s
+        if not layout.crosses_nodes:
+            return intra
+        return min(intra, layout.ranks_per_node * self.cluster.inter_node.bandwidth_bytes_per_s)
+
+    def phase_latency_s(self, layout: GroupLayout) -> float:
+        """Latency of one reduce or gather phase."""
+        intra = (layout.ranks_per_node - 1) * self.cluster.intra_node.latency_s
+        inter = math.ceil(math.log2(layout.num_nodes)) * self.cluster.inter_node.latency_s
+        return intra + inter
+
+    def time_s(
+        self, collective: Collective, num_bytes: ArrayLike, layout: GroupLayout
+    ) -> ArrayLike:
+        p = layout.size
+        if p == 1 and collective != "p2p":
+            return num_bytes * 0.0
+        bw = self.bus_bandwidth_bytes_per_s(layout)
+        lat = self.phase_latency_s(layout)
+        if collective == "all_reduce":
+            return all_reduce_time_s(num_bytes, p, bw, lat)
+        if collective in ("all_gather", "reduce_scatter"):
+            return all_gather_time_s(num_bytes, p, bw, lat)
+        if collective == "broadcast":
+            return num_bytes / bw + lat
+        if collective == "all_to_all":
+            return self._all_to_all_s(num_bytes, layout)
+        if collective == "p2p":
+            link = self.cluster.inter_node if layout.crosses_nodes else self.cluster.intra_node
+            return p2p_time_s(num_bytes, link.bandwidth_bytes_per_s, link.latency_s)
+        raise ValueError(f"unknown collective {collective!r}")
+
+    def _all_to_all_s(self, num_bytes: ArrayLike, layout: GroupLayout) -> ArrayLike:
+        """Each rank sends N/p to every peer: (q-1)/p of N over NVLink, (p-q)/p of N through its
+        own NIC; the two proceed concurrently."""
+        p, q = layout.size, layout.ranks_per_node
+        intra = self.cluster.intra_node
+        inter = self.cluster.inter_node
+        t_intra = (q - 1) / p * num_bytes / intra.bandwidth_bytes_per_s + (q - 1) * intra.latency_s
+        if q == p:
+            return t_intra
+        t_inter = (p - q) / p * num_bytes / inter.bandwidth_bytes_per_s
+        t_inter = t_inter + (layout.num_nodes - 1) * inter.latency_s
+        return np.maximum(t_intra, t_inter)
+
+
+def all_reduce_time_s(
+    num_bytes: ArrayLike, p: int, bus_bw: float, phase_latency_s: float
+) -> ArrayLike:
+    """Ring all-reduce: 2 (p-1)/p N / busbw + 2 phases of latency."""
+    return 2 * (p - 1) / p * num_bytes / bus_bw + 2 * phase_latency_s
+
+
+def all_gather_time_s(
+    num_bytes: ArrayLike, p: int, bus_bw: float, phase_latency_s: float
+) -> ArrayLike:
+    """Ring all-gather or reduce-scatter of an N-byte full buffer: (p-1)/p N / busbw + latency."""
+    return (p - 1) / p * num_bytes / bus_bw + phase_latency_s
+
+
+def p2p_time_s(num_bytes: ArrayLike, bandwidth_bytes_per_s: float, latency_s: float) -> ArrayLike:
+    """One point-to-point message: alpha + N / beta."""
+    return latency_s + num_bytes / bandwidth_bytes_per_s
+
+
+# ---- measured tables ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MeasuredCurve:
+    """Measured seconds of one collective on one group layout, at increasing message sizes."""
+
+    collective: Collective
+    """Which collective (same byte convention as the module legend)."""
+    group_size: int
+    """p."""
+    ranks_per_node: int
+    """q."""
+    num_bytes: tuple[float, ...]
+    """Message sizes, strictly increasing."""
+    seconds: tuple[float, ...]
+    """Measured time at each size."""
+
+    def __post_init__(self) -> None:
+        if len(self.num_bytes) < 2 or len(self.num_bytes) != len(self.seconds):
+            raise PlanError(
+                f"{self.collective} p={self.group_size}: needs >= 2 points and as many seconds as "
+                f"bytes (got {len(self.num_bytes)} bytes, {len(self.seconds)} seconds)"
+            )
+        if any(b <= a for a, b in zip(self.num_bytes, self.num_bytes[1:])):
+            raise PlanError(f"{self.collective} p={self.group_size}: bytes must increase strictly")
+
+    def time_s(self, num_bytes: ArrayLike) -> ArrayLike:
+        """Piecewise-linear in bytes; beyond the largest size, extrapolate at the last slope."""
+        xs = np.asarray(self.num_bytes)
+        ys = np.asarray(self.seconds)
+        x = np.asarray(num_bytes, dtype=float)
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        out = np.where(x > xs[-1], ys[-1] + (x - xs[-1]) * slope, np.interp(x, xs, ys))
+        return float(out) if np.ndim(out) == 0 else out
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MeasuredComm:
+    """Uses a measured curve where one matches (collective, p, q); the formula elsewhere."""
+
+    curves: tuple[MeasuredCurve, ...]
+    """Measured curves, from the hardware profiler's cluster profile."""
+    fallback: AlphaBetaComm
+    """Used for layouts the profile did not measure."""
+    _index: dict[tuple[str, int, int], MeasuredCurve] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        for curve in self.curves:
+            self._index[(curve.collective, curve.group_size, curve.ranks_per_node)] = curve
+
+    def time_s(
+        self, collective: Collective, num_bytes: ArrayLike, layout: GroupLayout
+    ) -> ArrayLike:
+        curve = self._index.get((collective, layout.size, layout.ranks_per_node))
+        if curve is None:
+            return self.fallback.time_s(collective, num_bytes, layout)
+        return curve.time_s(num_bytes)
+
+
+def curves_from_json(data: Any, path: str = "collectives") -> tuple[MeasuredCurve, ...]:
+    """Read `[{"collective", "group_size", "ranks_per_node", "num_bytes": [...],
+    "seconds": [...]}, ...]` (the `collectives` list of a cluster profile)."""
+    curves = []
+    for i, item in enumerate(expect_list(data, path)):
+        where = f"{path}[{i}]"
+        item = expect_object(item, where)
+        curves.append(
+            MeasuredCurve(
+                collective=get_str(  # type: ignore[arg-type]
+                    item, "collective", where, choices=COLLECTIVES
+                ),
+                group_size=get_int(item, "group_size", where, minimum=1),
+                ranks_per_node=get_int(item, "ranks_per_node", where, minimum=1),
+                num_bytes=get_float_list(item, "num_bytes", where),
+                seconds=get_float_list(item, "seconds", where),
+            )
+        )
+    return tuple(curves)

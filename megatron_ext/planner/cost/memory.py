@@ -1,0 +1,128 @@
+"""Memory cost: model states per ZeRO level and activations per layer (Korthikanti et al. 2022).
+
+Legend: b = samples per data-parallel replica, s = sequence length, sl = s / (cp * ulysses)
+tokens of the sequence on one GPU, rows = b * sl, h = hidden, q = heads * head_dim,
+kv = query_groups * head_dim, f = ffn hidden, a = heads, t = tp, d = ranks sharing one
+parameter shard's gradients (dp * cp * ulysses), e = bytes per activation element.
+Functions are vectorised over numpy arrays of strategies.
+
+Activation bytes of one layer and one micro-batch ("Reducing Activation Recomputation in Large
+Transformer Models", eq. 1-2, generalised to GQA and swiglu, with flash attention optional):
+  kept unsharded by TP, sharded by SP:  4 [rows, h] tensors (norm 1 input, QKV input, norm 2
+      input, MLP input) + 2 dropout masks of [rows, h] bytes
+  sharded by TP:  Q, K, V [rows, q + 2kv] + projection input [rows, q] + activation input
+      [rows, f or 2f (swiglu)] + second MLP GEMM input [rows, f]
+  core attention:  flash: fp32 log-sum-exp [rows, a/t]; otherwise scores, softmax and dropout
+      mask (2e + 1) * a/t * rows * s/cp
+With full recomputation only the layer input [rows, h] (/t under SP) is kept; selective
+recomputation drops the core-attention term. Korthikanti's GPT case (f = 4h, kv = q = h, no
+flash, e = 2) gives sbh(10 + 24/t + 5as/(ht)) without SP and sbh(34/t + 5as/(ht)) with it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from megatron_ext.planner.cost.compute import kv_dim, q_dim
+from megatron_ext.specs import ModelSpec
+
+ArrayLike = float | np.ndarray
+RECOMPUTE_CODES = {"none": 0, "selective": 1, "full": 2}
+
+
+def state_bytes_per_param(
+    zero: ArrayLike, shard_ranks: ArrayLike, *, half_precision: bool, num_optimizer_states: int = 2
+) -> ArrayLike:
+    """Bytes per parameter of weights, gradients and optimizer states on one GPU.
+
+    Mixed precision: half weight 2 + fp32 main grad 4 + fp32 master 4 + 4 per optimizer state.
+    ZeRO-0 keeps everything; ZeRO-1 (Megatron's distributed optimizer) shards master + states
+    over d; ZeRO-3 shards weights, grads, master and states over d. fp32: weight 4 + grad 4 +
+    4 per state; ZeRO-1 shards the states only (there is no separate master copy).
+    """
+    zero = np.asarray(zero)
+    d = np.asarray(shard_ranks, dtype=float)
+    states = 4.0 * num_optimizer_states
+    if half_precision:
+        kept, sharded = 2.0 + 4.0, 4.0 + states
+    else:
+        kept, sharded = 8.0, states
+    out = np.where(
+        zero == 0, kept + sharded, np.where(zero == 1, kept + sharded / d, (kept + sharded) / d)
+    )
+    return float(out) if out.ndim == 0 else out
+
+
+def layer_activation_bytes(
+    model: ModelSpec,
+    *,
+    b: ArrayLike,
+    seq_length: int,
+    tp: ArrayLike,
+    sp: ArrayLike,
+    cp: ArrayLike,
+    ulysses: ArrayLike,
+    recompute: ArrayLike,
+    element_bytes: int,
+    flash_attention: bool = True,
+    dropout: bool = True,
+) -> ArrayLike:
+    """Bytes one layer keeps for its backward, per in-flight micro-batch, on one GPU.
+    `recompute` is 0 none, 1 selective, 2 full (RECOMPUTE_CODES)."""
+    e = element_bytes
+    h, f = model.hidden_size, model.ffn_hidden_size
+    rows = b * seq_length / (cp * ulysses)
+    sp_div = np.where(sp, tp, 1)
+    masks = 2.0 * rows * h if dropout else 0.0
+    unsharded = (4.0 * e * rows * h + masks) / sp_div
+    mlp_in = f * (2 if model.activation == "swiglu" else 1) + f
+    sharded = e * rows * (q_dim(model) + 2 * kv_dim(model) + q_dim(model) + mlp_in) / tp
+    core = core_attention_bytes(
+        model,
+        rows=rows,
+        seq_length=seq_length,
+        tp=tp,
+        cp=cp,
+        element_bytes=e,
+        flash_attention=flash_attention,
+        dropout=dropout,
+    )
+    recompute = np.asarray(recompute)
+    full = e * rows * h / sp_div
+    out = np.where(recompute == 2, full, unsharded + sharded + np.where(recompute == 1, 0.0, core))
+    return float(out) if np.ndim(out) == 0 else out
+
+
+def core_attention_bytes(
+    model: ModelSpec,
+    *,
+    rows: ArrayLike,
+    seq_length: int,
+    tp: ArrayLike,
+    cp: ArrayLike,
+    element_bytes: int,
+    flash_attention: bool,
+    dropout: bool,
+) -> ArrayLike:
+    """What core attention keeps: fp32 log-sum-exp with flash attention; otherwise the
+    [a/t, rows, s/cp] scores, softmax output and dropout mask."""
+    a = model.num_attention_heads
+    if flash_attention:
+        return 4.0 * rows * a / tp
+    per_score = 2 * element_bytes + 1 if dropout else element_bytes
+    return per_score * a / tp * rows * seq_length / cp
+
+
+def layer_transient_bytes(
+    act_none: ArrayLike,
+    act_kept: ArrayLike,
+    *,
+    zero: ArrayLike,
+    params_per_gpu: ArrayLike,
+    element_bytes: int,
+) -> ArrayLike:
+    """Short-lived memory while one layer runs its backward: the activations recomputation
+    rebuilds (act_none - act_kept), plus under ZeRO-3 two gathered copies of the layer's
+    weights (the running layer and the prefetched next one)."""
+    gathered = np.where(np.asarray(zero) == 3, 2.0 * params_per_gpu * element_bytes, 0.0)
+    return (act_none - act_kept) + gathered

@@ -1,0 +1,295 @@
+"""`CostModel`: time and memory of every layer strategy, layer switch and vocabulary layout.
+
+Built from (ModelSpec, ClusterSpec, TrainingSpec) plus optional measured profiles: a
+`CommModel` (collective curves from the hardware profiler) and a `ComputeProfile` (kernel
+efficiencies). The search, the uniform baseline, the vocabulary planner and the profiler's
+calibration all read costs through this object, so they agree by construction.
+
+Rank order inside a pipeline stage follows Megatron: tp innermost, then cp, ulysses, dp (pp is
+outermost). A group's members are therefore `stride` ranks apart: tp 1, cp tp, ulysses tp*cp,
+the gradient (dp x cp x ulysses) group tp. Whether a group crosses nodes follows from that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_ext.planner.cost import compute as C
+from megatron_ext.planner.cost.comm import (
+    AlphaBetaComm,
+    CommModel,
+    GroupLayout,
+    group_layout,
+)
+from megatron_ext.planner.cost.memory import (
+    layer_activation_bytes,
+    layer_transient_bytes,
+    state_bytes_per_param,
+)
+from megatron_ext.planner.cost.pipeline import OVERLAP_SLOWDOWN
+from megatron_ext.planner.space import StrategyTable
+from megatron_ext.planner.training import TrainingSpec
+from megatron_ext.specs import ClusterSpec, ModelSpec
+
+GRAD_BYTES = 4
+"""Gradients are accumulated and reduced in fp32 (Megatron's main_grad)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerCosts:
+    """Costs of one transformer layer under each of S strategies at one micro-batch size; [S]."""
+
+    forward_s: np.ndarray
+    """One micro-batch forward: compute + TP/Ulysses comm + exposed CP and ZeRO-3 comm."""
+    backward_s: np.ndarray
+    """One micro-batch backward, including recomputation and its communication."""
+    recompute_s: np.ndarray
+    """The part of backward_s spent recomputing."""
+    comm_s: np.ndarray
+    """The part of forward_s + backward_s spent in exposed communication."""
+    grad_sync_s: np.ndarray
+    """Once per iteration: all-reduce (ZeRO-0) or reduce-scatter (ZeRO-1) of fp32 gradients."""
+    param_gather_s: np.ndarray
+    """Once per iteration: ZeRO-1 all-gather of the updated half-precision weights."""
+    optimizer_s: np.ndarray
+    """Once per iteration: Adam on this GPU's shard."""
+    state_bytes: np.ndarray
+    """Weights + gradients + optimizer states on one GPU."""
+    activation_bytes: np.ndarray
+    """Kept for backward, per in-flight micro-batch."""
+    transient_bytes: np.ndarray
+    """Short-lived while this layer runs backward (recomputed activations, gathered weights)."""
+
+    def objective_s(self, num_microbatches: int) -> np.ndarray:  # [S]
+        """The layerwise DP's per-layer time: one micro-batch's forward + backward, plus this
+        layer's share of the once-per-iteration tail (exposed reduction, optimizer, exposed
+        all-gather) spread over the m micro-batches."""
+        exposed = np.maximum(0.0, OVERLAP_SLOWDOWN * self.grad_sync_s - self.backward_s)
+        exposed += np.maximum(0.0, self.param_gather_s - self.forward_s)
+        return self.forward_s + self.backward_s + (exposed + self.optimizer_s) / num_microbatches
+
+    def memory_bytes(self, inflight: int) -> np.ndarray:  # [S]
+        return self.state_bytes + inflight * self.activation_bytes
+
+
+class CostModel:
+    """Time and memory of layer strategies, switches and vocabulary layouts (see module doc)."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        cluster: ClusterSpec,
+        training: TrainingSpec,
+        *,
+        comm: CommModel | None = None,
+        compute: C.ComputeProfile | None = None,
+    ) -> None:
+        self.model = model
+        self.cluster = cluster
+        self.training = training
+        self.comm: CommModel = comm if comm is not None else AlphaBetaComm(cluster=cluster)
+        self.compute = compute if compute is not None else C.ComputeProfile()
+        self.layer_params = C.layer_params(model)
+
+    # ---- small helpers --------------------------------------------------------------------
+
+    @property
+    def element_bytes(self) -> int:
+        return self.training.activation_bytes
+
+    @property
+    def memory_cap_bytes(self) -> float:
+        """Usable memory per GPU minus the fixed reserve."""
+        return self.cluster.memory_gib * 2**30 - self.training.reserve_bytes(
+            self.cluster.memory_gib
+        )
+
+    def layout(self, size: int, stride: int) -> GroupLayout:
+        return group_layout(int(size), int(stride), self.cluster.gpus_per_node)
+
+    def collective_s(
+        self, collective: str, num_bytes: np.ndarray, sizes: np.ndarray, strides: np.ndarray
+    ) -> np.ndarray:
+        """Vectorised over strategies: one call per distinct (size, stride) group."""
+        sizes = np.broadcast_to(sizes, np.shape(num_bytes))
+        strides = np.broadcast_to(strides, np.shape(num_bytes))
+        out = np.zeros(np.shape(num_bytes))
+        for size, stride in set(zip(sizes.tolist(), strides.tolist())):
+            if size == 1:
+                continue
+            sel = (sizes == size) & (strides == stride)
+            out[sel] = self.comm.time_s(
+                collective,
+                np.asarray(num_bytes)[sel],  # type: ignore[arg-type]
+                self.layout(size, stride),
+            )
+        return out
+
+    def p2p_s(self, pp: int, micro_batch_size: int) -> float:
+        """One activation message between neighbouring stages: each of the W ranks sends its
+        1/W share of [s, B, h] (Megatron's scatter-gather p2p), W ranks apart."""
+        if pp == 1:
+            return 0.0
+        width = self.cluster.num_gpus // pp
+        num_bytes = micro_batch_size * self.training.seq_length * self.model.hidden_size
+        num_bytes *= self.element_bytes / width
+        return float(
+            self.comm.time_s("p2p", num_bytes, group_layout(2, width, self.cluster.gpus_per_node))
+        )
+
+    # ---- transformer layers ---------------------------------------------------------------
+
+    def layer_costs(self, table: StrategyTable, micro_batch_size: int) -> LayerCosts:
+        """Costs of one layer under every strategy of `table`, at micro_batch_size samples per
+        micro-batch summed over the stage's replicas."""
+        m, t = self.model, self.training
+        e = self.element_bytes
+        b = micro_batch_size / table.dp
+        shards = table.cp * table.ulysses
+        rows = b * t.seq_length / shards  # tokens per rank in the linear layers
+        comp = C.layer_compute(
+            m,
+            self.cluster,
+            self.compute,
+            b=b,
+            seq_length=t.seq_length,
+            tp=table.tp,
+            sp=table.sp,
+            seq_shards=shards,
+            element_bytes=e,
+        )
+        # TP: 2 all-reduces (or all-gather + reduce-scatter under SP) of [rows, h] each way.
+        hidden_bytes = rows * m.hidden_size * e
+        tp_ar = self.collective_s("all_reduce", hidden_bytes, table.tp, 1)
+        tp_sp = 2 * self.collective_s("all_gather", hidden_bytes, table.tp, 1)
+        tp_one_way = 2 * np.where(table.sp, tp_sp / 2, tp_ar)
+        # Ulysses: all-to-all of q, k, v before attention and of its output after, each way.
+        uly_bytes = rows * (2 * C.q_dim(m) + 2 * C.kv_dim(m)) / table.tp * e
+        uly_one_way = self.collective_s("all_to_all", uly_bytes, table.ulysses, table.tp * table.cp)
+        cp_fwd, cp_bwd = self._cp_exposed_s(table, rows, comp)
+        z3_fwd, z3_bwd, sync, gather = self._data_parallel_s(table, comp)
+        rc_full = table.recompute == 2
+        recompute = np.where(rc_full, comp.forward_s + tp_one_way + uly_one_way + cp_fwd, 0.0)
+        recompute = recompute + np.where(table.recompute == 1, comp.attention_forward_s, 0.0)
+        fwd = comp.forward_s + tp_one_way + uly_one_way + cp_fwd + z3_fwd
+        bwd = comp.backward_s + tp_one_way + uly_one_way + cp_bwd + z3_bwd + recompute
+        comm = 2 * (tp_one_way + uly_one_way) + cp_fwd + cp_bwd + z3_fwd + z3_bwd
+        comm = comm + np.where(rc_full, tp_one_way + uly_one_way + cp_fwd, 0.0)
+        return LayerCosts(
+            forward_s=fwd,
+            backward_s=bwd,
+            recompute_s=recompute,
+            comm_s=comm,
+            grad_sync_s=sync,
+            param_gather_s=gather,
+            optimizer_s=C.optimizer_step_s(
+                self._params_per_gpu(table) / np.where(table.zero >= 1, table.shard_ranks, 1),
+                self.cluster,
+                self.compute,
+            ),
+            **self._layer_memory(table, b),
+        )
+
+    def _params_per_gpu(self, table: StrategyTable) -> np.ndarray:
+        return self.layer_params / table.tp
+
+    def _cp_exposed_s(
+        self, table: StrategyTable, rows: np.ndarray, comp: C.LayerCompute
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Ring attention: cp-1 steps each passing this rank's K and V chunk [rows, 2kv/t]
+        (forward) and K, V plus their gradients (backward), hidden behind attention compute."""
+        kv_bytes = 2 * rows * C.kv_dim(self.model) / table.tp * self.element_bytes
+        step = np.zeros_like(kv_bytes)
+        for cp, tp in set(zip(table.cp.tolist(), table.tp.tolist())):
+            if cp == 1:
+                continue
+            sel = (table.cp == cp) & (table.tp == tp)
+            layout = self.layout(cp, tp)
+            step[sel] = self.comm.time_s(
+                "p2p",
+                kv_bytes[sel],
+                GroupLayout(size=2, ranks_per_node=1 if layout.crosses_nodes else 2),
+            )
+        fwd_comm = (table.cp - 1) * step
+        fwd = np.maximum(0.0, fwd_comm - comp.attention_forward_s)
+        bwd = np.maximum(0.0, 2 * fwd_comm - 2.5 * comp.attention_forward_s)
+        return fwd, bwd
+
+    def _data_parallel_s(self, table: StrategyTable, comp: C.LayerCompute):
+        """Gradient reduction, ZeRO-1 weight all-gather and ZeRO-3 per-micro-batch traffic over
+        the d = dp*cp*ulysses ranks sharing a shard (stride tp)."""
+        params = self._params_per_gpu(table)
+        d, zero = table.shard_ranks, table.zero
+        grads = self.collective_s("reduce_scatter", params * GRAD_BYTES, d, table.tp)
+        weights = self.collective_s("all_gather", params * self.element_bytes, d, table.tp)
+        all_reduce = self.collective_s("all_reduce", params * GRAD_BYTES, d, table.tp)
+        sync = np.where(zero == 0, all_reduce, np.where(zero == 1, grads, 0.0))
+        gather = np.where(zero == 1, weights, 0.0)
+        # ZeRO-3 gathers weights before forward and again before backward and reduce-scatters
+        # gradients every micro-batch; prefetching hides it behind the neighbouring layer.
+        z3 = zero == 3
+        z3_fwd = np.where(z3, np.maximum(0.0, weights - comp.forward_s), 0.0)
+        z3_bwd = np.where(z3, np.maximum(0.0, weights + grads - comp.backward_s), 0.0)
+        return z3_fwd, z3_bwd, sync, gather
+
+    def _layer_memory(self, table: StrategyTable, b: np.ndarray) -> dict[str, np.ndarray]:
+        t = self.training
+        kw = {
+            "b": b,
+            "seq_length": t.seq_length,
+            "tp": table.tp,
+            "sp": table.sp,
+            "cp": table.cp,
+            "ulysses": table.ulysses,
+            "element_bytes": self.element_bytes,
+            "flash_attention": t.flash_attention,
+            "dropout": t.dropout,
+        }
+        act = layer_activation_bytes(self.model, recompute=table.recompute, **kw)
+        act_none = layer_activation_bytes(
+            self.model, recompute=np.zeros_like(table.recompute), **kw
+        )
+        params = self._params_per_gpu(table)
+        per_param = state_bytes_per_param(
+            table.zero,
+            table.shard_ranks,
+            half_precision=t.half_precision,
+            num_optimizer_states=t.num_optimizer_states,
+        )
+        transient = layer_transient_bytes(
+            act_none, act, zero=table.zero, params_per_gpu=params, element_bytes=self.element_bytes
+        )
+        return {
+            "state_bytes": params * per_param,
+            "activation_bytes": np.asarray(act, dtype=float),
+            "transient_bytes": np.asarray(transient, dtype=float),
+        }
+
+    def transition_s(self, table: StrategyTable, micro_batch_size: int) -> np.ndarray:  # [S, S]
+        """Seconds per micro-batch (forward activation + backward gradient) to move the hidden
+        state between consecutive layers whose layouts differ. Same layout: free. Only SP
+        toggled: one all-gather over the tp group (the other direction is a local slice).
+        Otherwise: an all-to-all over the stage's W ranks of the larger per-rank shard, each way."""
+        m, t = self.model, self.training
+        if len(table) == 0:
+            return np.zeros((0, 0))
+        width = int(table.tp[0] * table.cp[0] * table.ulysses[0] * table.dp[0])  # ranks per stage
+        full = micro_batch_size * t.seq_length * m.hidden_size * self.element_bytes
+        shard = full / (table.dp * table.cp * table.ulysses * np.where(table.sp, table.tp, 1))
+        a2a = self.comm.time_s(
+            "all_to_all", np.maximum(shard[:, None], shard[None, :]), self.layout(width, 1)
+        )
+        a2a = 2 * np.asarray(a2a, dtype=float)
+        per_replica = full / (table.dp * table.cp * table.ulysses)
+        gather = self.collective_s("all_gather", per_replica, table.tp, 1)
+        same = table.layout[:, None] == table.layout[None, :]
+        sp_only = (
+            (table.tp[:, None] == table.tp[None, :])
+            & (table.cp[:, None] == table.cp[None, :])
+            & (table.ulysses[:, None] == table.ulysses[None, :])
+            & (table.dp[:, None] == table.dp[None, :])
+        )
+        out = np.where(sp_only, gather[:, None] + np.zeros_like(a2a), a2a)
+        return np.where(same, 0.0, out)

@@ -1,0 +1,91 @@
+"""Iteration time of a 1F1B (PipeDream-flush) pipeline with uneven stages and gradient tails.
+
+Legend: p = pipeline stages, m = micro-batches, f_k / b_k = forward / backward seconds of one
+micro-batch on stage k (all its layers, its vocabulary work and its per-micro-batch
+communication), c_k = one activation (or gradient) message from stage k to its neighbour.
+All functions broadcast over leading axes: arrays are [..., p], so the uniform search can score
+thousands of layouts in one call.
+
+  t_k      = f_k + b_k + 2 c_k                        steady-state slot of stage k
+  T_pipe   = sum_k t_k + (m - 1) * max_k t_k          fill + drain + steady state; equals the
+                                                      textbook (m + p - 1) t for equal stages
+  finish_k = T_pipe - sum_{j<k} (b_j + c_j)           stage k runs its last backward earlier than
+                                                      stage 0 by the backwards still to come
+  tail_k   = max(0, slow * R_k - b_k) + O_k + max(0, A_k - f_k)
+      R_k: data-parallel gradient reduction, launched bucket by bucket during the last
+           micro-batch's backward (Megatron --overlap-grad-reduce); only what sticks out of that
+           backward is exposed, and sharing the GPU slows the overlapped transfer by `slow`;
+      O_k: optimizer step;
+      A_k: ZeRO-1 parameter all-gather, overlapped with the next iteration's first forward
+           (--overlap-param-gather).
+  T_iter   = max_k (finish_k + tail_k)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+OVERLAP_SLOWDOWN = 1.1
+"""Communication that overlaps compute runs this much slower (Galvatron measures 1.1-1.3)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineTime:
+    """Result of `one_f_one_b`; arrays keep the caller's leading axes."""
+
+    iteration_s: np.ndarray
+    """Seconds per optimizer step, [...]."""
+    stage_busy_s: np.ndarray
+    """m * (f_k + b_k) + tail_k: the time stage k computes or waits on its own tail, [..., p]."""
+    bubble_s: np.ndarray
+    """Iteration time minus the busiest stage's busy time, [...]."""
+
+
+def one_f_one_b(
+    forward_s: np.ndarray,
+    backward_s: np.ndarray,
+    p2p_s: np.ndarray,
+    grad_sync_s: np.ndarray,
+    param_gather_s: np.ndarray,
+    optimizer_s: np.ndarray,
+    num_microbatches: int,
+) -> PipelineTime:
+    """Iteration time of 1F1B over stage arrays of shape [..., p] (see the module docstring)."""
+    f, b, c = np.asarray(forward_s), np.asarray(backward_s), np.asarray(p2p_s)
+    slot = f + b + 2.0 * c
+    pipe = slot.sum(axis=-1) + (num_microbatches - 1) * slot.max(axis=-1)
+    before = np.cumsum(b + c, axis=-1) - (b + c)
+    finish = pipe[..., None] - before
+    tail = gradient_tail_s(f, b, grad_sync_s, param_gather_s, optimizer_s)
+    iteration = (finish + tail).max(axis=-1)
+    busy = num_microbatches * (f + b) + tail
+    return PipelineTime(
+        iteration_s=iteration, stage_busy_s=busy, bubble_s=iteration - busy.max(axis=-1)
+    )
+
+
+def gradient_tail_s(
+    forward_s: np.ndarray,
+    backward_s: np.ndarray,
+    grad_sync_s: np.ndarray,
+    param_gather_s: np.ndarray,
+    optimizer_s: np.ndarray,
+) -> np.ndarray:
+    """What stage k adds after its last backward: exposed gradient reduction, optimizer step,
+    exposed parameter all-gather."""
+    exposed_sync = np.maximum(0.0, OVERLAP_SLOWDOWN * np.asarray(grad_sync_s) - backward_s)
+    exposed_gather = np.maximum(0.0, np.asarray(param_gather_s) - forward_s)
+    return exposed_sync + np.asarray(optimizer_s) + exposed_gather
+
+
+def pipeline_lower_bound_s(total_stage_time_s: float, pp: int, num_microbatches: int) -> float:
+    """No 1F1B schedule of total per-micro-batch work W over p stages beats (m + p - 1) W / p:
+    T_pipe = sum t + (m-1) max t >= W + (m-1) W / p."""
+    return total_stage_time_s * (num_microbatches + pp - 1) / pp
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, num_gpus: int, peak_flops: float) -> float:
+    """Model FLOPs utilisation: useful FLOPs per second over the cluster's dense peak."""
+    return tokens_per_s * flops_per_token / (num_gpus * peak_flops)

@@ -1,0 +1,194 @@
+"""Costs of the vocabulary layers (input embedding, output layer, softmax cross-entropy) per stage.
+
+Legend: p = pp, W = ranks per stage, t_v = vocab.tp, dp_v = W / t_v data-parallel replicas of the
+vocabulary layers, n = B * s / dp_v tokens per replica and micro-batch, V = padded vocabulary,
+h = hidden, e = bytes per activation element.
+
+mode "tp" (Megatron): the embedding [V/t_v, h] sits on stage 0, the output layer (its own weight,
+or a copy of the tied one) on stage p-1; with t_v > 1 both run sequence-parallel. Logits
+[n, V/t_v] are materialised once per micro-batch on the last stage: bf16 output plus the fp32
+softmax the cross-entropy keeps for backward.
+
+mode "vocab_parallel" (Yeung et al. 2025, one-barrier variant, plan `algorithm=1`): both layers are
+split over all p * t_v ranks (shard V / (p t_v)); every stage computes its logits shard for every
+micro-batch, so the last stage no longer carries the output layer. Its collectives (broadcast of
+the last stage's hidden state, the statistics all-reduces, the input-gradient all-reduce, the
+embedding all-reduce and gradient broadcast) run on a side stream, hidden behind the stage's own
+layer compute; it costs one more in-flight micro-batch on every stage.
+
+The vocabulary layers use the distributed optimizer (ZeRO-1 over dp_v) iff `vocab_zero` >= 1;
+plans set it when any transformer layer uses zero >= 1 (Megatron's global flag).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_ext.plan import VocabStrategy
+from megatron_ext.planner.cost import compute as C
+from megatron_ext.planner.cost.comm import GroupLayout
+from megatron_ext.planner.cost.memory import state_bytes_per_param
+
+GRAD_BYTES = 4
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageExtras:
+    """What each stage carries besides its transformer layers, for one vocabulary layout; [p]."""
+
+    fixed_bytes: np.ndarray
+    """Vocabulary weights, gradients, optimizer states, activations and logits peak."""
+    forward_s: np.ndarray
+    """Vocabulary compute and its blocking communication, per micro-batch forward."""
+    backward_s: np.ndarray
+    """The same for backward."""
+    overlap_comm_s: np.ndarray
+    """Side-stream communication per micro-batch, hidden behind the stage's layer compute."""
+    grad_sync_s: np.ndarray
+    """Once per iteration: gradient reduction of the vocabulary weights (+ tied-embedding sync)."""
+    param_gather_s: np.ndarray
+    """Once per iteration: ZeRO-1 weight all-gather."""
+    optimizer_s: np.ndarray
+    """Once per iteration: optimizer step on the vocabulary shard."""
+    p2p_s: np.ndarray
+    """One activation message from this stage to its neighbour."""
+    inflight: np.ndarray
+    """Micro-batches whose layer activations are alive at once under 1F1B."""
+
+
+def inflight_microbatches(pp: int, num_microbatches: int, vocab: VocabStrategy) -> np.ndarray:
+    """1F1B keeps p - k micro-batches on stage k (one without pipelining); vocabulary
+    parallelism delays each first backward by one slot (two for the two-barrier variant)."""
+    extra = 0 if vocab.mode == "tp" or pp == 1 else vocab.algorithm
+    return np.minimum(pp - np.arange(pp) + extra, num_microbatches).astype(np.int64)
+
+
+def stage_extras(
+    cm, vocab: VocabStrategy, pp: int, micro_batch_size: int, num_microbatches: int, vocab_zero: int
+) -> StageExtras:
+    """Per-stage vocabulary costs of `vocab` (cm is the CostModel)."""
+    model, t = cm.model, cm.training
+    width = cm.cluster.num_gpus // pp
+    tv = vocab.tp
+    dpv = width // tv
+    tokens = micro_batch_size * t.seq_length / dpv
+    e = cm.element_bytes
+    spread = pp if vocab.mode == "vocab_parallel" else 1
+    vocab_size = C.padded_vocab_size(model, tv * spread)
+    shard_rows = vocab_size / (tv * spread)
+    weight_params = shard_rows * model.hidden_size
+    pos = (
+        model.max_position_embeddings * model.hidden_size
+        if model.position_embedding == "learned_absolute"
+        else 0
+    )
+    zeros = np.zeros(pp)
+    params = zeros.copy()
+    fwd, bwd, fixed, overlap = zeros.copy(), zeros.copy(), zeros.copy(), zeros.copy()
+    hidden = tokens * model.hidden_size * e  # one replica's [n, h]
+    tp_gather = float(cm.comm.time_s("all_gather", hidden, cm.layout(tv, 1))) if tv > 1 else 0.0
+    out_f, out_b = C.output_layer_compute_s(
+        model, cm.cluster, cm.compute, tokens=tokens, vocab_shard=shard_rows, element_bytes=e
+    )
+    emb_f, emb_b = C.embedding_compute_s(
+        model, cm.cluster, cm.compute, tokens=tokens, element_bytes=e
+    )
+    inflight = inflight_microbatches(pp, num_microbatches, vocab)
+    last = pp - 1
+    stats = (
+        2 * float(cm.comm.time_s("all_reduce", tokens * 4.0, cm.layout(tv, 1))) if tv > 1 else 0.0
+    )
+    norm_in = e * tokens * model.hidden_size / tv  # final-norm input, [n/t_v, h]
+    logits = tokens * shard_rows
+    if vocab.mode == "tp":
+        params[0] += weight_params + pos
+        if not model.tied_embeddings or pp > 1:
+            params[last] += weight_params
+        fwd[0] += emb_f + tp_gather
+        bwd[0] += emb_b + tp_gather
+        fwd[last] += out_f + tp_gather + stats
+        bwd[last] += out_b + tp_gather
+        if t.dropout:
+            fixed[0] += inflight[0] * tokens * model.hidden_size / tv
+        fixed[last] += inflight[last] * 2 * norm_in + logits * (4 + e)
+    else:
+        params += weight_params * (1 if model.tied_embeddings else 2)
+        params[0] += pos
+        fwd += out_f + emb_f + stats
+        bwd += out_b + emb_b
+        overlap += _vocab_parallel_comm_s(cm, pp, width, tv, hidden)
+        fixed += logits * (2 * 4 + e) + 2 * hidden
+        fixed[last] += inflight[last] * norm_in
+    per_param = state_bytes_per_param(
+        min(vocab_zero, 1),
+        dpv,
+        half_precision=t.half_precision,
+        num_optimizer_states=t.num_optimizer_states,
+    )
+    fixed += params * per_param
+    sync, gather, opt = _vocab_data_parallel(cm, params, dpv, tv, vocab_zero, vocab, pp, width)
+    p2p = np.full(pp, cm.p2p_s(pp, micro_batch_size))
+    return StageExtras(
+        fixed_bytes=fixed,
+        forward_s=fwd,
+        backward_s=bwd,
+        overlap_comm_s=overlap,
+        grad_sync_s=sync,
+        param_gather_s=gather,
+        optimizer_s=opt,
+        p2p_s=p2p,
+        inflight=inflight,
+    )
+
+
+def _vocab_parallel_comm_s(cm, pp: int, width: int, tv: int, hidden: float) -> float:
+    """Per micro-batch: broadcast of the hidden state over the pp ranks, fp32 input-gradient
+    all-reduce and embedding all-reduce over the p * t_v vocabulary group, gradient broadcast
+    back to every stage."""
+    g = cm.cluster.gpus_per_node
+    pp_layout = cm.layout(pp, width)
+    per_node = min(pp * tv, tv * max(1, min(pp, g // width)) if width < g else tv)
+    group = GroupLayout(size=pp * tv, ranks_per_node=max(1, per_node))
+    bcast = 2 * float(cm.comm.time_s("broadcast", hidden, pp_layout))
+    reduce = float(cm.comm.time_s("all_reduce", hidden / cm.element_bytes * GRAD_BYTES, group))
+    reduce += float(cm.comm.time_s("all_reduce", hidden, group))
+    return bcast + reduce
+
+
+def _vocab_data_parallel(
+    cm,
+    params: np.ndarray,
+    dpv: int,
+    tv: int,
+    vocab_zero: int,
+    vocab: VocabStrategy,
+    pp: int,
+    width: int,
+):
+    layout = cm.layout(dpv, tv)
+    if vocab_zero >= 1:
+        sync = np.asarray(
+            cm.comm.time_s("reduce_scatter", params * GRAD_BYTES, layout), dtype=float
+        )
+        gather = np.asarray(
+            cm.comm.time_s("all_gather", params * cm.element_bytes, layout), dtype=float
+        )
+        shard = params / dpv
+    else:
+        sync = np.asarray(cm.comm.time_s("all_reduce", params * GRAD_BYTES, layout), dtype=float)
+        gather = np.zeros_like(params)
+        shard = params
+    if dpv == 1:
+        sync, gather = np.zeros_like(params), np.zeros_like(params)
+    sync = np.where(params > 0, sync, 0.0)
+    gather = np.where(params > 0, gather, 0.0)
+    if vocab.mode == "tp" and cm.model.tied_embeddings and pp > 1:
+        # Megatron all-reduces the tied weight's gradient between the first and last stage.
+        tie = cm.comm.time_s("all_reduce", params[0] * GRAD_BYTES, cm.layout(2, (pp - 1) * width))
+        sync = sync.copy()
+        sync[0] += float(tie)
+        sync[-1] += float(tie)
+    opt = np.asarray(C.optimizer_step_s(shard, cm.cluster, cm.compute), dtype=float)
+    return sync, gather, opt

@@ -1,0 +1,110 @@
+"""When nothing fits: the least memory per GPU, and the fewest GPUs, that would.
+
+Minimum memory at a given GPU count (exact for the cost model up to the DP's quantisation): for
+every pp, micro-batch size and vocabulary layout, each layer of stage k takes the strategy with the
+least memory there (states + inflight_k * activations, plus its transient), so stage k with n
+layers needs c_k + n a_k. The smallest max_k (c_k + n_k a_k) with sum n_k = L is found by
+bisection on the bound M (stage k then holds at most (M - c_k) / a_k layers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from megatron_ext.planner.cost.vocab import stage_extras
+from megatron_ext.planner.space import divisors, layer_strategies, vocab_options
+
+GIB = 2**30
+
+
+def _min_max_partition(fixed: np.ndarray, per_layer: np.ndarray, num_layers: int) -> float:
+    """min over partitions of max_k fixed_k + n_k per_layer_k (n_k >= 1, sum = L)."""
+    lo = float(np.max(fixed + per_layer))
+    hi = float(np.max(fixed + per_layer * num_layers))
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        cap = np.floor((mid - fixed) / per_layer)
+        if np.all(cap >= 1) and cap.sum() >= num_layers:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def min_allocated_bytes(cm) -> float:
+    """Least peak allocated memory per GPU (reserve excluded) of any layout on this cluster."""
+    model, cluster, t = cm.model, cm.cluster, cm.training
+    best = math.inf
+    for pp in [p for p in divisors(cluster.num_gpus) if p <= model.num_layers]:
+        width = cluster.num_gpus // pp
+        for mbs in divisors(t.global_batch_size):
+            table = layer_strategies(
+                model, t, width=width, gpus_per_node=cluster.gpus_per_node, micro_batch_size=mbs
+            )
+            if len(table) == 0:
+                continue
+            costs = cm.layer_costs(table, mbs)
+            m = t.global_batch_size // mbs
+            for vocab in vocab_options(
+                width=width, pp=pp, gpus_per_node=cluster.gpus_per_node, training=t
+            ):
+                ex = stage_extras(cm, vocab, pp, mbs, m, vocab_zero=1)
+                per_layer = np.array([costs.memory_bytes(int(i)).min() for i in ex.inflight])
+                fixed = ex.fixed_bytes + float(costs.transient_bytes.max())
+                best = min(best, _min_max_partition(fixed, per_layer, model.num_layers))
+    return best
+
+
+def min_memory_gib(cm) -> float:
+    """Smallest --memory-gib at which some layout fits (the reserve grows with memory)."""
+    need = min_allocated_bytes(cm) / GIB
+    if not math.isfinite(need):
+        return math.inf
+    if cm.training.reserve_gib is not None:
+        return need + cm.training.reserve_gib
+    return (need + 1.0) / 0.96  # memory - (1 + 0.04 memory) >= need
+
+
+def min_nodes(cm, max_gpus: int = 65536) -> int | None:
+    """Fewest nodes (same GPUs) at which some layout fits; doubling, then bisection."""
+    from megatron_ext.planner.cost.model import CostModel
+
+    def fits(nodes: int) -> bool:
+        cluster = dataclasses.replace(cm.cluster, num_nodes=nodes)
+        other = CostModel(cm.model, cluster, cm.training, comm=None, compute=cm.compute)
+        return min_memory_gib(other) <= cm.cluster.memory_gib
+
+    lo, hi = cm.cluster.num_nodes, cm.cluster.num_nodes * 2
+    while not fits(hi):
+        lo, hi = hi, hi * 2
+        if hi * cm.cluster.gpus_per_node > max_gpus:
+            return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
+
+
+def explain_infeasible(cm) -> str:
+    """One line: what does not fit and the smallest memory or GPU count that would."""
+    c = cm.cluster
+    memory = min_memory_gib(cm)
+    nodes = min_nodes(cm)
+    parts = [
+        (
+            f"no layout of {cm.model.name} fits {c.num_gpus} GPUs x {c.memory_gib:g} GiB "
+            f"(global batch {cm.training.global_batch_size}, seq {cm.training.seq_length})"
+        )
+    ]
+    if math.isfinite(memory):
+        parts.append(
+            f"it needs at least {math.ceil(memory * 10) / 10:g} GiB per GPU (--memory-gib)"
+        )
+    if nodes is not None:
+        parts.append(f"or {nodes * c.gpus_per_node} GPUs (--nodes {nodes})")
+    if len(parts) == 1:
+        parts.append("no GPU count up to 65536 fits either; lower --seq-length or the batch")
+    return "; ".join(parts[:2]) + (" " + parts[2] if len(parts) > 2 else "")

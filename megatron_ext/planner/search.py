@@ -1,0 +1,373 @@
+"""Strategy search: space x cost model -> layerwise DP -> pipeline partition -> ParallelPlan.
+
+Outer loops: pipeline degree pp (divisors of the GPU count, <= layers) x micro-batch size B
+(divisors of the global batch). Each (pp, B) "combo" is scored in this order:
+  1. lower bound (m + pp - 1) / pp * L * min_s (forward + backward) of any 1F1B schedule; combos
+     are visited by increasing bound and the rest are skipped once the bound reaches the best
+     exact iteration time found (the uniform baseline seeds it), which cannot discard the optimum;
+  2. candidate strategies (space.py, rules R1-R5) and dominance pruning (R6);
+  3. one layerwise DP (dp.py) per distinct in-flight count, at the largest memory budget any
+     vocabulary layout leaves; it answers every layer count and every smaller budget at once;
+  4. for every vocabulary layout (tensor-parallel on first/last stage, or vocabulary parallel):
+     per-stage budgets, slot times, and the exact partition (partition.py);
+  5. the best few are backtracked to per-layer strategies and scored exactly (cost/evaluate.py).
+The result is the fastest exactly-scored layout, layerwise or uniform (a uniform layout is a
+point of the layerwise space, so the search never returns anything slower than the baseline).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from megatron_ext.errors import InfeasiblePlanError
+from megatron_ext.plan import ParallelPlan, VocabStrategy
+from megatron_ext.planner.cost.evaluate import Evaluation, evaluate
+from megatron_ext.planner.cost.model import CostModel, LayerCosts
+from megatron_ext.planner.cost.pipeline import OVERLAP_SLOWDOWN, pipeline_lower_bound_s
+from megatron_ext.planner.cost.vocab import StageExtras, stage_extras
+from megatron_ext.planner.dp import StageDP, layer_dp
+from megatron_ext.planner.partition import best_partition, bmw_partition
+from megatron_ext.planner.space import (
+    StrategyTable,
+    divisors,
+    dominated,
+    dominated_layouts,
+    layer_strategies,
+    vocab_options,
+)
+from megatron_ext.planner.uniform import Layout, search_uniform
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SearchOptions:
+    """Knobs of the search (defaults are what `megatron-ext search` uses)."""
+
+    uniform_only: bool = False
+    """Search only what Megatron-LM expresses (--uniform)."""
+    units_per_layer: int = 48
+    """DP memory quantisation: the budget is cut into units_per_layer x (most layers a stage may
+    hold) units, clipped to [256, 4096]; rounding each layer up then wastes ~1% of memory."""
+    partition: Literal["exact", "bmw"] = "exact"
+    """Pipeline partitioner: exact min-makespan, or Galvatron-BMW's heuristic walk."""
+    finalists: int = 1
+    """Vocabulary layouts per combo backtracked and scored exactly."""
+    finalist_slack: float = 0.02
+    """Score exactly only layouts whose DP estimate is within this fraction of the best."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SearchResult:
+    """The chosen plan with its prediction, and the best uniform plan beside it."""
+
+    plan: ParallelPlan
+    """The fastest layout found, with prediction and cluster set."""
+    evaluation: Evaluation
+    """Its exact score."""
+    uniform_plan: ParallelPlan | None
+    """The fastest layout stock Megatron-LM can express, if any fits."""
+    uniform_evaluation: Evaluation | None
+    """Its score."""
+    search_s: float
+    """Wall-clock seconds the search took."""
+    stats: dict[str, int] = field(default_factory=dict)
+    """Combos visited / pruned, DP runs, exact evaluations."""
+
+
+@dataclass(slots=True)
+class _Combo:
+    pp: int
+    micro_batch_size: int
+    table: StrategyTable
+    costs: LayerCosts
+    bound_s: float
+
+
+def search(
+    cm: CostModel, *, options: SearchOptions = SearchOptions(), progress: Progress | None = None
+) -> SearchResult:
+    """Find the fastest layout that fits; raises InfeasiblePlanError if none does."""
+    start = time.perf_counter()
+    stats = {"combos": 0, "combos_pruned": 0, "dp_runs": 0, "exact_evaluations": 0}
+    uniform = search_uniform(cm, progress=progress)
+    best: tuple[Layout, Evaluation] | None = uniform
+    if not options.uniform_only:
+        found = _layerwise(
+            cm, options, uniform[1].iteration_s if uniform else math.inf, stats, progress
+        )
+        if found is not None and (best is None or found[1].iteration_s < best[1].iteration_s):
+            best = found
+    if best is None:
+        from megatron_ext.planner.infeasible import explain_infeasible
+
+        raise InfeasiblePlanError(explain_infeasible(cm))
+    plan = layout_to_plan(cm, best[0], best[1])
+    uniform_plan = layout_to_plan(cm, uniform[0], uniform[1]) if uniform else None
+    return SearchResult(
+        plan=plan,
+        evaluation=best[1],
+        uniform_plan=uniform_plan,
+        uniform_evaluation=uniform[1] if uniform else None,
+        search_s=time.perf_counter() - start,
+        stats=stats,
+    )
+
+
+def layout_to_plan(cm: CostModel, layout: Layout, evaluation: Evaluation) -> ParallelPlan:
+    t = cm.training
+    return ParallelPlan(
+        world_size=cm.cluster.num_gpus,
+        pp=layout.pp,
+        stages=layout.stages,
+        layers=layout.layers,
+        model=cm.model,
+        micro_batch_size=layout.micro_batch_size,
+        global_batch_size=t.global_batch_size,
+        seq_length=t.seq_length,
+        vocab=layout.vocab,
+        precision=t.precision,
+        cluster=cm.cluster,
+        prediction=evaluation.prediction(),
+    )
+
+
+def _layerwise(
+    cm: CostModel,
+    options: SearchOptions,
+    best_s: float,
+    stats: dict[str, int],
+    progress: Progress | None,
+) -> tuple[Layout, Evaluation] | None:
+    combos = sorted(_combos(cm), key=lambda c: c.bound_s)
+    stats["combos"] = len(combos)
+    best: tuple[Layout, Evaluation] | None = None
+    for i, combo in enumerate(combos):
+        if combo.bound_s >= best_s:
+            stats["combos_pruned"] = len(combos) - i
+            break
+        for layout in _solve_combo(cm, combo, options, best_s, stats):
+            ev = evaluate(
+                cm,
+                pp=layout.pp,
+                stages=layout.stages,
+                layers=layout.layers,
+                vocab=layout.vocab,
+                micro_batch_size=layout.micro_batch_size,
+            )
+            stats["exact_evaluations"] += 1
+            if ev.feasible and ev.iteration_s < best_s:
+                best, best_s = (layout, ev), ev.iteration_s
+        if progress is not None:
+            progress(
+                f"layerwise: pp={combo.pp} micro-batch={combo.micro_batch_size} "
+                f"({i + 1}/{len(combos)}), best {best_s:.3f} s"
+            )
+    return best
+
+
+def _combos(cm: CostModel) -> list[_Combo]:
+    model, cluster, t = cm.model, cm.cluster, cm.training
+    out = []
+    for pp in [p for p in divisors(cluster.num_gpus) if p <= model.num_layers]:
+        for mbs in divisors(t.global_batch_size):
+            table = layer_strategies(
+                model,
+                t,
+                width=cluster.num_gpus // pp,
+                gpus_per_node=cluster.gpus_per_node,
+                micro_batch_size=mbs,
+            )
+            if len(table) == 0:
+                continue
+            costs = cm.layer_costs(table, mbs)
+            bound = _combo_bound(cm, costs, pp, mbs)
+            if math.isfinite(bound):
+                out.append(
+                    _Combo(pp=pp, micro_batch_size=mbs, table=table, costs=costs, bound_s=bound)
+                )
+    return out
+
+
+def _combo_bound(cm: CostModel, costs: LayerCosts, pp: int, mbs: int) -> float:
+    """Lower bound of any layout's iteration time at (pp, micro-batch size), inf if none fits.
+
+    Relaxation: all L layers share the pp stages' total memory (each stage keeps at least one
+    micro-batch of activations), strategies may be mixed fractionally, vocabulary work is at least
+    the output GEMM of one replica's micro-batch at the best GEMM efficiency, and 1F1B needs at
+    least (m + pp - 1) / pp of the total per-micro-batch work."""
+    model, t = cm.model, cm.training
+    per_layer = lp_min_time(
+        costs.state_bytes + costs.activation_bytes,
+        costs.forward_s + costs.backward_s,
+        pp * cm.memory_cap_bytes / model.num_layers,
+    )
+    width = cm.cluster.num_gpus // pp
+    vocab_flops = 6.0 * mbs * t.seq_length * model.hidden_size * model.vocab_size / width
+    vocab_s = vocab_flops / (cm.cluster.peak_flops * cm.compute.gemm_efficiency)
+    work = model.num_layers * per_layer + vocab_s
+    return pipeline_lower_bound_s(work, pp, t.global_batch_size // mbs)
+
+
+def lp_min_time(mem: np.ndarray, time_s: np.ndarray, mean_mem: float) -> float:
+    """min of sum_s w_s time_s over weights w >= 0, sum w = 1, sum w_s mem_s <= mean_mem: the
+    lower convex hull of (mem, time) at mean_mem (inf if every strategy needs more memory)."""
+    fits = mem <= mean_mem
+    if not np.any(fits):
+        return math.inf
+    best = float(np.min(time_s[fits]))
+    lo, hi = np.flatnonzero(fits), np.flatnonzero(~fits)
+    if len(hi):
+        m_lo, t_lo = mem[lo][:, None], time_s[lo][:, None]
+        m_hi, t_hi = mem[hi][None, :], time_s[hi][None, :]
+        mix = t_lo + (t_hi - t_lo) * (mean_mem - m_lo) / (m_hi - m_lo)  # [lo, hi]
+        best = min(best, float(mix.min()))
+    return best
+
+
+def prune_strategies(
+    costs: LayerCosts, objective: np.ndarray, switch: np.ndarray, layout: np.ndarray
+) -> np.ndarray:
+    """Indices kept by rule R6: first inside each layout (switch costs are equal there), then
+    across layouts with the switch costs compared."""
+    comps = np.stack(
+        [objective, costs.state_bytes, costs.activation_bytes, costs.transient_bytes], axis=1
+    )
+    keep = []
+    for lay in np.unique(layout):
+        members = np.flatnonzero(layout == lay)
+        sub = comps[members]
+        drop = dominated(sub, np.zeros((len(members), len(members))))
+        keep.extend(members[~drop].tolist())
+    keep = np.array(sorted(keep), dtype=np.int64)
+    keep = keep[~dominated_layouts(comps[keep], switch[np.ix_(keep, keep)], layout[keep])]
+    drop = dominated(comps[keep], switch[np.ix_(keep, keep)])
+    return keep[~drop]
+
+
+def _take(costs: LayerCosts, index: np.ndarray) -> LayerCosts:
+    return LayerCosts(**{name: getattr(costs, name)[index] for name in LayerCosts.__slots__})
+
+
+def _solve_combo(
+    cm: CostModel, combo: _Combo, options: SearchOptions, best_s: float, stats: dict[str, int]
+) -> list[Layout]:
+    """Steps 2-5 of the module docstring for one (pp, micro-batch size)."""
+    model, t = cm.model, cm.training
+    pp, mbs = combo.pp, combo.micro_batch_size
+    m = t.global_batch_size // mbs
+    switch_all = cm.transition_s(combo.table, mbs)
+    objective_all = combo.costs.objective_s(m)
+    keep = prune_strategies(combo.costs, objective_all, switch_all, combo.table.layout)
+    table, costs = combo.table.subset(keep), _take(combo.costs, keep)
+    objective, switch = objective_all[keep], switch_all[np.ix_(keep, keep)]
+    transient = float(costs.transient_bytes.max())
+    vocabs = vocab_options(
+        width=cm.cluster.num_gpus // pp, pp=pp, gpus_per_node=cm.cluster.gpus_per_node, training=t
+    )
+    extras = [stage_extras(cm, v, pp, mbs, m, vocab_zero=1) for v in vocabs]
+    n_hi = model.num_layers - pp + 1
+    if math.isfinite(best_s):  # a stage of n layers alone takes m * n * fastest per iteration
+        n_hi = min(n_hi, int(best_s / (m * float(np.min(costs.forward_s + costs.backward_s)))))
+    if n_hi < 1:
+        return []
+    unit = cm.memory_cap_bytes / min(4096, max(256, options.units_per_layer * n_hi))
+    budgets = [
+        np.floor((cm.memory_cap_bytes - ex.fixed_bytes - transient) / unit).astype(np.int64)
+        for ex in extras
+    ]
+    dps: dict[int, StageDP] = {}
+    for inflight in sorted({int(i) for ex in extras for i in ex.inflight}):
+        top = max(
+            int(bud[k])
+            for ex, bud in zip(extras, budgets)
+            for k in range(pp)
+            if ex.inflight[k] == inflight
+        )
+        if top >= 0:
+            mem_units = np.ceil(costs.memory_bytes(inflight) / unit).astype(np.int64)
+            dps[inflight] = layer_dp(
+                objective, mem_units, switch, num_layers=n_hi, budget_units=top, layout=table.layout
+            )
+            stats["dp_runs"] += 1
+    partition = best_partition if options.partition == "exact" else bmw_partition
+    scored = []
+    for vocab, ex, budget in zip(vocabs, extras, budgets):
+        found = partition(_slots(ex, budget, dps, n_hi, m), model.num_layers, m)
+        if found is not None:
+            scored.append((found[0], vocab, ex, budget, found[1]))
+    scored.sort(key=lambda item: item[0])
+    out = []
+    for estimate, vocab, ex, budget, counts in scored[: options.finalists]:
+        if estimate > best_s * (1 + options.finalist_slack):
+            break
+        out.append(
+            _backtrack(table, objective, switch, costs, unit, vocab, ex, budget, counts, mbs)
+        )
+    return out
+
+
+def _slots(
+    ex: StageExtras, budget: np.ndarray, dps: dict[int, StageDP], n_hi: int, m: int
+) -> np.ndarray:  # [pp, n_hi + 1]
+    """Slot time of stage k with n layers: DP time + vocabulary work + p2p + exposed
+    side-stream communication + the vocabulary tail spread over the micro-batches."""
+    pp = len(budget)
+    slot = np.full((pp, n_hi + 1), np.inf)
+    for k in range(pp):
+        dp = dps.get(int(ex.inflight[k]))
+        if dp is None or budget[k] < 0:
+            continue
+        layers = dp.best[:, budget[k]]
+        tail = max(0.0, OVERLAP_SLOWDOWN * ex.grad_sync_s[k] - ex.backward_s[k])
+        tail += ex.optimizer_s[k] + max(0.0, ex.param_gather_s[k] - ex.forward_s[k])
+        hidden = np.maximum(0.0, OVERLAP_SLOWDOWN * ex.overlap_comm_s[k] - layers)
+        slot[k] = layers + ex.forward_s[k] + ex.backward_s[k] + 2 * ex.p2p_s[k] + hidden + tail / m
+    return slot
+
+
+def _backtrack(
+    table: StrategyTable,
+    objective: np.ndarray,
+    switch: np.ndarray,
+    costs: LayerCosts,
+    unit: float,
+    vocab: VocabStrategy,
+    ex: StageExtras,
+    budget: np.ndarray,
+    counts: list[int],
+    mbs: int,
+) -> Layout:
+    """Per-layer strategies of a partition: rerun each stage's DP keeping its choices."""
+    layers = []
+    stages = []
+    cache: dict[tuple[int, int, int], list[int]] = {}
+    for k, n in enumerate(counts):
+        key = (int(ex.inflight[k]), int(n), int(budget[k]))
+        if key not in cache:
+            mem_units = np.ceil(costs.memory_bytes(key[0]) / unit).astype(np.int64)
+            dp = layer_dp(
+                objective,
+                mem_units,
+                switch,
+                num_layers=key[1],
+                budget_units=key[2],
+                layout=table.layout,
+                keep_choices=True,
+            )
+            cache[key] = dp.picks(key[1], key[2])
+        layers += [table.strategies[i] for i in cache[key]]
+        stages.append((len(layers) - n, len(layers)))
+    return Layout(
+        pp=len(counts),
+        micro_batch_size=mbs,
+        stages=tuple(stages),
+        layers=tuple(layers),
+        vocab=vocab,
+    )

@@ -1,0 +1,67 @@
+"""Training settings the search is asked about: batch, sequence, precision and allowed features."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from megatron_ext.errors import PlanError
+
+Precision = Literal["bf16", "fp16", "fp32"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainingSpec:
+    """What one optimizer step looks like, and which layouts the search may use."""
+
+    global_batch_size: int
+    """Samples per optimizer step (--global-batch-size)."""
+    seq_length: int
+    """Tokens per sample (--seq-length)."""
+    precision: Precision = "bf16"
+    """bf16/fp16: mixed precision (half weights, fp32 main grads, fp32 master + 2 Adam states);
+    fp32: everything in fp32."""
+    num_optimizer_states: int = 2
+    """fp32 states per parameter kept by the optimizer (Adam: exp_avg and exp_avg_sq)."""
+    allow_vocab_parallel: bool = True
+    """May spread embedding + output layer + cross-entropy over all pp x tp ranks."""
+    allow_ulysses: bool = True
+    """May use Ulysses sequence parallelism (not expressible with stock Megatron-LM flags)."""
+    allow_cp: bool = True
+    """May use context parallelism."""
+    allow_zero3: bool = True
+    """May fully shard parameters (ZeRO-3) on some layers."""
+    allow_flexsp: bool = False
+    """Recorded for the FlexSP planner; the layerwise search itself never emits a FlexSP plan."""
+    flash_attention: bool = True
+    """Attention scores are never stored (flash / fused attention), as with Transformer Engine."""
+    dropout: bool = True
+    """Hidden dropout is on (Megatron's default 0.1): one byte of mask per activation element."""
+    reserve_gib: float | None = None
+    """Memory per GPU kept free for the CUDA context, NCCL buffers and allocator fragmentation;
+    None means 1 GiB + 4% of the GPU's memory."""
+
+    def __post_init__(self) -> None:
+        if self.global_batch_size < 1:
+            raise PlanError(f"--global-batch-size={self.global_batch_size} must be >= 1")
+        if self.seq_length < 1:
+            raise PlanError(f"--seq-length={self.seq_length} must be >= 1")
+        if self.precision not in ("bf16", "fp16", "fp32"):
+            raise PlanError(f"--precision={self.precision!r} must be bf16, fp16 or fp32")
+        if self.num_optimizer_states < 0:
+            raise PlanError(f"num_optimizer_states={self.num_optimizer_states} must be >= 0")
+        if self.reserve_gib is not None and self.reserve_gib < 0:
+            raise PlanError(f"reserve_gib={self.reserve_gib} must be >= 0")
+
+    @property
+    def half_precision(self) -> bool:
+        return self.precision != "fp32"
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes of one activation element (2 in bf16/fp16, 4 in fp32)."""
+        return 2 if self.half_precision else 4
+
+    def reserve_bytes(self, memory_gib: float) -> float:
+        gib = self.reserve_gib if self.reserve_gib is not None else 1.0 + 0.04 * memory_gib
+        return gib * 2**30

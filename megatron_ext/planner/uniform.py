@@ -1,0 +1,167 @@
+"""Exhaustive search over what stock Megatron-LM can express, on the same cost model.
+
+Space: one strategy for every layer (tp, sp, cp, dp, recompute none/selective/full, distributed
+optimizer on/off), pp, micro-batch size, vocabulary layers tensor-parallel with the layers' tp,
+and Megatron's uneven pipeline split (--decoder-first/last-pipeline-num-layers: any first and
+last stage size, the middle stages even). Every combination is scored with the same 1F1B formula
+as `evaluate`, vectorised over [strategies, partitions, stages].
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_ext.plan import LayerStrategy, VocabStrategy
+from megatron_ext.planner.cost.evaluate import Evaluation, evaluate
+from megatron_ext.planner.cost.pipeline import one_f_one_b, pipeline_lower_bound_s
+from megatron_ext.planner.cost.vocab import stage_extras
+from megatron_ext.planner.space import divisors, layer_strategies
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Layout:
+    """A complete layout: everything a ParallelPlan needs besides model, cluster and batch."""
+
+    pp: int
+    """Pipeline stages."""
+    micro_batch_size: int
+    """Samples per micro-batch over a stage's replicas."""
+    stages: tuple[tuple[int, int], ...]
+    """Half-open layer range per stage."""
+    layers: tuple[LayerStrategy, ...]
+    """One strategy per layer."""
+    vocab: VocabStrategy
+    """Vocabulary layers."""
+
+
+def megatron_partitions(num_layers: int, pp: int) -> np.ndarray:  # [P, pp] layer counts
+    """Every split Megatron's first/last-stage flags give: a first, b last, (L-a-b)/(pp-2) else."""
+    if pp == 1:
+        return np.array([[num_layers]])
+    rows = []
+    for a in range(1, num_layers):
+        for b in range(1, num_layers - a + 1):
+            middle = num_layers - a - b
+            if pp == 2:
+                if middle == 0:
+                    rows.append([a, b])
+            elif middle >= pp - 2 and middle % (pp - 2) == 0:
+                rows.append([a] + [middle // (pp - 2)] * (pp - 2) + [b])
+    return np.array(rows, dtype=np.int64).reshape(-1, pp)
+
+
+@functools.lru_cache(maxsize=64)
+def _partitions(num_layers: int, pp: int) -> np.ndarray:
+    return megatron_partitions(num_layers, pp).astype(float)
+
+
+def score_uniform(
+    cm, pp: int, micro_batch_size: int, bound_s: float = np.inf
+) -> tuple[float, Layout] | None:
+    """Best uniform layout at this (pp, micro-batch size) faster than bound_s, or None."""
+    model, cluster = cm.model, cm.cluster
+    width = cluster.num_gpus // pp
+    table = layer_strategies(
+        model,
+        cm.training,
+        width=width,
+        gpus_per_node=cluster.gpus_per_node,
+        micro_batch_size=micro_batch_size,
+        uniform=True,
+    )
+    if len(table) == 0:
+        return None
+    costs = cm.layer_costs(table, micro_batch_size)
+    m = cm.training.global_batch_size // micro_batch_size
+    parts = _partitions(model.num_layers, pp)  # [P, pp]
+    best: tuple[float, Layout] | None = None
+    for key in sorted({(int(tp), min(int(z), 1)) for tp, z in zip(table.tp, table.zero)}):
+        ex = stage_extras(cm, VocabStrategy(mode="tp", tp=key[0]), pp, micro_batch_size, m, key[1])
+        work = (
+            model.num_layers * (costs.forward_s + costs.backward_s)
+            + (ex.forward_s + ex.backward_s).sum()
+        )
+        bound = min(bound_s, best[0] if best else np.inf)
+        sel = np.flatnonzero(
+            (table.tp == key[0])
+            & (np.minimum(table.zero, 1) == key[1])
+            & (pipeline_lower_bound_s(work, pp, m) < bound)
+        )
+        if len(sel) == 0:
+            continue
+        found = _best_of(cm, costs, sel, ex, parts, m)
+        if found is not None and (best is None or found[0] < best[0]):
+            i, counts = found[1], parts[found[2]].astype(int)
+            bounds = np.concatenate([[0], np.cumsum(counts)])
+            best = (
+                found[0],
+                Layout(
+                    pp=pp,
+                    micro_batch_size=micro_batch_size,
+                    stages=tuple((int(bounds[k]), int(bounds[k + 1])) for k in range(pp)),
+                    layers=(table.strategies[i],) * model.num_layers,
+                    vocab=VocabStrategy(mode="tp", tp=key[0]),
+                ),
+            )
+    return best
+
+
+def _best_of(
+    cm, costs, sel: np.ndarray, ex, parts: np.ndarray, m: int
+) -> tuple[float, int, int] | None:
+    """(iteration, strategy index, partition index) of the fastest feasible pair in sel x parts."""
+    col = lambda a: a[sel][:, None, None]
+    mem = (
+        ex.fixed_bytes
+        + parts[None] * (col(costs.state_bytes) + ex.inflight * col(costs.activation_bytes))
+        + col(costs.transient_bytes)
+    )
+    fits = np.all(mem <= cm.memory_cap_bytes, axis=-1)  # [S, P]
+    si, pj = np.nonzero(fits)
+    if len(si) == 0:
+        return None
+    n = parts[pj]  # [F, pp]
+    c = lambda a: a[sel][si][:, None]
+    pipe = one_f_one_b(
+        n * c(costs.forward_s) + ex.forward_s,
+        n * c(costs.backward_s) + ex.backward_s,
+        ex.p2p_s,
+        n * c(costs.grad_sync_s) + ex.grad_sync_s,
+        n * c(costs.param_gather_s) + ex.param_gather_s,
+        n * c(costs.optimizer_s) + ex.optimizer_s,
+        m,
+    )
+    k = int(np.argmin(pipe.iteration_s))
+    return float(pipe.iteration_s[k]), int(sel[si[k]]), int(pj[k])
+
+
+def search_uniform(
+    cm, *, progress: Callable[[str], None] | None = None
+) -> tuple[Layout, Evaluation] | None:
+    """The fastest uniform layout over every pp and micro-batch size; None if nothing fits."""
+    model, cluster = cm.model, cm.cluster
+    best: tuple[float, Layout] | None = None
+    for pp in [p for p in divisors(cluster.num_gpus) if p <= model.num_layers]:
+        for mbs in divisors(cm.training.global_batch_size):
+            found = score_uniform(cm, pp, mbs, best[0] if best else np.inf)
+            if found is not None and (best is None or found[0] < best[0]):
+                best = found
+        if progress is not None:
+            progress(f"uniform: pp={pp} done" + (f", best {best[0]:.3f} s" if best else ""))
+    if best is None:
+        return None
+    layout = best[1]
+    ev = evaluate(
+        cm,
+        pp=layout.pp,
+        stages=layout.stages,
+        layers=layout.layers,
+        vocab=layout.vocab,
+        micro_batch_size=layout.micro_batch_size,
+    )
+    assert abs(ev.iteration_s - best[0]) <= 1e-9 * best[0], (ev.iteration_s, best[0])
+    return layout, ev
