@@ -57,7 +57,7 @@ def build_megatron_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentPar
 
 
 def parse_megatron_args(
-    argv: Sequence[str], *, world_size: int | None = None
+    argv: Sequence[str], *, world_size: int | None = None, model_only: bool = False
 ) -> argparse.Namespace:
     """Parse and validate Megatron-LM flags like Megatron-LM's parse_args + validate_args.
 
@@ -65,7 +65,8 @@ def parse_megatron_args(
     global_batch_size when `world_size` is known, ...). `ns.explicit_args` holds the dests given
     on the command line. With --strategy-config the plan file is loaded and checked against the
     given flags; values it carries and the flags omit are filled in, values that vary per layer
-    are None.
+    are None. `model_only` drops the training requirements (--seq-length, --micro-batch-size)
+    for files that describe just a model shape.
     """
     argv = list(argv)
     parser = build_megatron_parser()
@@ -80,7 +81,7 @@ def parse_megatron_args(
     apply_aliases(ns)
     if ns.strategy_config is not None:
         apply_strategy_config(ns, world_size=world_size)
-    validate_megatron_args(ns, world_size=world_size)
+    validate_megatron_args(ns, world_size=world_size, model_only=model_only)
     return ns
 
 

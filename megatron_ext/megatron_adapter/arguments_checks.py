@@ -34,12 +34,16 @@ def apply_aliases(ns: argparse.Namespace) -> None:
     ns.explicit_args = frozenset(explicit)
 
 
-def validate_megatron_args(ns: argparse.Namespace, *, world_size: int | None) -> None:
+def validate_megatron_args(
+    ns: argparse.Namespace, *, world_size: int | None, model_only: bool = False
+) -> None:
     apply_aliases(ns)
     derived: set[str] = set()
-    for dest in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings",
-                 "seq_length", "micro_batch_size"):
-        if getattr(ns, dest) is None and not (ns.strategy_config and dest == "micro_batch_size"):
+    required = ["num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings"]
+    if not model_only:
+        required += ["seq_length"] + ([] if ns.strategy_config else ["micro_batch_size"])
+    for dest in required:
+        if getattr(ns, dest) is None:
             raise PlanError(f"--{dest.replace('_', '-')} is missing; Megatron-LM requires it")
     _check_model(ns, derived)
     _check_pipeline(ns)
@@ -89,7 +93,7 @@ def _check_model(ns: argparse.Namespace, derived: set[str]) -> None:
             f"--position-embedding-type {ns.position_embedding_type} is a Megatron setting "
             "megatron_ext does not support yet; use rope or learned_absolute"
         )
-    if ns.seq_length > ns.max_position_embeddings:
+    if ns.seq_length is not None and ns.seq_length > ns.max_position_embeddings:
         raise PlanError(
             f"--max-position-embeddings={ns.max_position_embeddings} must be >= --seq-length="
             f"{ns.seq_length} (Megatron-LM requires it)"
@@ -142,7 +146,7 @@ def _check_context(ns: argparse.Namespace) -> None:
             "--cp-comm-type allgather is a Megatron setting megatron_ext does not support yet; "
             "use p2p (ring) or a2a (Ulysses)"
         )
-    if cp > 1 and ns.seq_length % (2 * cp):
+    if cp > 1 and ns.seq_length is not None and ns.seq_length % (2 * cp):
         raise PlanError(
             f"--seq-length={ns.seq_length} must be a multiple of 2 x --context-parallel-size="
             f"{2 * cp} (Megatron-LM requires it)"

@@ -157,6 +157,10 @@ def test_missing_required_flags() -> None:
     assert error_of(base=BASE[2:]).startswith("--num-layers is missing; Megatron-LM requires it")
     no_vocab = BASE[:-2]
     assert "--vocab-size is missing" in error_of(base=no_vocab)
+    model = BASE[:8] + BASE[-2:]  # without --seq-length and --micro-batch-size
+    assert error_of(base=model).startswith("--seq-length is missing")
+    ns = parse_megatron_args(model, model_only=True)  # a model-shape file, e.g. for search
+    assert (ns.seq_length, ns.micro_batch_size, ns.kv_channels) == (None, None, 16)
 
 
 def test_sequence_parallel_at_tp1_is_dropped_with_a_warning(caplog: Any) -> None:
