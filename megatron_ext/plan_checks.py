@@ -28,6 +28,7 @@ def check_plan(plan: ParallelPlan) -> None:
     _check_batch(plan)
     _check_vocab(plan)
     _check_flexsp(plan)
+    _check_prediction(plan)
 
 
 def _check_world(plan: ParallelPlan) -> None:
@@ -155,3 +156,20 @@ def _check_flexsp(plan: ParallelPlan) -> None:
             f"flexsp.max_group_size={plan.flexsp.max_group_size} does not divide "
             f"num_attention_heads={plan.model.num_attention_heads}"
         )
+
+
+def _check_prediction(plan: ParallelPlan) -> None:
+    pred = plan.prediction
+    if pred is None:
+        return
+    for name in ("stage_peak_memory_gib", "stage_time_s"):
+        values = getattr(pred, name)
+        if values and len(values) != plan.pp:
+            raise PlanError(
+                f"prediction.{name} has {len(values)} entries but pp={plan.pp}; give one per "
+                "stage or none"
+            )
+        if any(v < 0 for v in values):
+            raise PlanError(f"prediction.{name} has a negative entry; times and memory are >= 0")
+    if pred.mfu < 0:
+        raise PlanError(f"prediction.mfu={pred.mfu} must be >= 0")
