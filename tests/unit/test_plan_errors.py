@@ -87,6 +87,12 @@ def _example() -> dict[str, Any]:
         (lambda d: d.update(schema_version=2), "schema_version=2 is not supported"),
         (lambda d: d.update(extra=1), "extra is not a known field"),
         (lambda d: d.update(pp=10**5000), "pp=<16610-bit integer> is out of range"),
+        (lambda d: d.update(prediction={"iteration_time_s": 1.0, "tokens_per_s": 5.0,
+                                        "stage_time_s": [1.0, 1.0, 1.0]}),
+         "prediction.stage_time_s has 3 entries but pp=2"),
+        (lambda d: d.update(prediction={"iteration_time_s": 1.0, "tokens_per_s": 5.0,
+                                        "mfu": -0.5}),
+         "prediction.mfu=-0.5 must be >= 0"),
     ],
 )
 def test_field_errors_name_field_value_and_fix(edit: Any, expected: str) -> None:
