@@ -25,6 +25,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="print the Megatron-LM flags of a plan, one argv token per line",
     )
     p.add_argument("plan", help="plan JSON file")
+    p.add_argument("--plan-path", default=None,
+                   help="path to print after --strategy-config when the plan needs it, e.g. "
+                   "where the file sits inside the training container (default: PLAN as given)")
     p.set_defaults(run=run_args)
     q = sub.add_parser(
         "plan-from-args",
@@ -40,7 +43,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_args(args: argparse.Namespace) -> int:
-    result = plan_to_megatron_args(ParallelPlan.load(args.plan), plan_path=args.plan)
+    plan = ParallelPlan.load(args.plan)
+    result = plan_to_megatron_args(plan, plan_path=args.plan_path or args.plan)
     if result.needs_megatron_ext:
         sys.stderr.write(
             "megatron-ext: note: this plan needs megatron_ext's pretrain_gpt.py (stock "

@@ -47,6 +47,8 @@ def test_args_for_heterogeneous_plan_adds_strategy_config_and_a_note(capsys: Any
         "megatron-ext: note: this plan needs megatron_ext's pretrain_gpt.py"
     )
     assert "per-layer tp (1, 2, 4)" in err[0]
+    code, out, _ = run(capsys, "args", str(HETERO), "--plan-path", "/workspace/plan.json")
+    assert code == 0 and out.splitlines()[-2:] == ["--strategy-config", "/workspace/plan.json"]
 
 
 def test_mapfile_keeps_layout_strings_intact(tmp_path: Path) -> None:
