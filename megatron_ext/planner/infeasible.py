@@ -20,14 +20,26 @@ from megatron_ext.planner.space import divisors, layer_strategies, vocab_options
 GIB = 2**30
 
 
-def _min_max_partition(fixed: np.ndarray, per_layer: np.ndarray, num_layers: int) -> float:
-    """min over partitions of max_k fixed_k + n_k per_layer_k (n_k >= 1, sum = L)."""
-    lo = float(np.max(fixed + per_layer))
-    hi = float(np.max(fixed + per_layer * num_layers))
-    for _ in range(60):
+def _stage_capacity(
+    bound: float, fixed: np.ndarray, transient: np.ndarray, per_layer: np.ndarray
+) -> np.ndarray:  # [pp]
+    """Most layers each stage holds within `bound` bytes. The transient peak is that of the worst
+    strategy used, so try every threshold T (transient [S], sorted ascending) with the cheapest
+    per-layer memory among strategies whose transient is <= T (per_layer [pp, S], prefix-min)."""
+    room = bound - fixed[:, None] - transient[None, :]  # [pp, S]
+    return np.max(np.where(room >= 0, np.floor(room / per_layer), -1), axis=1)
+
+
+def _min_max_bytes(
+    fixed: np.ndarray, transient: np.ndarray, per_layer: np.ndarray, num_layers: int
+) -> float:
+    """Smallest bound M (to 1e-4 relative) at which the stages hold num_layers layers, >= 1 each."""
+    lo = 0.0
+    hi = float(np.max(fixed) + transient[-1] + num_layers * np.max(per_layer[:, -1]))
+    while hi - lo > 1e-4 * hi:
         mid = (lo + hi) / 2
-        cap = np.floor((mid - fixed) / per_layer)
-        if np.all(cap >= 1) and cap.sum() >= num_layers:
+        caps = _stage_capacity(mid, fixed, transient, per_layer)
+        if caps.min() >= 1 and caps.sum() >= num_layers:
             hi = mid
         else:
             lo = mid
@@ -47,14 +59,19 @@ def min_allocated_bytes(cm) -> float:
             if len(table) == 0:
                 continue
             costs = cm.layer_costs(table, mbs)
+            order = np.argsort(costs.transient_bytes)
+            transient = costs.transient_bytes[order]
             m = t.global_batch_size // mbs
-            for vocab in vocab_options(
+            options = vocab_options(
                 width=width, pp=pp, gpus_per_node=cluster.gpus_per_node, training=t
-            ):
+            )
+            for vocab in options:
                 ex = stage_extras(cm, vocab, pp, mbs, m, vocab_zero=1)
-                per_layer = np.array([costs.memory_bytes(int(i)).min() for i in ex.inflight])
-                fixed = ex.fixed_bytes + float(costs.transient_bytes.max())
-                best = min(best, _min_max_partition(fixed, per_layer, model.num_layers))
+                per_layer = np.stack(
+                    [np.minimum.accumulate(costs.memory_bytes(int(i))[order]) for i in ex.inflight]
+                )
+                bound = _min_max_bytes(ex.fixed_bytes, transient, per_layer, model.num_layers)
+                best = min(best, bound)
     return best
 
 
@@ -88,10 +105,30 @@ def min_nodes(cm, max_gpus: int = 65536) -> int | None:
     return hi
 
 
+def verified_min_memory_gib(cm) -> float:
+    """min_memory_gib, raised in 2% steps until the search (whose DP rounds memory up) really
+    finds a layout there; inf if three steps do not suffice."""
+    from megatron_ext.errors import InfeasiblePlanError
+    from megatron_ext.planner.cost.model import CostModel
+    from megatron_ext.planner.search import search
+
+    memory = math.ceil(min_memory_gib(cm) * 10) / 10
+    for _ in range(4):
+        if not math.isfinite(memory):
+            break
+        cluster = dataclasses.replace(cm.cluster, memory_gib=memory)
+        try:
+            search(CostModel(cm.model, cluster, cm.training, comm=cm.comm, compute=cm.compute))
+            return memory
+        except InfeasiblePlanError:
+            memory = math.ceil(memory * 1.02 * 10) / 10
+    return math.inf
+
+
 def explain_infeasible(cm) -> str:
     """One line: what does not fit and the smallest memory or GPU count that would."""
     c = cm.cluster
-    memory = min_memory_gib(cm)
+    memory = verified_min_memory_gib(cm)
     nodes = min_nodes(cm)
     parts = [
         (

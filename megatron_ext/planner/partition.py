@@ -25,6 +25,8 @@ def partition_objective(
     slot: np.ndarray, counts: np.ndarray | list[int], num_microbatches: int
 ) -> float:
     times = np.array([slot[k, n] for k, n in enumerate(counts)])
+    if not np.all(np.isfinite(times)):
+        return np.inf
     return float(times.sum() + (num_microbatches - 1) * times.max())
 
 

@@ -1,0 +1,195 @@
+"""Cost-model terms: each formula against its closed form, and the vectorised paths against the
+exact evaluator. Expected values are computed independently from the papers' formulas."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from megatron_ext.plan import LayerStrategy, VocabStrategy
+from megatron_ext.planner.cost.comm import (
+    AlphaBetaComm,
+    GroupLayout,
+    MeasuredComm,
+    MeasuredCurve,
+    group_layout,
+)
+from megatron_ext.planner.cost.evaluate import evaluate
+from megatron_ext.planner.cost.memory import (
+    layer_activation_bytes,
+    state_bytes_per_param,
+)
+from megatron_ext.planner.cost.model import CostModel
+from megatron_ext.planner.cost.pipeline import one_f_one_b
+from megatron_ext.planner.space import StrategyTable
+from megatron_ext.planner.training import TrainingSpec
+from megatron_ext.planner.uniform import score_uniform
+from megatron_ext.presets import cluster_preset, model_preset
+
+
+def test_activation_bytes_match_korthikanti():
+    """GPT-3 shape (f = 4h, no GQA), no flash attention, dropout on, bf16: eq. 2 of Korthikanti
+    et al.: sbh(10 + 24/t + 5as/(ht)) without SP, sbh(34/t + 5as/(ht)) with SP, 2sbh(/t) full."""
+    model = model_preset("gpt3-13b")
+    s, b, h, a = 2048, 2, model.hidden_size, model.num_attention_heads
+    for t in (1, 2, 4, 8):
+        kw = {
+            "b": b,
+            "seq_length": s,
+            "tp": t,
+            "cp": 1,
+            "ulysses": 1,
+            "element_bytes": 2,
+            "flash_attention": False,
+            "dropout": True,
+        }
+        plain = layer_activation_bytes(model, sp=False, recompute=0, **kw)
+        assert plain == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+        if t > 1:
+            sp = layer_activation_bytes(model, sp=True, recompute=0, **kw)
+            assert sp == pytest.approx(s * b * h * (34 / t + 5 * a * s / (h * t)))
+            full = layer_activation_bytes(model, sp=True, recompute=2, **kw)
+            assert full == pytest.approx(2 * s * b * h / t)
+        selective = layer_activation_bytes(model, sp=False, recompute=1, **kw)
+        assert selective == pytest.approx(s * b * h * (10 + 24 / t))
+    # Context parallelism and Ulysses split every term by their degree.
+    base = layer_activation_bytes(
+        model, b=b, seq_length=s, tp=2, sp=True, cp=1, ulysses=1, recompute=0, element_bytes=2
+    )
+    split = layer_activation_bytes(
+        model, b=b, seq_length=s, tp=2, sp=True, cp=2, ulysses=2, recompute=0, element_bytes=2
+    )
+    assert split == pytest.approx(base / 4)
+
+
+def test_state_bytes_per_zero_level():
+    """Mixed precision Adam: 2 + 4 + 4 + 8 = 18 B/param; ZeRO-1 shards 12, ZeRO-3 all 18."""
+    assert state_bytes_per_param(0, 8, half_precision=True) == 18
+    assert state_bytes_per_param(1, 8, half_precision=True) == pytest.approx(6 + 12 / 8)
+    assert state_bytes_per_param(3, 8, half_precision=True) == pytest.approx(18 / 8)
+    assert state_bytes_per_param(0, 4, half_precision=False) == 16
+    assert state_bytes_per_param(1, 4, half_precision=False) == pytest.approx(8 + 8 / 4)
+
+
+def test_alpha_beta_collectives_know_nodes():
+    cluster = cluster_preset("dgx-h100", num_nodes=4)
+    comm = AlphaBetaComm(cluster=cluster)
+    intra, inter = cluster.intra_node, cluster.inter_node
+    n = 256e6
+    inside = group_layout(8, 1, 8)
+    assert not inside.crosses_nodes
+    want = 2 * 7 / 8 * n / intra.bandwidth_bytes_per_s + 2 * 7 * intra.latency_s
+    assert comm.time_s("all_reduce", n, inside) == pytest.approx(want)
+    assert comm.time_s("all_gather", n, inside) == pytest.approx(want / 2)
+    # A dp group of 4 ranks, one per node (stride 8): one NIC each.
+    across = group_layout(4, 8, 8)
+    assert across.crosses_nodes and across.ranks_per_node == 1
+    want = 2 * 3 / 4 * n / inter.bandwidth_bytes_per_s + 2 * 2 * inter.latency_s
+    assert comm.time_s("all_reduce", n, across) == pytest.approx(want)
+    # 32 ranks over 4 nodes drive 8 NICs per node in parallel.
+    assert comm.bus_bandwidth_bytes_per_s(group_layout(32, 1, 8)) == pytest.approx(
+        min(intra.bandwidth_bytes_per_s, 8 * inter.bandwidth_bytes_per_s)
+    )
+    assert comm.time_s("all_reduce", n, GroupLayout(size=1, ranks_per_node=1)) == 0
+
+
+def test_measured_curves_replace_the_formula_where_measured():
+    cluster = cluster_preset("dgx-h100")
+    curve = MeasuredCurve(
+        collective="all_reduce",
+        group_size=8,
+        ranks_per_node=8,
+        num_bytes=(1e6, 1e8),
+        seconds=(1e-4, 1e-2),
+    )
+    comm = MeasuredComm(curves=(curve,), fallback=AlphaBetaComm(cluster=cluster))
+    layout = group_layout(8, 1, 8)
+    assert comm.time_s("all_reduce", 5.05e7, layout) == pytest.approx(5.05e-3)
+    assert comm.time_s("all_reduce", 2e8, layout) == pytest.approx(2e-2)  # last slope
+    other = group_layout(4, 1, 8)
+    assert comm.time_s("all_reduce", 1e8, other) == AlphaBetaComm(cluster=cluster).time_s(
+        "all_reduce", 1e8, other
+    )
+
+
+def test_one_f_one_b_equal_stages_is_textbook():
+    """Equal stages, no tails: (m + p - 1) * (f + b)."""
+    for pp, m in [(1, 8), (4, 8), (4, 2), (8, 32)]:
+        f, b = np.full(pp, 0.3), np.full(pp, 0.6)
+        zero = np.zeros(pp)
+        pipe = one_f_one_b(f, b, zero, zero, zero, zero, m)
+        assert pipe.iteration_s == pytest.approx((m + pp - 1) * 0.9)
+
+
+def _cost_model(memory_gib=80.0):
+    training = TrainingSpec(global_batch_size=64, seq_length=2048)
+    cluster = cluster_preset("dgx-h100", num_nodes=2, memory_gib=memory_gib)
+    return CostModel(model_preset("llama2-7b"), cluster, training)
+
+
+def test_costs_move_the_right_way():
+    cm = _cost_model()
+    table = StrategyTable.of(
+        [
+            LayerStrategy(tp=2, sp=True, dp=4, zero=1),
+            LayerStrategy(tp=2, sp=True, dp=4, zero=1, recompute="full"),
+            LayerStrategy(tp=2, sp=True, dp=4, zero=3),
+            LayerStrategy(tp=8, sp=True, dp=1, zero=1),
+        ]
+    )
+    c = cm.layer_costs(table, 8)
+    assert c.activation_bytes[1] < c.activation_bytes[0] and c.backward_s[1] > c.backward_s[0]
+    assert c.recompute_s[1] > 0 and c.recompute_s[0] == 0
+    assert c.state_bytes[2] < c.state_bytes[0] and c.forward_s[2] >= c.forward_s[0]
+    assert c.state_bytes[3] < c.state_bytes[0]
+
+
+def test_uniform_vectorised_score_equals_evaluate():
+    cm = _cost_model()
+    for pp, mbs in [(1, 16), (2, 8), (4, 4)]:
+        found = score_uniform(cm, pp, mbs)
+        assert found is not None
+        layout = found[1]
+        ev = evaluate(
+            cm,
+            pp=pp,
+            stages=layout.stages,
+            layers=layout.layers,
+            vocab=layout.vocab,
+            micro_batch_size=mbs,
+        )
+        assert ev.feasible
+        assert ev.iteration_s == pytest.approx(found[0], rel=1e-12)
+
+
+def test_vocabulary_parallel_balances_the_last_stage():
+    """With a 128k vocabulary the last stage carries the output layer under mode tp; vocabulary
+    parallelism spreads it so the stages' busy times even out. (Memory need not drop: every stage
+    keeps one more micro-batch in flight, as the paper's Table 5 shows for small vocabularies.)"""
+    training = TrainingSpec(global_batch_size=64, seq_length=4096)
+    cm = CostModel(model_preset("llama3-8b"), cluster_preset("dgx-h100", num_nodes=1), training)
+    layers = [LayerStrategy(tp=1, dp=2, zero=1)] * 32
+    stages = [(8 * k, 8 * k + 8) for k in range(4)]
+    tp_mode = evaluate(
+        cm, pp=4, stages=stages, layers=layers, vocab=VocabStrategy(tp=1), micro_batch_size=2
+    )
+    vp_mode = evaluate(
+        cm,
+        pp=4,
+        stages=stages,
+        layers=layers,
+        vocab=VocabStrategy(mode="vocab_parallel", tp=1),
+        micro_batch_size=2,
+    )
+    spread = lambda ev: max(ev.stage_busy_s) / min(ev.stage_busy_s)
+    assert spread(vp_mode) < spread(tp_mode)
+    assert vp_mode.iteration_s < tp_mode.iteration_s
+
+
+def test_memory_cap_excludes_the_reserve():
+    cm = _cost_model(memory_gib=40.0)
+    assert cm.memory_cap_bytes == pytest.approx((40 - (1 + 0.04 * 40)) * 2**30)
+    fixed = dataclasses.replace(cm.training, reserve_gib=2.0)
+    assert CostModel(cm.model, cm.cluster, fixed).memory_cap_bytes == pytest.approx(38 * 2**30)

@@ -1,0 +1,157 @@
+"""End-to-end search: emitted plans validate, more memory never hurts, uniform results round-trip
+through Megatron flags, infeasible inputs name what would fit, and the CLI's exit codes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from megatron_ext.cli import main
+from megatron_ext.errors import InfeasiblePlanError
+from megatron_ext.plan import ParallelPlan
+from megatron_ext.planner.cost.evaluate import evaluate
+from megatron_ext.planner.cost.model import CostModel
+from megatron_ext.planner.infeasible import min_memory_gib
+from megatron_ext.planner.search import SearchOptions, search
+from megatron_ext.planner.training import TrainingSpec
+from megatron_ext.presets import cluster_preset, model_preset
+
+
+def cost_model(
+    memory_gib: float,
+    *,
+    model: str = "llama2-7b",
+    nodes: int = 1,
+    gbs: int = 64,
+    seq: int = 2048,
+    **training,
+) -> CostModel:
+    return CostModel(
+        model_preset(model),
+        cluster_preset("dgx-a100-80g", num_nodes=nodes, memory_gib=memory_gib),
+        TrainingSpec(global_batch_size=gbs, seq_length=seq, **training),
+    )
+
+
+def check_emitted(result, cm: CostModel) -> None:
+    """The plan validates (construction ran check_plan), survives JSON, and its prediction is
+    the exact evaluation of its layout, within memory."""
+    plan = result.plan
+    again = ParallelPlan.from_dict(json.loads(plan.to_json()))
+    assert again == plan
+    assert plan.prediction is not None and plan.cluster == cm.cluster
+    ev = evaluate(
+        cm,
+        pp=plan.pp,
+        stages=plan.stages,
+        layers=plan.layers,
+        vocab=plan.vocab,
+        micro_batch_size=plan.micro_batch_size,
+    )
+    assert ev.feasible
+    assert ev.iteration_s == pytest.approx(plan.prediction.iteration_time_s, rel=1e-12)
+    assert plan.prediction.tokens_per_s == pytest.approx(
+        plan.global_batch_size * plan.seq_length / ev.iteration_s
+    )
+    if result.uniform_evaluation is not None:
+        assert result.evaluation.iteration_s <= result.uniform_evaluation.iteration_s
+        assert result.uniform_plan.is_uniform()
+
+
+def test_more_memory_is_never_worse():
+    """Memory from tight (recompute, sharding) to ample; every emitted plan checked."""
+    previous = None
+    for memory in (17, 20, 24, 32, 48, 80):
+        cm = cost_model(memory)
+        result = search(cm)
+        check_emitted(result, cm)
+        if previous is not None:
+            assert result.evaluation.iteration_s <= previous * (1 + 1e-12)
+        previous = result.evaluation.iteration_s
+
+
+def test_layerwise_beats_uniform_when_memory_is_tight():
+    """At 20 GiB the uniform baseline must shard 4-way with TP (or recompute everything); the
+    layerwise plan shards only the layers that need it (ZeRO-3 or recompute on some layers), so
+    it is strictly faster with a layout Megatron-LM flags cannot express."""
+    cm = cost_model(20)
+    result = search(cm)
+    assert result.evaluation.iteration_s < 0.97 * result.uniform_evaluation.iteration_s
+    assert not result.plan.is_uniform()
+
+
+def test_vocab_parallel_flag_is_honoured():
+    cm = cost_model(80, model="llama3-8b", nodes=2, gbs=64, seq=4096, allow_vocab_parallel=False)
+    result = search(cm)
+    check_emitted(result, cm)
+    assert result.plan.vocab.mode == "tp"
+
+
+def test_uniform_search_round_trips_through_megatron_flags():
+    args_module = pytest.importorskip("megatron_ext.megatron_adapter.args")
+    arguments = pytest.importorskip("megatron_ext.megatron_adapter.arguments")
+    cm = cost_model(24)
+    result = search(cm, options=SearchOptions(uniform_only=True))
+    plan = result.plan
+    assert plan.is_uniform()
+    out = args_module.plan_to_megatron_args(plan)
+    assert not out.uses_strategy_config and not out.needs_megatron_ext
+    ns = arguments.parse_megatron_args(list(out.argv), world_size=plan.world_size)
+    back = arguments.plan_from_megatron_args(ns, plan.world_size)
+    for name in (
+        "pp",
+        "stages",
+        "layers",
+        "micro_batch_size",
+        "global_batch_size",
+        "seq_length",
+        "vocab",
+        "precision",
+    ):
+        assert getattr(back, name) == getattr(plan, name), name
+
+
+def test_infeasible_names_memory_and_gpus_that_fit():
+    cm = cost_model(12)
+    with pytest.raises(InfeasiblePlanError) as err:
+        search(cm)
+    message = str(err.value)
+    assert "GiB per GPU" in message and "--nodes" in message
+    need = min_memory_gib(cm)
+    fits = dataclasses.replace(cm.cluster, memory_gib=need * 1.03)
+    search(CostModel(cm.model, fits, cm.training))  # the suggestion really fits
+
+
+def test_cli_default_case_writes_plan_and_flags(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert main(["search", "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert "predicted: iteration" in captured.err
+    assert ParallelPlan.load(out).model.name == "llama2-7b"
+    if "--tensor-model-parallel-size" not in captured.out:
+        assert "note:" in captured.err
+
+
+def test_cli_exit_codes(capsys):
+    assert main(["search", "--global-batch-size", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--global-batch-size" in err
+    assert (
+        main(
+            [
+                "search",
+                "--model",
+                "llama2-13b",
+                "--memory-gib",
+                "8",
+                "--global-batch-size",
+                "16",
+                "--seq-length",
+                "2048",
+            ]
+        )
+        == 3
+    )
+    assert "GiB per GPU" in capsys.readouterr().err
