@@ -85,7 +85,14 @@ def _model(args: argparse.Namespace) -> ModelSpec:
     from megatron_ext.megatron_adapter.arguments import parse_megatron_args
     from megatron_ext.megatron_adapter.plan_from_args import model_from_args
 
-    return model_from_args(parse_megatron_args(shlex.split(text, comments=True)))
+    # Only the model flags matter; Megatron's parser also wants the batch flags, so supply them.
+    tokens = shlex.split(text, comments=True)
+    if "--micro-batch-size" not in tokens:
+        tokens += ["--micro-batch-size", "1"]
+    if "--seq-length" not in tokens:
+        tokens += ["--seq-length", str(args.seq_length)]
+    model = model_from_args(parse_megatron_args(tokens))
+    return dataclasses.replace(model, name=path.stem)
 
 
 def _cost_model(args: argparse.Namespace, model: ModelSpec):

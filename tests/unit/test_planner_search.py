@@ -155,3 +155,54 @@ def test_cli_exit_codes(capsys):
         == 3
     )
     assert "GiB per GPU" in capsys.readouterr().err
+
+
+def test_cli_model_config_files(tmp_path, capsys):
+    """--model-config reads a HuggingFace config.json and a file of Megatron-LM model flags."""
+    hf = tmp_path / "config.json"
+    hf.write_text(
+        json.dumps(
+            {
+                "num_hidden_layers": 8,
+                "hidden_size": 1024,
+                "intermediate_size": 2816,
+                "num_attention_heads": 16,
+                "num_key_value_heads": 4,
+                "vocab_size": 32000,
+                "hidden_act": "silu",
+                "rms_norm_eps": 1e-5,
+                "max_position_embeddings": 4096,
+            }
+        )
+    )
+    flags = tmp_path / "small.args"
+    flags.write_text(
+        "--num-layers 8 --hidden-size 1024 --ffn-hidden-size 2816\n"
+        "--num-attention-heads 16 --group-query-attention --num-query-groups 4\n"
+        "--swiglu --normalization RMSNorm --position-embedding-type rope\n"
+        "--max-position-embeddings 4096 --untie-embeddings-and-output-weights\n"
+        "--disable-bias-linear --vocab-size 32000\n"
+    )
+    plans = []
+    for path in (hf, flags):
+        out = tmp_path / f"{path.stem}.plan.json"
+        assert (
+            main(
+                [
+                    "search",
+                    "--model-config",
+                    str(path),
+                    "--global-batch-size",
+                    "16",
+                    "--out",
+                    str(out),
+                ]
+            )
+            == 0
+        )
+        plans.append(ParallelPlan.load(out))
+    capsys.readouterr()
+    same = ("num_layers", "hidden_size", "ffn_hidden_size", "num_query_groups", "vocab_size")
+    for name in same:
+        assert getattr(plans[0].model, name) == getattr(plans[1].model, name)
+    assert plans[0].layers == plans[1].layers
