@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 
 _EPS = 1e-12
+TAIL_PER_GROUP = 2
+"""Short sequences per group left to earliest-finish-time after water-filling."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -137,36 +139,45 @@ def _water_level(loads: np.ndarray, weights: np.ndarray, work: float) -> float:
 
 
 def _fill(problem: MicroBatchProblem, state: Assignment, start: int) -> bool:
-    """Assign sequences [start, K) (short ones) by water-filling; leftovers by `_lpt`."""
-    n = problem.lengths.size - start
-    if n <= 0:
+    """Assign sequences [start, K) (short ones) by water-filling; leftovers by `_lpt`.
+
+    All short sequences together raise the groups to a common level (each degree at its own
+    speed); the groups of one degree then take consecutive runs of the sorted short sequences,
+    cut where the cumulative time crosses their cumulative quota (rounded to the nearer cut).
+    """
+    n_all = problem.lengths.size - start
+    if n_all <= 0:
         return True
-    small_t = problem.times[start:]  # [n, num_deg]
+    # the shortest TAIL_PER_GROUP * G sequences are kept back for earliest-finish-time, which
+    # evens out the water-filling's rounding with items smaller than any it made
+    n = n_all - min(n_all // 2, TAIL_PER_GROUP * state.group_deg_idx.size)
+    small_t = problem.times[start:start + n]  # [n, num_deg]
     prefix = np.vstack([np.zeros((1, small_t.shape[1])), np.cumsum(small_t, axis=0)])  # [n+1, nd]
-    prefix_tok = np.concatenate([[0], np.cumsum(problem.lengths[start:])])  # [n+1]
+    prefix_tok = np.concatenate([[0], np.cumsum(problem.lengths[start:start + n])])  # [n+1]
     ratio = prefix[-1] / max(prefix[-1, 0], _EPS)  # time at degree j / time at degree 0
     group_j = state.group_deg_idx
     level = _water_level(state.loads, 1.0 / ratio[group_j], float(prefix[-1, 0]))
     quota = np.maximum(level - state.loads, 0.0)
     group_cap = problem.capacity_tokens * problem.degrees[group_j]
     p = 0
-    for g in np.argsort(-quota, kind="stable").tolist():
-        if p >= n or quota[g] <= 0:
-            break
-        j = int(group_j[g])
-        col = prefix[:, j]
-        target = col[p] + quota[g]
-        e = int(np.searchsorted(col, target, side="right")) - 1
-        if e < n and col[e + 1] - target < target - col[e]:
-            e += 1
-        room = group_cap[g] - state.tokens[g]
-        e = min(e, int(np.searchsorted(prefix_tok, prefix_tok[p] + room, side="right")) - 1)
-        if e <= p:
+    for j in np.unique(group_j)[::-1].tolist():
+        gs = np.flatnonzero((group_j == j) & (quota > 0))
+        if p >= n or gs.size == 0:
             continue
-        state.seq_group[start + p:start + e] = g
-        if state.tokens[g] == 0:
-            state.loads[g] += problem.latency_s[j]
-        state.loads[g] += col[e] - col[p]
-        state.tokens[g] += prefix_tok[e] - prefix_tok[p]
-        p = e
-    return _lpt(problem, state, list(range(start + p, start + n)))
+        gs = gs[np.argsort(-quota[gs], kind="stable")]
+        col = prefix[:, j]
+        targets = col[p] + np.cumsum(quota[gs])  # [len(gs)] cumulative cut targets
+        ends = np.searchsorted(col, targets, side="right") - 1
+        up = np.minimum(ends + 1, n)
+        ends = np.where(col[up] - targets < targets - col[ends], up, ends)
+        ends = np.maximum.accumulate(np.maximum(ends, p))
+        starts = np.concatenate([[p], ends[:-1]])
+        tok = prefix_tok[ends] - prefix_tok[starts]
+        if np.any(state.tokens[gs] + tok > group_cap[gs]):
+            return _lpt(problem, state, list(range(start + p, start + n_all)))  # memory-tight
+        state.seq_group[start + p:start + ends[-1]] = np.repeat(gs, ends - starts)
+        opened = (state.tokens[gs] == 0) & (ends > starts)
+        state.loads[gs] += col[ends] - col[starts] + opened * problem.latency_s[j]
+        state.tokens[gs] += tok
+        p = int(ends[-1])
+    return _lpt(problem, state, list(range(start + p, start + n_all)))

@@ -18,6 +18,11 @@ import numpy as np
 from megatron_ext.planner.flexsp.assign import Assignment, MicroBatchProblem, _fill
 
 
+GROWTH = 1.25
+GROWTH_STEPS = 12
+"""The upper level grows by 1.25x at most 12 times (to ~15x the lower bound)."""
+
+
 def _pack(problem: MicroBatchProblem, num_gpus: int, num_big: int, level: float,
           small_work: np.ndarray, small_tokens: int):
     """Open groups and big placements for `level`, or None if the level is infeasible."""
@@ -77,20 +82,27 @@ def _pack(problem: MicroBatchProblem, num_gpus: int, num_big: int, level: float,
 
 
 def level_pack_search(
-    problem: MicroBatchProblem, num_gpus: int, num_big: int, lo: float, hi: float,
-    iters: int = 10,
+    problem: MicroBatchProblem, num_gpus: int, num_big: int, lo: float,
+    iters: int = 8, rel_tol: float = 0.005,
 ) -> tuple[Assignment, float] | None:
-    """Smallest feasible level in [lo, hi] by bisection (to 0.1%), realised as a full Assignment,
-    with that level (the fluid estimate of the makespan the short sequences can reach)."""
+    """Smallest feasible level above the lower bound `lo`, found by growing an upper bound
+    geometrically and bisecting to `rel_tol`; realised as an Assignment, with the level (the
+    fluid estimate of the makespan the short sequences can reach). None if no level packs."""
     k = problem.lengths.size
     small_work = problem.times[num_big:].sum(axis=0)  # [num_deg]: all short ones at degree j
     small_tokens = int(problem.lengths[num_big:].sum())
-    best = _pack(problem, num_gpus, num_big, hi, small_work, small_tokens)
+    hi, best = lo, None
+    for _ in range(GROWTH_STEPS):
+        hi *= GROWTH
+        best = _pack(problem, num_gpus, num_big, hi, small_work, small_tokens)
+        if best is not None:
+            break
+        lo = hi
     if best is None:
         return None
     level = hi
     for _ in range(iters):
-        if hi <= lo * 1.001:
+        if hi <= lo * (1 + rel_tol):
             break
         mid = 0.5 * (lo + hi)
         packed = _pack(problem, num_gpus, num_big, mid, small_work, small_tokens)

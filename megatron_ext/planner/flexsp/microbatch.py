@@ -22,9 +22,8 @@ from megatron_ext.planner.flexsp.level_pack import level_pack_search
 from megatron_ext.planner.flexsp.multisets import enumerate_multisets, lower_bounds
 from megatron_ext.planner.flexsp.refine import refine
 
-TIGHT_FILL = 0.7
-"""Above this share of the cluster's tokens a micro-batch's multisets are not pruned by time:
-packing the memory may need group shapes the time-ideal degrees would not suggest."""
+HOMOGENEOUS_TRIES = 2
+"""Homogeneous multisets (best bounds first) every finished micro-batch also tries."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,70 +60,118 @@ def make_problem(lengths_desc: np.ndarray, cost: FlexSPCostModel) -> MicroBatchP
 
 @dataclass(slots=True)
 class Candidates:
-    """Unrefined assignments of one micro-batch, each with its score (lower is better)."""
+    """Unrefined assignments of one micro-batch, each with its score (lower is better), and
+    the group multisets (enumerated on first use, in lower-bound order) still to be tried."""
 
     problem: MicroBatchProblem
+    num_gpus: int
+    num_big: int
+    """Sequences placed one by one (the rest are water-filled)."""
+    avg_load: float
+    """Least possible GPU-seconds of the micro-batch over the device count."""
+    fixed_counts: np.ndarray | None = None
+    """The only multiset allowed (static baseline), or None."""
     found: list[tuple[float, Assignment]] = field(default_factory=list)
+    counts: np.ndarray | None = None
+    """[num_multisets, num_deg] candidate multisets, once enumerated."""
+    bound: np.ndarray | None = None
+    """[num_multisets] their lower bounds."""
+    untried: list[int] = field(default_factory=list)
+    """Multiset rows not assigned yet, ascending bound."""
 
     @property
     def score(self) -> float:
         return min((s for s, _ in self.found), default=math.inf)
+
+    def _enumerate(self) -> None:
+        if self.counts is not None:
+            return
+        problem = self.problem
+        if self.fixed_counts is not None:
+            counts = self.fixed_counts[None, :]
+        else:
+            degrees = tuple(problem.degrees.tolist())
+            caps = _count_caps(problem, self.avg_load)
+            counts = enumerate_multisets(self.num_gpus, degrees, caps)
+            # the homogeneous multisets are always candidates (memory-tight fallback)
+            missing = [row for row in _homogeneous(self.num_gpus, degrees)
+                       if any(row[j] > caps[j] for j in range(1, len(degrees)))]
+            if missing:
+                counts = np.vstack([counts, np.asarray(missing)])
+        bound = lower_bounds(counts, problem.degrees, problem.times, problem.min_deg_idx,
+                             problem.lengths, problem.capacity_tokens)
+        order = np.argsort(bound, kind="stable")
+        self.counts, self.bound = counts, bound
+        self.untried = order[np.isfinite(bound[order])].tolist()
+
+    def try_multisets(self, num: int) -> None:
+        """Assign up to `num` more multisets, stopping when the bound reaches the best found."""
+        if num <= 0:
+            return
+        self._enumerate()
+        assert self.counts is not None and self.bound is not None
+        while num > 0 and self.untried:
+            idx = self.untried[0]
+            if not self.bound[idx] < self.score * (1 - 1e-9):
+                return
+            self.untried.pop(0)
+            num -= 1
+            self._add(assign(self.problem, self.counts[idx], self.num_big))
+
+    def try_homogeneous(self, num: int, *, until_found: bool = False) -> None:
+        """Up to `num` homogeneous multisets (in bound order): equal groups spread memory evenly,
+        which wins when memory is tight and a fallback when time-driven candidates fail.
+        With `until_found`, stop at the first one that packs."""
+        self._enumerate()
+        assert self.counts is not None and self.bound is not None
+        homogeneous = (self.counts > 0).sum(axis=1) == 1  # [num_multisets]
+        for idx in [i for i in self.untried if homogeneous[i]][:num]:
+            if not self.bound[idx] < self.score * (1 - 1e-9):
+                return
+            self.untried.remove(idx)
+            if self._add(assign(self.problem, self.counts[idx], self.num_big)) and until_found:
+                return
+
+    def _add(self, result: Assignment | None) -> bool:
+        if result is not None:
+            self.found.append((result.makespan_s, result))
+        return result is not None
 
 
 def microbatch_candidates(
     problem: MicroBatchProblem, num_gpus: int, *, max_evals: int, big_fraction: float,
     level_pack: bool, fixed_counts: np.ndarray | None = None,
 ) -> Candidates:
-    """Assignments of this micro-batch to try (empty `found` if no multiset holds it)."""
+    """First candidates of this micro-batch (empty `found` if none holds it): the level-packing
+    search, plus `max_evals` multisets by lower bound, or more when nothing fits yet."""
     k = problem.lengths.size
     min_time = problem.times[np.arange(k), problem.min_deg_idx]  # [K]
     avg_load = float((min_time * problem.degrees[problem.min_deg_idx]).sum()) / num_gpus
     big = (problem.min_deg_idx > 0) | (min_time > big_fraction * avg_load)
     num_big = int(np.argmin(big)) if not big.all() else k  # big is a prefix (monotone in length)
-    if fixed_counts is not None:
-        counts = fixed_counts[None, :]
-    else:
-        degrees = tuple(problem.degrees.tolist())
-        tight = problem.lengths.sum() > TIGHT_FILL * num_gpus * problem.capacity_tokens
-        caps = None if tight else _count_caps(problem, avg_load)
-        counts = enumerate_multisets(num_gpus, degrees, caps)
-        if caps is not None:  # the homogeneous multisets are always candidates
-            counts = np.vstack([counts, _homogeneous(num_gpus, degrees)])
-    bound = lower_bounds(counts, problem.degrees, problem.times, problem.min_deg_idx,
-                         problem.lengths, problem.capacity_tokens)
-    out = Candidates(problem=problem)
-    best = math.inf
-    for idx in np.argsort(bound, kind="stable")[:max_evals].tolist():
-        if not bound[idx] < best * (1 - 1e-9):
-            break
-        result = assign(problem, counts[idx], num_big)
-        if result is not None:
-            out.found.append((result.makespan_s, result))
-            best = min(best, result.makespan_s)
-    # plus the first homogeneous multiset (in bound order) that packs: equal groups spread memory
-    # evenly, a safe fallback when memory is tight and the time-driven candidates fail
-    homogeneous = np.flatnonzero(((counts > 0).sum(axis=1) == 1) & np.isfinite(bound))
-    for idx in homogeneous[np.argsort(bound[homogeneous], kind="stable")].tolist():
-        if not bound[idx] < best * (1 - 1e-9):
-            break
-        result = assign(problem, counts[idx], num_big)
-        if result is not None:
-            out.found.append((result.makespan_s, result))
-            best = min(best, result.makespan_s)
-            break
+    out = Candidates(problem=problem, num_gpus=num_gpus, num_big=num_big, avg_load=avg_load,
+                     fixed_counts=fixed_counts)
     if fixed_counts is None and level_pack:
-        lo = float(bound.min())
-        packed = level_pack_search(problem, num_gpus, num_big, lo,
-                                   best if math.isfinite(best) else lo * 8)
+        fastest = np.where(np.arange(problem.degrees.size) >= problem.min_deg_idx[0],
+                           problem.times[0], np.inf).min()
+        packed = level_pack_search(problem, num_gpus, num_big, max(avg_load, float(fastest)))
         if packed is not None:
             out.found.append((packed[1], packed[0]))
+    out.try_multisets(max_evals if out.found else max(max_evals, 1))
+    if not out.found:
+        out.try_homogeneous(len(problem.degrees), until_found=True)
     out.found.sort(key=lambda item: item[0])
     return out
 
 
-def finish(candidates: Candidates, *, refine_top: int, refine_rounds: int) -> Assignment:
-    """Refine the `refine_top` best-scored candidates; return the fastest assignment."""
+def finish(candidates: Candidates, *, extra_evals: int, refine_top: int,
+           refine_rounds: int) -> Assignment:
+    """Try `extra_evals` more multisets, refine the `refine_top` best-scored candidates, and
+    return the fastest assignment."""
     assert candidates.found, "finish() needs at least one candidate"
+    candidates.try_multisets(extra_evals)
+    candidates.try_homogeneous(HOMOGENEOUS_TRIES)
+    candidates.found.sort(key=lambda item: item[0])
     for _, result in candidates.found[:refine_top]:
         refine(candidates.problem, result, max_rounds=refine_rounds)
     return min((a for _, a in candidates.found), key=lambda a: a.makespan_s)

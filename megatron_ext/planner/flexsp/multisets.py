@@ -49,7 +49,7 @@ def lower_bounds(
     min_deg_idx: np.ndarray,  # [num_seqs]: index of each sequence's smallest feasible degree
     lengths: np.ndarray,  # [num_seqs], descending
     capacity_tokens: int,
-    num_grid: int = 48,
+    num_grid: int = 24,
 ) -> np.ndarray:  # [num_multisets], +inf where memory makes the multiset infeasible
     """A valid lower bound on each multiset's makespan (without the fixed per-micro-batch term).
 

@@ -32,24 +32,42 @@ from megatron_ext.planner.flexsp.microbatch import (
 from megatron_ext.planner.flexsp.step_plan import MicroBatchPlan, SPGroup, StepPlan
 
 
+MAX_EVALS = 16
+"""Cap on multisets assigned per micro-batch (per-call overhead dominates tiny micro-batches)."""
+MAX_REFINED = 4
+"""Cap on refined candidates per micro-batch."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlannerOptions:
     """Search effort knobs of the fast planner."""
 
-    extra_microbatches: int = 2
-    """Micro-batch counts tried beyond the memory minimum (FlexSP tries 4-5)."""
+    extra_microbatches: int = 0
+    """Micro-batch counts tried beyond the first feasible one (FlexSP tries 4-5; on our cost
+    model more micro-batches never paid off in the benchmark batches, see the report)."""
+    max_microbatches: int = 64
+    """Give up (PlanError) when no count up to this one is feasible."""
     cuts: tuple[str, ...] = ("consecutive", "balanced")
     """Micro-batch cutting rules tried (blaster.py)."""
-    max_evals: int = 2
-    """Group multisets assigned per micro-batch, in lower-bound order."""
+    max_evals: int = 0
+    """Group multisets assigned (in lower-bound order) while scoring cuts; at least one when
+    level packing finds nothing. Finishing the chosen cut assigns more (eval_budget)."""
+    eval_budget: int = 512
+    """Multisets assigned when finishing the chosen cut: eval_budget / num_sequences more
+    (small micro-batches are cheap to assign and benefit most)."""
     level_pack: bool = True
     """Also run the level-packing search (level_pack.py) per micro-batch."""
-    refine_top: int = 2
-    """How many of the best-scored candidates of a micro-batch get local search."""
+    refine_top: int = 1
+    """How many of the best-scored candidates of a micro-batch get local search (at least)."""
+    refine_budget: int = 256
+    """More refined candidates for small micro-batches: up to refine_budget / num_sequences."""
     refine_rounds: int = 200
     """Local-search rounds per refined assignment."""
-    max_refined_cuts: int = 3
-    """At most this many micro-batch cuts are refined."""
+    max_refined_cuts: int = 2
+    """At most this many best-scored micro-batch cuts are refined."""
+    refine_slack: float = 0.03
+    """A further cut is refined if its score is within this fraction of the best refined time
+    (scores are unrefined estimates; local search typically gains a few percent)."""
     big_fraction: float = 0.25
     """Sequences slower than this fraction of the average device load are placed one by one."""
     token_fill: float = 0.95
@@ -59,9 +77,10 @@ class PlannerOptions:
         bad = set(self.cuts) - {"consecutive", "balanced"}
         if bad or not self.cuts:
             raise PlanError(f"cuts={self.cuts} must be a non-empty subset of consecutive, balanced")
-        if min(self.max_evals, self.refine_top, self.max_refined_cuts) < 1:
+        if min(self.max_evals + 1, self.refine_top, self.max_refined_cuts) < 1:
             raise PlanError(f"max_evals={self.max_evals}, refine_top={self.refine_top} and "
-                            f"max_refined_cuts={self.max_refined_cuts} must be >= 1")
+                            f"max_refined_cuts={self.max_refined_cuts} must be >= 1 "
+                            "(max_evals >= 0)")
         if self.extra_microbatches < 0:
             raise PlanError(f"extra_microbatches={self.extra_microbatches} must be >= 0")
 
@@ -83,15 +102,22 @@ def plan_step(
     if not scored:
         raise PlanError(
             f"no plan fits {desc.size} sequences ({desc.sum()} tokens) on {cost.num_gpus} GPUs "
-            f"of {cost.capacity_tokens} tokens within {options.extra_microbatches} extra "
-            "micro-batches; raise extra_microbatches or the memory budget"
+            f"of {cost.capacity_tokens} tokens in up to {options.max_microbatches} "
+            "micro-batches; raise max_microbatches or the memory budget"
         )
     best: tuple[float, list[tuple[np.ndarray, Assignment]]] | None = None
+    tried: list[float] = []
     for score, runs, cands in sorted(scored, key=lambda item: item[0])[:options.max_refined_cuts]:
-        if best is not None and score >= best[0]:
+        if best is not None and (len(tried) >= options.max_refined_cuts
+                                 or score >= best[0] * (1 + options.refine_slack)):
             break
-        done = [(run, finish(c, refine_top=options.refine_top,
-                             refine_rounds=options.refine_rounds)) for run, c in zip(runs, cands)]
+        tried.append(score)
+        done = [(run, finish(c, extra_evals=min(MAX_EVALS,
+                                                max(1, options.eval_budget // run.size)),
+                             refine_top=min(MAX_REFINED, max(options.refine_top,
+                                                             options.refine_budget // run.size)),
+                             refine_rounds=options.refine_rounds))
+                for run, c in zip(runs, cands)]
         total = sum(cost.fixed_s_per_microbatch + a.makespan_s for _, a in done)
         if best is None or total < best[0]:
             best = (total, done)
@@ -111,7 +137,10 @@ def _score_cuts(desc: np.ndarray, cost: FlexSPCostModel, options: PlannerOptions
     m_min = max(1, math.ceil(desc.sum() / (cost.num_gpus * cost.capacity_tokens)))
     out: list[tuple[float, list[np.ndarray], list[Candidates]]] = []
     best = math.inf
-    for num_mb in range(m_min, m_min + options.extra_microbatches + 1):
+    first_feasible: int | None = None
+    for num_mb in range(m_min, options.max_microbatches + 1):
+        if first_feasible is not None and num_mb > first_feasible + options.extra_microbatches:
+            break
         for runs in _cuts(desc, whole, cost, num_mb, options):
             runs = [r for r in runs if r.size]
             bound = sum(beta + max(min_gpu_s[r].sum() / cost.num_gpus, fastest[r].max())
@@ -121,7 +150,8 @@ def _score_cuts(desc: np.ndarray, cost: FlexSPCostModel, options: PlannerOptions
             score, cands = 0.0, []
             for run in runs:
                 c = microbatch_candidates(
-                    make_problem(desc[run], cost), cost.num_gpus, max_evals=options.max_evals,
+                    make_problem(desc[run], cost), cost.num_gpus,
+                    max_evals=options.max_evals,
                     big_fraction=options.big_fraction, level_pack=options.level_pack,
                     fixed_counts=fixed)
                 score += beta + c.score
@@ -131,6 +161,8 @@ def _score_cuts(desc: np.ndarray, cost: FlexSPCostModel, options: PlannerOptions
             if score < best:
                 best = score
                 out.append((score, runs, cands))
+        if out and first_feasible is None:
+            first_feasible = num_mb
     return out
 
 
