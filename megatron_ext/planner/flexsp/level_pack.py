@@ -17,7 +17,6 @@ import numpy as np
 
 from megatron_ext.planner.flexsp.assign import Assignment, MicroBatchProblem, _fill
 
-
 GROWTH = 1.25
 GROWTH_STEPS = 12
 """The upper level grows by 1.25x at most 12 times (to ~15x the lower bound)."""

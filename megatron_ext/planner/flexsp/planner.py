@@ -31,7 +31,6 @@ from megatron_ext.planner.flexsp.microbatch import (
 )
 from megatron_ext.planner.flexsp.step_plan import MicroBatchPlan, SPGroup, StepPlan
 
-
 MAX_EVALS = 16
 """Cap on multisets assigned per micro-batch (per-call overhead dominates tiny micro-batches)."""
 MAX_REFINED = 4
