@@ -40,7 +40,7 @@ __all__ = [
 def _tag_sequence_parallel(module: torch.nn.Module, sequence_parallel: bool) -> None:
     """Tag every param like apex FusedLayerNorm does (fused_layer_norm.py:119-120)."""
     for param in module.parameters():
-        setattr(param, "sequence_parallel", sequence_parallel)
+        param.sequence_parallel = sequence_parallel
 
 
 def _check_unsupported(config: TransformerConfig) -> None:
@@ -51,7 +51,7 @@ def _check_unsupported(config: TransformerConfig) -> None:
 
 
 class SPLayerNorm(torch.nn.LayerNorm):
-    """`torch.nn.LayerNorm` whose weight and bias carry `sequence_parallel=config.sequence_parallel`.
+    """`torch.nn.LayerNorm` whose weight and bias carry `config.sequence_parallel` as a tag.
 
     Constructor matches the megatron norm protocol (`build_module(spec, config=, hidden_size=,
     eps=)`); extra keyword arguments of that protocol are accepted and ignored.
@@ -67,7 +67,7 @@ class SPLayerNorm(torch.nn.LayerNorm):
 
 
 class SPRMSNorm(torch.nn.RMSNorm):
-    """`torch.nn.RMSNorm` whose weight carries `sequence_parallel=config.sequence_parallel`."""
+    """`torch.nn.RMSNorm` whose weight carries `config.sequence_parallel` as a tag."""
 
     def __init__(
         self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_unused: Any
@@ -79,7 +79,7 @@ class SPRMSNorm(torch.nn.RMSNorm):
 
 
 class SPNorm:
-    """Drop-in for `WrappedTorchNorm`: picks `SPLayerNorm` or `SPRMSNorm` from `config.normalization`."""
+    """Drop-in for `WrappedTorchNorm`: `SPLayerNorm` or `SPRMSNorm` by `config.normalization`."""
 
     def __new__(  # type: ignore[misc]
         cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **kwargs: Any
@@ -110,7 +110,7 @@ def _swap_torch_norm(obj: Any) -> Any:
         return dataclasses.replace(obj, **changes) if changes else obj
     if isinstance(obj, list):
         new_list = [_swap_torch_norm(item) for item in obj]
-        return new_list if any(a is not b for a, b in zip(new_list, obj)) else obj
+        return new_list if any(a is not b for a, b in zip(new_list, obj, strict=True)) else obj
     return obj
 
 
