@@ -1,0 +1,347 @@
+"""Model profiler: a real megatron-core TransformerLayer (and vocabulary layers, optimizer step)
+timed at several tp / sp / micro-batch / sequence shapes -> ModelProfile.
+
+Legend: s = sequence, b = micro-batch of one replica, h = hidden, v = padded vocabulary.
+
+Each shape is built exactly as the runtime builds it (`layers.layer_config` / `layer_spec`, the
+same TP/SP modules) inside a process whose default group is torch's `fake` backend of size
+max(tp): the TP collectives are no-ops, so the times are the shard's compute alone (the cost
+model adds communication from the cluster profile). `concurrency` workers measure in lockstep:
+on a CPU shared by several ranks, every rank computes at once, so the profile sees the
+contention a real run sees; on GPUs use 1. GPU memory comes from the CUDA allocator; on CPU only
+time is measured and the cost model keeps its analytic memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from megatron_ext.profiles import (
+    LayerSample,
+    ModelProfile,
+    OptimizerSample,
+    VocabSample,
+)
+from megatron_ext.specs import ModelSpec
+
+__all__ = ["ProfileGrid", "profile_model"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class ProfileGrid:
+    """Shapes to measure."""
+
+    tps: tuple[int, ...] = (1, 2, 4)
+    """Tensor-parallel degrees (each divides the heads); sp is measured too for tp > 1."""
+    micro_batch_sizes: tuple[int, ...] = (1, 2, 4)
+    """Samples per replica."""
+    seq_lengths: tuple[int, ...] = (64, 128)
+    """Sequence lengths (each divisible by every tp, for sp)."""
+    repeats: int = 3
+    """Timed runs per shape (median kept) after one warm-up."""
+
+    def __post_init__(self) -> None:
+        if not self.tps or not self.micro_batch_sizes or not self.seq_lengths or self.repeats < 1:
+            raise ValueError(f"empty profile grid {self}")
+
+
+def _timer(device: torch.device) -> Callable[[], float]:
+    if device.type == "cuda":
+        def now() -> float:
+            torch.cuda.synchronize(device)
+            return time.perf_counter()
+        return now
+    return time.perf_counter
+
+
+class _Worker:
+    """State of one measuring process (fake default group of size max(tp))."""
+
+    def __init__(self, model: ModelSpec, precision: str, device: torch.device,
+                 sync: Callable[[], None], max_tp: int) -> None:
+        import torch.distributed as dist
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers "fake"
+        from megatron.core import tensor_parallel
+
+        from megatron_ext.megatron_adapter.build import prepare_megatron
+        from megatron_ext.megatron_adapter.layers import base_config
+
+        dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=max_tp)
+        prepare_megatron()
+        tensor_parallel.model_parallel_cuda_manual_seed(1234, tp_rank=0, ep_rank=0, etp_rank=0,
+                                                        force_reset_rng=True)
+        self.model, self.device, self.sync, self.now = model, device, sync, _timer(device)
+        self.base = base_config(model, precision)
+        self.single = dist.new_group([0])
+        self.tp_groups = {tp: dist.new_group(list(range(tp))) for tp in range(1, max_tp + 1)}
+
+    def pgc(self, tp: int) -> Any:
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        one = self.single
+        return ProcessGroupCollection(tp=self.tp_groups[tp], cp=one, pp=one, embd=None,
+                                      pos_embd=None, dp=one, dp_cp=one, intra_dp_cp=one)
+
+    def timed(self, fn: Callable[[], Any], repeats: int) -> list[float]:
+        """[seconds of fn()] * repeats, each started together with the other workers."""
+        fn()
+        out = []
+        for _ in range(repeats):
+            self.sync()
+            t0 = self.now()
+            fn()
+            out.append(self.now() - t0)
+        return out
+
+
+def _layer(w: _Worker, tp: int, sp: bool, recompute: str) -> torch.nn.Module:
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_ext.megatron_adapter.layers import layer_config, layer_spec
+    from megatron_ext.plan import LayerStrategy
+
+    strategy = LayerStrategy(tp=tp, sp=sp, dp=1, recompute=recompute)  # type: ignore[arg-type]
+    cfg = layer_config(w.base, strategy)
+    layer = build_module(layer_spec(cfg, strategy, w.single), config=cfg, layer_number=1,
+                         pg_collection=w.pgc(tp))
+    return layer.to(w.device)
+
+
+def _layer_sample(w: _Worker, layers: dict[str, torch.nn.Module], *, tp: int, sp: bool, b: int,
+                  s: int, repeats: int) -> LayerSample:
+    from megatron.core import tensor_parallel
+
+    rope = None
+    if w.model.position_embedding == "rope":
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import (
+            RotaryEmbedding,
+        )
+
+        rope = RotaryEmbedding(kv_channels=w.model.head_dim, rotary_percent=1.0)(s).to(w.device)
+    x = torch.randn(s // (tp if sp else 1), b, w.model.hidden_size, device=w.device,
+                    dtype=w.base.params_dtype, requires_grad=True)  # [s/tp if sp, b, h]
+
+    def run(layer: torch.nn.Module, inp: torch.Tensor) -> torch.Tensor:
+        return layer(hidden_states=inp, attention_mask=None, rotary_pos_emb=rope)[0]
+
+    def fwd_bwd(kind: str) -> tuple[float, float, float | None, float | None]:
+        layer = layers["selective" if kind == "selective" else "none"]
+        base = torch.cuda.memory_allocated(w.device) if w.device.type == "cuda" else 0
+        if w.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(w.device)
+        w.sync()
+        t0 = w.now()
+        if kind == "full":
+            out = tensor_parallel.checkpoint(lambda inp: run(layer, inp), False, x)
+        else:
+            out = run(layer, x)
+        t1 = w.now()
+        kept = None
+        if w.device.type == "cuda":
+            kept = torch.cuda.memory_allocated(w.device) - base - out.numel() * out.element_size()
+        out.backward(torch.ones_like(out))
+        t2 = w.now()
+        peak = (torch.cuda.max_memory_allocated(w.device) - base
+                if w.device.type == "cuda" else None)
+        x.grad = None
+        for p in layer.parameters():
+            p.grad = None
+        return t1 - t0, t2 - t1, kept, peak
+
+    kinds = ("none", "full", "selective")
+    runs: dict[str, list] = {kind: [] for kind in kinds}
+    for i in range(repeats + 1):  # interleaved, so slow drift in load hits all kinds alike
+        for kind in kinds:
+            result = fwd_bwd(kind)
+            if i > 0:  # the first round warms up
+                runs[kind].append(result)
+    med = {kind: [statistics.median(r[i] for r in rs) for i in range(2)]
+           for kind, rs in runs.items()}
+    kept = runs["none"][-1][2]
+    peak = runs["none"][-1][3]
+    return LayerSample(
+        tp=tp, sp=sp, micro_batch_size=b, seq_length=s, forward_s=med["none"][0],
+        backward_s=med["none"][1], recompute_s=max(0.0, med["full"][1] - med["none"][1]),
+        selective_recompute_s=max(0.0, med["selective"][1] - med["none"][1]),
+        activation_bytes=None if kept is None else float(max(kept, 0)),
+        peak_bytes=None if peak is None else float(peak),
+    )
+
+
+def _vocab_sample(w: _Worker, *, tp: int, b: int, s: int, repeats: int) -> VocabSample:
+    """Embedding lookup, output GEMM + vocab-parallel cross-entropy on [s, b] tokens."""
+    from megatron.core.models.common.embeddings.language_model_embedding import (
+        LanguageModelEmbedding,
+    )
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    from megatron_ext.megatron_adapter.build import padded_vocab_size
+    from megatron_ext.megatron_adapter.cross_entropy import (
+        group_vocab_parallel_cross_entropy,
+    )
+    from megatron_ext.megatron_adapter.layers import layer_config
+    from megatron_ext.plan import LayerStrategy
+
+    m, group = w.model, w.tp_groups[tp]
+    cfg = layer_config(w.base, LayerStrategy(tp=tp, dp=1))
+    vocab = padded_vocab_size(m.vocab_size, tp)
+    emb = LanguageModelEmbedding(config=cfg, vocab_size=vocab,
+                                 max_sequence_length=m.max_position_embeddings,
+                                 position_embedding_type=m.position_embedding,
+                                 scatter_to_sequence_parallel=False, tp_group=group).to(w.device)
+    out_layer = ColumnParallelLinear(m.hidden_size, vocab, config=cfg, init_method=cfg.init_method,
+                                     bias=False, gather_output=False,
+                                     tp_group=group).to(w.device)
+    ids = torch.randint(0, m.vocab_size, (b, s), device=w.device)  # [b, s]
+    pos = torch.arange(s, device=w.device).expand(b, s)  # [b, s]
+    target = torch.randint(0, vocab // tp, (s, b), device=w.device)  # [s, b] in this shard
+    hidden = torch.randn(s, b, m.hidden_size, device=w.device, dtype=w.base.params_dtype,
+                         requires_grad=True)  # [s, b, h]
+    state: dict[str, torch.Tensor] = {}
+
+    def emb_fwd() -> None:
+        state["e"] = emb(input_ids=ids, position_ids=pos)  # [s, b, h]
+
+    def emb_bwd() -> None:
+        state["e"].backward(torch.ones_like(state["e"]))
+
+    def out_fwd() -> None:
+        logits, _ = out_layer(hidden)  # [s, b, v/tp]
+        state["o"] = group_vocab_parallel_cross_entropy(logits, target, group)  # [s, b]
+
+    def out_bwd() -> None:
+        state["o"].sum().backward()
+
+    def paired(fwd: Callable[[], None], bwd: Callable[[], None]) -> tuple[float, float]:
+        f, bw = [], []
+        for _ in range(repeats + 1):
+            w.sync()
+            t0 = w.now()
+            fwd()
+            t1 = w.now()
+            bwd()
+            t2 = w.now()
+            f.append(t1 - t0)
+            bw.append(t2 - t1)
+        return statistics.median(f[1:]), statistics.median(bw[1:])
+
+    ef, eb = paired(emb_fwd, emb_bwd)
+    of, ob = paired(out_fwd, out_bwd)
+    return VocabSample(tp=tp, tokens=b * s, embedding_forward_s=ef, embedding_backward_s=eb,
+                       output_forward_s=of, output_backward_s=ob)
+
+
+def _optimizer_sample(w: _Worker, params: list[torch.nn.Parameter], repeats: int
+                      ) -> OptimizerSample:
+    """torch AdamW (megatron-core's CPU fallback; FusedAdam on GPU) over `params`."""
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4)
+    step_s = statistics.median(w.timed(opt.step, repeats))
+    return OptimizerSample(num_params=sum(p.numel() for p in params), step_s=step_s)
+
+
+def _measure(w: _Worker, grid: ProfileGrid, with_vocab: bool
+             ) -> tuple[list[LayerSample], list[VocabSample], list[OptimizerSample]]:
+    layer_samples, vocab_samples, opt_samples = [], [], []
+    for tp in grid.tps:
+        for sp in (False, True) if tp > 1 else (False,):
+            layers = {rc: _layer(w, tp, sp, rc) for rc in ("none", "selective")}
+            for s in grid.seq_lengths:
+                for b in grid.micro_batch_sizes:
+                    layer_samples.append(_layer_sample(w, layers, tp=tp, sp=sp, b=b, s=s,
+                                                       repeats=grid.repeats))
+            if not sp:
+                params = [p for _ in range(4) for p in _layer(w, tp, False, "none").parameters()]
+                n = len(params) // 4
+                for k in (1, 4):
+                    opt_samples.append(_optimizer_sample(w, params[: k * n], grid.repeats))
+        if with_vocab:
+            for s in grid.seq_lengths:
+                for b in grid.micro_batch_sizes:
+                    vocab_samples.append(_vocab_sample(w, tp=tp, b=b, s=s, repeats=grid.repeats))
+    return layer_samples, vocab_samples, opt_samples
+
+
+def _worker_main(idx: int, model: ModelSpec, precision: str, grid: ProfileGrid, device: str,
+                 threads: int | None, with_vocab: bool, barrier: Any, results: Any) -> None:
+    import traceback
+
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        torch.set_flush_denormal(True)  # fake collectives leave garbage that may be subnormal
+        w = _Worker(model, precision, torch.device(device), barrier.wait, max(grid.tps))
+        results.put((idx, "ok", _measure(w, grid, with_vocab)))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
+        barrier.abort()
+        results.put((idx, "error", traceback.format_exc()))
+
+
+def _median_samples(per_worker: list[list[Any]]) -> list[Any]:
+    """Field-wise median over workers of samples measured in the same order."""
+    out = []
+    for group in zip(*per_worker):
+        values = {}
+        for f in dataclasses.fields(group[0]):
+            items = [getattr(s, f.name) for s in group]
+            if isinstance(items[0], float):
+                values[f.name] = float(statistics.median(items))
+            else:
+                values[f.name] = items[0]
+        out.append(type(group[0])(**values))
+    return out
+
+
+def profile_model(model: ModelSpec, *, precision: str = "fp32", grid: ProfileGrid | None = None,
+                  concurrency: int = 1, threads: int | None = None, device: str | None = None,
+                  with_vocab: bool = True, timeout_s: float = 3600.0) -> ModelProfile:
+    """Measure `model` on `concurrency` lockstep worker processes; see the module docstring."""
+    grid = grid or ProfileGrid()
+    for tp in grid.tps:
+        if model.num_attention_heads % tp or model.num_query_groups % tp:
+            raise ValueError(f"tp={tp} must divide the model's {model.num_attention_heads} "
+                             f"heads and {model.num_query_groups} query groups")
+        if any(s % tp for s in grid.seq_lengths):
+            raise ValueError(f"sequence lengths {grid.seq_lengths} must be multiples of tp={tp}")
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(concurrency), ctx.Queue()
+    procs = [ctx.Process(target=_worker_main, args=(i, model, precision, grid, device, threads,
+                                                    with_vocab, barrier, results))
+             for i in range(concurrency)]
+    for p in procs:
+        p.start()
+    got: dict[int, Any] = {}
+    try:
+        deadline = time.monotonic() + timeout_s
+        while len(got) < concurrency:
+            try:
+                idx, status, value = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [i for i, p in enumerate(procs) if i not in got and p.exitcode is not None]
+                if dead or time.monotonic() > deadline:
+                    why = f"worker {dead[0]} died" if dead else f"timed out after {timeout_s:g} s"
+                    raise RuntimeError(f"model profiler: {why}") from None
+                continue
+            if status != "ok":
+                raise RuntimeError(f"model profiler worker {idx} failed:\n{value}")
+            got[idx] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    layers, vocab, opt = (_median_samples([got[i][k] for i in range(concurrency)])
+                          for k in range(3))
+    name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
+    return ModelProfile(model=model, precision=precision, device=name, concurrency=concurrency,
+                        layers=tuple(layers), vocab=tuple(vocab), optimizer=tuple(opt))

@@ -1,0 +1,107 @@
+"""The planner's cost model fed by measured profiles (megatron_ext/profiles.py).
+
+- Communication: a ClusterProfile implements the planner's `CommModel` protocol directly
+  (`time_s(collective, num_bytes, layout)`), so `CostModel(comm=cluster_profile)` uses measured
+  curves everywhere the formulas were used.
+- Kernel efficiencies: `fitted_compute_profile` turns a ModelProfile into the planner's
+  `ComputeProfile` (GEMM efficiency from the output layer's measured FLOP rate, attention
+  efficiencies from the layer fit, memory bandwidth from the optimizer step), which is what the
+  vocabulary layers and the optimizer term read.
+- Transformer layers: `ProfiledCostModel.layer_costs` replaces the analytic per-layer compute
+  (forward, backward, full and selective recomputation) with the model profile's fitted times and
+  keeps every communication term of the base model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from megatron_ext.planner.cost import compute as C
+from megatron_ext.planner.cost.model import CostModel, LayerCosts
+from megatron_ext.planner.space import StrategyTable
+from megatron_ext.planner.training import TrainingSpec
+from megatron_ext.profiles import ClusterProfile, ModelProfile
+from megatron_ext.specs import ClusterSpec, ModelSpec
+
+ADAM_BYTES_PER_PARAM = 30.0
+"""HBM bytes per parameter the planner's optimizer term assumes (compute.optimizer_step_s)."""
+
+
+def fitted_compute_profile(profile: ModelProfile, cluster: ClusterSpec) -> C.ComputeProfile:
+    """Planner kernel efficiencies that reproduce the profile's measured rates on `cluster`
+    (peak = cluster.peak_flops, taken as the peak of the profile's precision)."""
+    base = C.ComputeProfile()
+    peak = cluster.peak_flops
+    fields: dict[str, float] = {"fp32_flops_ratio": 1.0, "gemm_half_dim": 1e-6}
+    out_fit = profile.fits.get("output_forward_s")
+    if out_fit is not None:  # seconds per output-GEMM FLOP (feature 1 = n h V_t = FLOPs / 2)
+        per_flop = out_fit.coef[1] / out_fit.scale[1] / 2.0
+        fields["gemm_efficiency"] = _efficiency(per_flop, peak, base.gemm_efficiency)
+    layer_fwd, layer_bwd = profile.fits["forward_s"], profile.fits["backward_s"]
+    fields["attention_efficiency"] = _efficiency(
+        layer_fwd.coef[2] / layer_fwd.scale[2], peak, base.attention_efficiency)
+    fields["attention_backward_efficiency"] = _efficiency(
+        layer_bwd.coef[2] / layer_bwd.scale[2] / 2.5, peak, base.attention_backward_efficiency)
+    opt_fit = profile.fits.get("optimizer_step_s")
+    if opt_fit is not None and opt_fit.coef[1] > 0:
+        per_param = opt_fit.coef[1] / opt_fit.scale[1]
+        fields["hbm_bytes_per_s"] = ADAM_BYTES_PER_PARAM / per_param
+    return dataclasses.replace(base, **fields)
+
+
+def _efficiency(seconds_per_flop: float, peak_flops: float, default: float) -> float:
+    if not seconds_per_flop > 0:
+        return default
+    return float(min(1.0, 1.0 / (seconds_per_flop * peak_flops)))
+
+
+class ProfiledCostModel(CostModel):
+    """CostModel with measured communication and measured per-layer compute."""
+
+    def __init__(self, model: ModelSpec, cluster_profile: ClusterProfile | None,
+                 training: TrainingSpec, *, model_profile: ModelProfile | None = None,
+                 cluster: ClusterSpec | None = None) -> None:
+        if cluster is None:
+            if cluster_profile is None:
+                raise ValueError("give a cluster profile or a ClusterSpec")
+            cluster = cluster_profile.cluster
+        if model_profile is not None and model_profile.model != model:
+            raise ValueError(f"the model profile was measured on {model_profile.model.name!r}, "
+                             f"not {model.name!r}; profile this model")
+        compute = (fitted_compute_profile(model_profile, cluster)
+                   if model_profile is not None else None)
+        super().__init__(model, cluster, training, comm=cluster_profile, compute=compute)
+        self.model_profile = model_profile
+
+    def layer_costs(self, table: StrategyTable, micro_batch_size: int) -> LayerCosts:
+        costs = super().layer_costs(table, micro_batch_size)
+        prof = self.model_profile
+        if prof is None:
+            return costs
+        t = self.training
+        b = micro_batch_size / table.dp
+        shards = table.cp * table.ulysses
+        analytic = C.layer_compute(self.model, self.cluster, self.compute, b=b,
+                                   seq_length=t.seq_length, tp=table.tp, sp=table.sp,
+                                   seq_shards=shards, element_bytes=self.element_bytes)
+        kw = {"tp": table.tp, "sp": table.sp, "micro_batch_size": b,
+              "seq_length": t.seq_length, "seq_shards": shards}
+        fwd, bwd = prof.layer_time_s("forward_s", **kw), prof.layer_time_s("backward_s", **kw)
+        full, selective = table.recompute == 2, table.recompute == 1
+        old_rc = (np.where(full, analytic.forward_s, 0.0)
+                  + np.where(selective, analytic.attention_forward_s, 0.0))
+        new_rc = (np.where(full, prof.layer_time_s("recompute_s", **kw), 0.0)
+                  + np.where(selective, prof.layer_time_s("selective_recompute_s", **kw), 0.0))
+        changes = {
+            "forward_s": costs.forward_s - analytic.forward_s + fwd,
+            "backward_s": costs.backward_s - analytic.backward_s + bwd - old_rc + new_rc,
+            "recompute_s": costs.recompute_s - old_rc + new_rc,
+        }
+        act = prof.activation_bytes(tp=table.tp, sp=table.sp, micro_batch_size=b,
+                                    seq_length=t.seq_length)
+        if act is not None:
+            changes["activation_bytes"] = np.where(table.recompute == 0, act,
+                                                   costs.activation_bytes)
+        return dataclasses.replace(costs, **changes)
