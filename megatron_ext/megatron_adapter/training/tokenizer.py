@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from megatron.core.tokenizers import MegatronTokenizer
-from megatron.core.tokenizers.text.libraries.abstract_tokenizer import MegatronTokenizerTextAbstract
+from megatron.core.tokenizers.text.libraries.abstract_tokenizer import (
+    MegatronTokenizerTextAbstract,
+)
 from megatron.core.tokenizers.text.text_tokenizer import MegatronTokenizerText
 
 from megatron_ext.errors import PlanError
@@ -121,7 +123,7 @@ def gpt2_bpe_tokenizer(vocab_file: str | None, merge_file: str | None) -> LocalT
     merges = _existing_file(merge_file, "--merge-file", "GPT-2 merges.txt")
     try:
         model = tk.models.BPE.from_file(str(vocab), str(merges))
-    except Exception as err:  # the Rust reader's messages are already specific
+    except Exception as err:  # noqa: BLE001 - the Rust reader raises plain Exception
         raise PlanError(f"--vocab-file/--merge-file could not be read as GPT-2 BPE: {err}") from None
     tokenizer = tk.Tokenizer(model)
     tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -155,7 +157,7 @@ def huggingface_tokenizer(tokenizer_model: str | None) -> LocalTextTokenizer:
                         "directory with one; nothing is downloaded, give a local path")
     try:
         tokenizer = tk.Tokenizer.from_file(str(file))
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - the Rust reader raises plain Exception
         raise PlanError(f"--tokenizer-model={tokenizer_model} is not a valid tokenizer.json: "
                         f"{err}") from None
     eod = _eod_token_of(tokenizer, file.parent)

@@ -1,0 +1,18 @@
+#!/usr/bin/env python
+"""Drop-in for Megatron-LM's pretrain_gpt.py: same flags, plus --strategy-config PLAN.json,
+--vocab-parallel, --flexsp and --cpu (gloo). Launch it as Megatron's:
+
+    torchrun --nproc_per_node 8 examples/pretrain_gpt.py <Megatron-LM flags> [--strategy-config plan.json]
+
+All logic lives in megatron_ext.megatron_adapter.training.
+"""
+
+import sys
+
+# The guard is required, and the import sits inside it: megatron-core's checkpoint writer starts
+# a spawn-context Manager whose child re-imports this file (mcore_cpu.md section 8.2); keeping
+# the import here makes that child start in milliseconds instead of re-importing megatron-core.
+if __name__ == "__main__":
+    from megatron_ext.megatron_adapter.training.pretrain import main
+
+    sys.exit(main())

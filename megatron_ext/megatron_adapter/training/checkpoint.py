@@ -1,0 +1,229 @@
+"""Checkpoints with megatron-core `dist_checkpointing`, loadable under any other plan.
+
+Layout (Megatron-LM's): `SAVE/iter_0000010/` (torch_dist shards + common.pt) and
+`SAVE/latest_checkpointed_iteration.txt`. A save writes into `iter_0000010.tmp/`, and only after
+every rank has finished does rank 0 rename it and then replace the tracker file atomically; a run
+killed mid-save therefore leaves the previous checkpoint as the latest complete one.
+
+Tensors are keyed by global layer index (`decoder.layers.7...`), so a different TP/PP/DP layout
+reshards on load. RNG states are per rank and restored only when the plan is unchanged; the data
+position is a sample count and is restored under any plan.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+from megatron_ext.errors import PlanError
+from megatron_ext.plan import ParallelPlan
+
+logger = logging.getLogger(__name__)
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainState:
+    """Loop counters saved with every checkpoint."""
+
+    iteration: int = 0
+    """Optimizer steps taken (successful or skipped)."""
+    consumed_train_samples: int = 0
+    """Training samples read, all data-parallel replicas together."""
+    consumed_valid_samples: int = 0
+    """Validation samples read, all replicas together."""
+    skipped_iterations: int = 0
+    """Steps the fp16 loss scaler skipped; iteration - skipped = optimizer `step` count."""
+
+
+def iteration_dir(root: str | Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def read_tracker(root: str | Path) -> int | None:
+    """The last completely written iteration under `root`, or None when there is none."""
+    tracker = Path(root) / TRACKER_FILE
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    if not text.isdigit():
+        raise PlanError(f"{tracker} holds {text!r}, not an iteration number; fix or delete it")
+    return int(text)
+
+
+def _plan_fingerprint(plan: ParallelPlan) -> str:
+    """The plan without its prediction: what decides whether per-rank state still fits."""
+    data = plan.to_dict()
+    data.pop("prediction", None)
+    data.pop("cluster", None)
+    return repr(sorted(data.items()))
+
+
+def _rng_state() -> dict[str, Any]:
+    return {
+        "random_rng_state": random.getstate(),
+        "np_rng_state": np.random.get_state(),
+        "torch_rng_state": torch.get_rng_state(),
+        "cuda_rng_state": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
+    if torch.cuda.is_available() and state["cuda_rng_state"] is not None:
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
+
+
+def _metadata(backend: Any) -> dict[str, Any]:
+    """Megatron-LM's `_build_sharded_state_dict_metadata` (mcore_cpu.md section 8.3/8.4)."""
+    return {"dp_cp_group": backend.dp_cp_group, "singleton_local_shards": False,
+            "chained_optim_avoid_prefix": True, "distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _state_dict(backend: Any, scheduler: Any, state: TrainState, plan: ParallelPlan, *,
+                is_loading: bool, with_rng: bool = True,
+                with_optimizer: bool = True) -> dict[str, Any]:
+    metadata = _metadata(backend)
+    sd = backend.sharded_state_dict(metadata)
+    if with_optimizer:
+        sd["optimizer"] = backend.optimizer.sharded_state_dict(
+            sd, is_loading=is_loading, metadata=metadata)
+    sd["opt_param_scheduler"] = scheduler.state_dict()
+    sd["iteration"] = state.iteration
+    sd["checkpoint_version"] = CHECKPOINT_VERSION
+    sd["train_state"] = asdict(state)
+    sd["megatron_ext"] = {"plan": plan.to_json(), "fingerprint": _plan_fingerprint(plan),
+                          "padded_vocab_size": backend.padded_vocab_size}
+    if with_rng:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        sd["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
+    return sd
+
+
+def prewarm_checkpoint_writer() -> threading.Thread:
+    """Start megatron-core's checkpoint results queue now, in the background.
+
+    `FileSystemWriterAsync` sends write results through a spawn-context Manager
+    (filesystem_async.py:51); the Manager's server process must import torch to unpickle them,
+    which made the first save of a run take 10-20 s on a busy CPU box. Putting a torch object
+    through the queue while the model and datasets are being built moves that cost off the
+    critical path. Later saves reuse the same queue.
+    """
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    def warm() -> None:
+        queue = filesystem_async._get_write_results_queue()
+        queue.put(torch.Size([0]))
+        queue.get()
+
+    thread = threading.Thread(target=warm, name="megatron_ext-ckpt-prewarm", daemon=True)
+    thread.start()
+    return thread
+
+
+def _commit(root: Path, tmp: Path, iteration: int) -> None:
+    """Rank 0: publish a fully written checkpoint directory, then point the tracker at it."""
+    final = iteration_dir(root, iteration)
+    if final.exists():  # an older save of the same iteration (a re-run): replace it
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    tracker_tmp = root / (TRACKER_FILE + ".tmp")
+    with open(tracker_tmp, "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tracker_tmp, root / TRACKER_FILE)
+
+
+def save_checkpoint(root: str | Path, backend: Any, scheduler: Any, state: TrainState,
+                    plan: ParallelPlan) -> Path:
+    """Write iteration `state.iteration` under `root`; returns the published directory."""
+    root = Path(root)
+    tmp = root / f"iter_{state.iteration:07d}.tmp"
+    if dist.get_rank() == 0:
+        if tmp.exists():  # left over by a run killed mid-save
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    sd = _state_dict(backend, scheduler, state, plan, is_loading=False)
+    dist_checkpointing.save(sd, str(tmp))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _commit(root, tmp, state.iteration)
+    dist.barrier()
+    return iteration_dir(root, state.iteration)
+
+
+def checkpoint_padded_vocab(root: str | Path) -> int | None:
+    """Padded vocabulary size of the latest checkpoint under `root`, or None without one."""
+    iteration = read_tracker(root)
+    if iteration is None:
+        return None
+    common = dist_checkpointing.load_common_state_dict(str(iteration_dir(root, iteration)))
+    return int(common["megatron_ext"]["padded_vocab_size"])
+
+
+def _fix_adam_step(optimizer: Any, num_steps: int) -> None:
+    """Set torch Adam's per-parameter `step` lost by the distributed optimizer's load
+    (mcore_cpu.md section 8.5): every parameter has been stepped `num_steps` times."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if inner is None or not hasattr(inner, "state"):
+            continue
+        for param_state in inner.state.values():
+            if "step" in param_state:
+                step = param_state["step"]
+                param_state["step"] = (torch.full_like(step, float(num_steps))
+                                       if torch.is_tensor(step) else num_steps)
+
+
+def load_checkpoint(root: str | Path, backend: Any, scheduler: Any, plan: ParallelPlan, *,
+                    load_optimizer: bool = True, load_rng: bool = True) -> TrainState | None:
+    """Restore the latest checkpoint under `root`; None (and nothing changed) when there is none."""
+    iteration = read_tracker(root)
+    if iteration is None:
+        logger.warning("no %s under --load=%s; starting from scratch", TRACKER_FILE, root)
+        return None
+    ckpt_dir = str(iteration_dir(root, iteration))
+    common = dist_checkpointing.load_common_state_dict(ckpt_dir)
+    same_plan = common["megatron_ext"]["fingerprint"] == _plan_fingerprint(plan)
+    with_rng = load_rng and same_plan
+    sd = _state_dict(backend, scheduler, TrainState(), plan, is_loading=True, with_rng=with_rng,
+                     with_optimizer=load_optimizer)
+    loaded = dist_checkpointing.load(sd, ckpt_dir)
+    backend.load_model_state(loaded)
+    state = TrainState(**loaded["train_state"])
+    if load_optimizer:
+        with torch.no_grad():  # distopt copies into views of leaf params (mcore_cpu.md 8.5)
+            backend.optimizer.load_state_dict(loaded["optimizer"])
+        if getattr(backend.optimizer.config, "use_distributed_optimizer", False):
+            _fix_adam_step(backend.optimizer, state.iteration - state.skipped_iterations)
+        try:
+            scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        except AssertionError as err:  # megatron-core asserts that the schedule flags match
+            raise PlanError(f"--load={root}: {err}; keep the learning-rate flags of the run that "
+                            "wrote it, or pass --override-opt_param-scheduler") from None
+    if with_rng:
+        _set_rng_state(loaded["rng_state"])
+    if dist.get_rank() == 0:
+        logger.info("loaded %s (iteration %d%s)", ckpt_dir, iteration,
+                    "" if same_plan else "; written under a different plan: weights and "
+                    "optimizer resharded, RNG streams start fresh")
+    return state

@@ -1,0 +1,186 @@
+"""Entry of `examples/pretrain_gpt.py`: Megatron-LM flags in, a trained (and saved) model out.
+
+Order (mcore_cpu.md section 7.2): init the process group, apply the CPU patches when running on
+gloo, derive the plan, build tokenizer -> model/optimizer -> scheduler, load a checkpoint, build
+datasets, train. A bad flag or plan ends with one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.errors import PlanError
+from megatron_ext.megatron_adapter.training.backend import build_backend
+from megatron_ext.megatron_adapter.training.checkpoint import (
+    TrainState,
+    checkpoint_padded_vocab,
+    load_checkpoint,
+    prewarm_checkpoint_writer,
+)
+from megatron_ext.megatron_adapter.training.data import build_datasets
+from megatron_ext.megatron_adapter.training.loop import build_scheduler, train
+from megatron_ext.megatron_adapter.training.model_config import padded_vocab_size
+from megatron_ext.megatron_adapter.training.tokenizer import build_tokenizer
+from megatron_ext.plan import ParallelPlan
+
+logger = logging.getLogger("megatron_ext.pretrain")
+LOG_FORMAT = "[megatron_ext] %(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_distributed(args: argparse.Namespace) -> None:
+    """Join the torchrun job (or a one-process job when not launched by torchrun)."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    on_cpu = bool(getattr(args, "cpu", False)) or not torch.cuda.is_available()
+    if not on_cpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    minutes = getattr(args, "distributed_timeout_minutes", None) or 10
+    dist.init_process_group("gloo" if on_cpu else "nccl", timeout=timedelta(minutes=minutes))
+    if on_cpu:
+        from megatron_ext.megatron_adapter import cpu_compat
+
+        cpu_compat.apply(force=True)
+
+
+def _log_plan(plan: ParallelPlan) -> None:
+    if dist.get_rank() != 0:
+        return
+    head = (f"plan: {plan.model.name} on {plan.world_size} ranks, pp={plan.pp}, micro batch "
+            f"{plan.micro_batch_size} (all replicas), global batch {plan.global_batch_size}, "
+            f"seq {plan.seq_length}, {plan.precision}")
+    lines = [head]
+    for start, end, strategy in plan.layer_runs():
+        lines.append(f"  layers [{start:>3}, {end:>3})  stage {plan.stage_of_layer(start)}  "
+                     f"{strategy.describe()}")
+    if plan.prediction is not None:
+        lines.append(f"  predicted iteration {plan.prediction.iteration_time_s * 1e3:.1f} ms, "
+                     f"{plan.prediction.tokens_per_s:.0f} tokens/s")
+    logger.info("\n".join(lines))
+
+
+def _padded_vocab(args: argparse.Namespace, plan: ParallelPlan, vocab_size: int) -> int:
+    """Megatron's padding, unless a checkpoint being resumed fixed it and this plan can use it."""
+    multiple = plan.vocab.tp * (plan.pp if plan.vocab.mode == "vocab_parallel" else 1)
+    saved = checkpoint_padded_vocab(args.load) if getattr(args, "load", None) else None
+    if saved is not None and saved >= vocab_size and saved % multiple == 0:
+        return saved
+    if saved is not None:
+        raise PlanError(f"--load checkpoint has a vocabulary padded to {saved} rows, which does "
+                        f"not split over the {multiple} vocabulary shards of this plan")
+    return padded_vocab_size(vocab_size, args, multiple)
+
+
+# Megatron-LM flags the parser accepts but this loop does not implement: (dest, unset value, fix).
+_UNSUPPORTED = (
+    ("train_samples", None, "use --train-iters"),
+    ("exit_duration_in_mins", None, "use --exit-interval"),
+    ("async_save", None, "drop it; saves are synchronous"),
+    ("calculate_per_token_loss", False, "drop it"),
+    ("skip_train", False, "drop it"),
+    ("lr_decay_samples", None, "use --lr-decay-iters"),
+    ("lr_wsd_decay_samples", None, "use --lr-wsd-decay-iters"),
+    ("num_distributed_optimizer_instances", 1, "drop it"),
+    ("use_megatron_fsdp", False, "use --use-torch-fsdp2 or a plan with zero=3"),
+)
+
+
+def check_supported(args: argparse.Namespace) -> None:
+    for dest, unset, fix in _UNSUPPORTED:
+        value = getattr(args, dest, unset)
+        if value is not None and value != unset:
+            raise PlanError(f"--{dest.replace('_', '-')}={value} is not supported by "
+                            f"megatron_ext's pretrain_gpt.py; {fix}")
+    if getattr(args, "lr_warmup_samples", 0):
+        raise PlanError("--lr-warmup-samples is not supported; use --lr-warmup-iters")
+    if getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
+        raise PlanError(f"--ckpt-format={args.ckpt_format} is not supported; use torch_dist "
+                        "(the only format that reshards across plans)")
+    if not getattr(args, "train_iters", None):
+        raise PlanError("--train-iters is required")
+    if getattr(args, "lr", None) is None:
+        raise PlanError("--lr is required")
+
+
+def tokenizer_from_args(args: argparse.Namespace) -> Any:
+    return build_tokenizer(
+        tokenizer_type=getattr(args, "tokenizer_type", None),
+        vocab_file=getattr(args, "vocab_file", None), merge_file=getattr(args, "merge_file", None),
+        tokenizer_model=getattr(args, "tokenizer_model", None),
+        vocab_size=getattr(args, "vocab_size", None))
+
+
+def run(args: argparse.Namespace, plan: ParallelPlan, tokenizer: Any) -> TrainState:
+    """Train under `plan`; the process group is initialised."""
+    _log_plan(plan)
+    if getattr(args, "save", None):
+        prewarm_checkpoint_writer()
+    backend = build_backend(args, plan, _padded_vocab(args, plan, tokenizer.vocab_size))
+    scheduler = build_scheduler(args, backend.optimizer)
+    state = TrainState()
+    if getattr(args, "load", None):
+        finetune = bool(getattr(args, "finetune", False))
+        loaded = load_checkpoint(
+            args.load, backend, scheduler, plan,
+            load_optimizer=not (getattr(args, "no_load_optim", False) or finetune),
+            load_rng=not (getattr(args, "no_load_rng", False) or finetune))
+        if loaded is None and getattr(args, "exit_on_missing_checkpoint", False):
+            raise PlanError(f"--load={args.load} holds no checkpoint "
+                            "(--exit-on-missing-checkpoint)")
+        state = TrainState() if finetune or loaded is None else loaded
+    datasets = build_datasets(args, tokenizer)
+    return train(args, plan, backend, scheduler, datasets, state)
+
+
+def _error(message: str) -> int:
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        sys.stderr.write(f"pretrain_gpt.py: error: {message}\n")
+    return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse Megatron-LM flags, train, return the exit code."""
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=LOG_FORMAT)
+    from megatron_ext.megatron_adapter.arguments import (
+        parse_megatron_args,
+        plan_from_megatron_args,
+    )
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        args = parse_megatron_args(argv, world_size=world_size)
+        check_supported(args)
+    except PlanError as err:
+        return _error(str(err))
+    init_distributed(args)
+    try:
+        tokenizer = tokenizer_from_args(args)
+        plan = plan_from_megatron_args(args, dist.get_world_size(),
+                                       vocab_size=tokenizer.vocab_size)
+        run(args, plan, tokenizer)
+    except PlanError as err:
+        return _error(str(err))
+    finally:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+    return 0
