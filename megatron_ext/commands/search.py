@@ -185,7 +185,13 @@ def _print_megatron_args(plan, plan_path: str | None) -> None:
     try:
         result = plan_to_megatron_args(plan, plan_path=plan_path)
     except PlanError as err:
-        sys.stderr.write(f"note: no Megatron-LM arguments printed: {err}\n")
+        reason = str(err)
+        if plan_path is None and not plan.is_uniform():
+            reason = (
+                "this layerwise plan is run through --strategy-config PLAN.json; "
+                "add --out PLAN.json to print the arguments"
+            )
+        sys.stderr.write(f"note: no Megatron-LM arguments printed: {reason}\n")
         return
     if result.needs_megatron_ext:
         sys.stderr.write(

@@ -51,6 +51,31 @@ class StageDP:
         return out[::-1]
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MaxSwitch:
+    """Switch costs with "max" structure: switching between layouts a != b costs
+    level_cost_s[max(level[a], level[b])] (the larger of the two moves), except for listed pairs
+    that are cheaper. The DP then needs O((G + levels) U) per layer instead of O(G^2 U).
+    Layouts are the dense ids 0..G-1 of `layer_dp`'s `layout` argument."""
+
+    level: np.ndarray
+    """[G] level of each layout."""
+    level_cost_s: np.ndarray
+    """[num_levels] seconds, non-decreasing."""
+    exceptions: tuple[tuple[int, int, float], ...] = ()
+    """(layout a, layout b, seconds) for a -> b, each no dearer than the structured cost."""
+
+    def matrix(self) -> np.ndarray:  # [G, G]
+        level = np.asarray(self.level)
+        out = np.asarray(self.level_cost_s)[np.maximum(level[:, None], level[None, :])]
+        np.fill_diagonal(out, 0.0)
+        out = out.astype(float)
+        for a, b, cost in self.exceptions:
+            assert cost <= out[a, b] + 1e-15, "an exception must not be dearer than the rule"
+            out[a, b] = cost
+        return out
+
+
 def layer_dp(
     cost: np.ndarray,  # [S] seconds per layer
     mem_units: np.ndarray,  # [S] int, quantised memory per layer
@@ -59,6 +84,7 @@ def layer_dp(
     num_layers: int,
     budget_units: int,
     layout: np.ndarray | None = None,  # [S] ids; switch depends only on them, 0 inside one
+    max_switch: MaxSwitch | None = None,  # the same switch costs in "max" form (needs layout)
     keep_choices: bool = False,
 ) -> StageDP:
     """Run the recurrence of the module docstring for 1..num_layers layers.
@@ -76,7 +102,7 @@ def layer_dp(
     if num == 0 or num_layers == 0:
         return StageDP(best=best, argbest=argbest, choice=choice, mem_units=mem_in)
     assert num < 2**15 and np.all(np.diag(switch) == 0), "switch[i, i] must be 0"
-    groups = _Groups(switch, np.arange(num) if layout is None else np.asarray(layout))
+    groups = _Groups(switch, np.arange(num) if layout is None else np.asarray(layout), max_switch)
     order = groups.order
     cost_o, mem = np.asarray(cost, dtype=float)[order], mem_in[order]
     f = np.full((num, units), np.inf)  # [S, U], sorted order
@@ -111,34 +137,116 @@ def _record(
 
 class _Groups:
     """min_{s'} f[s', u] + switch[s', s] when switch[s', s] = G[layout[s'], layout[s]], G[i, i] = 0:
-    first the best member of each layout, then the best layout: O(U (S + G^2)). Works on tables
-    whose rows are in `order` (members of a layout contiguous)."""
+    first the best member of each layout, then the best layout (dense G x G, or the MaxSwitch
+    form). Works on tables whose rows are in `order` (members of a layout contiguous). Arg-minima
+    along axis 0 are "smallest index whose value equals the minimum", which numpy vectorises
+    across u, unlike argmin(axis=0)."""
 
-    def __init__(self, switch: np.ndarray, layout: np.ndarray) -> None:
+    def __init__(
+        self, switch: np.ndarray, layout: np.ndarray, max_switch: MaxSwitch | None
+    ) -> None:
         ids, first = np.unique(layout, return_index=True)
         group = np.searchsorted(ids, layout)  # [S] dense group id
         gswitch = np.asarray(switch)[np.ix_(first, first)]  # [G, G]
         assert np.allclose(switch, gswitch[np.ix_(group, group)]), (
             "switch cost must depend only on the layout"
         )
+        if max_switch is not None:
+            assert np.allclose(max_switch.matrix(), gswitch), "max_switch must equal switch"
         self.order = np.argsort(group, kind="stable")
         self.group = group[self.order]  # [S] group of each sorted row
-        self.gswitch = gswitch
         self.bounds = list(zip(*np.unique(self.group, return_index=True, return_counts=True)[1:]))
+        self.layouts = _MaxLayouts(max_switch) if max_switch is not None else _DenseLayouts(gswitch)
 
     def inner_min(self, f: np.ndarray, *, with_arg: bool) -> tuple[np.ndarray, np.ndarray | None]:
-        """g[s, u] (and the sorted row index of the best predecessor). Arg-minima along axis 0
-        are found as "smallest index whose value equals the minimum", which numpy vectorises
-        across u, unlike argmin(axis=0)."""
+        """g[s, u] (and the sorted row index of the best predecessor)."""
         fg = np.stack([f[a : a + n].min(axis=0) for a, n in self.bounds])  # [G, U]
-        total = fg[:, None, :] + self.gswitch[:, :, None]  # [G', G, U]
-        gbest = total.min(axis=0)  # [G, U]
-        if not with_arg:
+        gbest, garg = self.layouts.best(fg, with_arg=with_arg)  # [G, U]
+        if garg is None:
             return gbest[self.group], None
         rows = np.arange(f.shape[0])[:, None]
         hit = np.where(f == fg[self.group], rows, f.shape[0])  # [S, U]
         argg = np.stack([hit[a : a + n].min(axis=0) for a, n in self.bounds])  # [G, U]
-        gids = np.arange(len(self.bounds))[:, None, None]
-        garg = np.where(total == gbest[None], gids, len(self.bounds)).min(axis=0)  # [G, U]
         prev = np.take_along_axis(argg, garg, axis=0)  # [G, U]
         return gbest[self.group], prev[self.group]
+
+
+def _first_index_of_min(values: np.ndarray, ids: np.ndarray, best: np.ndarray) -> np.ndarray:
+    """For each column, the smallest id among rows whose value equals `best`."""
+    ids = np.asarray(ids).reshape((-1,) + (1,) * (values.ndim - 1))
+    return np.where(values == best[None], ids, np.iinfo(np.int64).max).min(axis=0)
+
+
+class _DenseLayouts:
+    """gbest[b, u] = min_a fg[a, u] + G[a, b]: O(G^2 U)."""
+
+    def __init__(self, gswitch: np.ndarray) -> None:
+        self.gswitch = gswitch
+
+    def best(self, fg: np.ndarray, *, with_arg: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        total = fg[:, None, :] + self.gswitch[:, :, None]  # [G', G, U]
+        gbest = total.min(axis=0)  # [G, U]
+        if not with_arg:
+            return gbest, None
+        ids = np.arange(len(fg))
+        garg = np.stack([_first_index_of_min(total[:, b], ids, gbest[b]) for b in ids])
+        return gbest, garg
+
+
+class _MaxLayouts:
+    """The same minimum under MaxSwitch: stay (free), come from a layout of level <= mine at my
+    level's cost (prefix minimum), from a higher level at its cost (suffix minimum), or through
+    an exception: O((G + levels + exceptions) U)."""
+
+    def __init__(self, ms: MaxSwitch) -> None:
+        self.level = np.asarray(ms.level, dtype=np.int64)
+        self.cost = np.asarray(ms.level_cost_s, dtype=float)
+        assert np.all(np.diff(self.cost) >= 0), "level costs must be non-decreasing"
+        self.members = [np.flatnonzero(self.level == lv) for lv in range(len(self.cost))]
+        self.exceptions = ms.exceptions
+
+    def best(self, fg: np.ndarray, *, with_arg: bool) -> tuple[np.ndarray, np.ndarray | None]:
+        num_groups, units = fg.shape
+        num_levels = len(self.cost)
+        lev = np.full((num_levels, units), np.inf)  # best layout of each level
+        lev_arg = np.zeros((num_levels, units), dtype=np.int64)
+        for lv, members in enumerate(self.members):
+            if len(members):
+                lev[lv] = fg[members].min(axis=0)
+                if with_arg:
+                    lev_arg[lv] = _first_index_of_min(fg[members], members, lev[lv])
+        below, below_arg = _running_min(lev, lev_arg, range(1, num_levels), -1)  # levels <= l
+        lifted = lev + self.cost[:, None]
+        above = np.full_like(lev, np.inf)  # levels > l, each at its own cost
+        above[:-1] = lifted[1:]
+        above_arg = np.zeros_like(lev_arg)
+        above_arg[:-1] = lev_arg[1:]
+        above, above_arg = _running_min(above, above_arg, range(num_levels - 2, -1, -1), 1)
+        exc = np.full_like(fg, np.inf)
+        exc_arg = np.zeros((num_groups, units), dtype=np.int64)
+        for a, b, cost in self.exceptions:
+            value = fg[a] + cost
+            better = value < exc[b]
+            exc[b] = np.where(better, value, exc[b])
+            exc_arg[b] = np.where(better, a, exc_arg[b])
+        level = self.level
+        cands = np.stack([fg, below[level] + self.cost[level][:, None], above[level], exc])
+        gbest = cands.min(axis=0)  # [G, U]
+        if not with_arg:
+            return gbest, None
+        stay = np.broadcast_to(np.arange(num_groups)[:, None], (num_groups, units))
+        args = np.stack([stay, below_arg[level], above_arg[level], exc_arg])  # [4, G, U]
+        which = _first_index_of_min(cands, np.arange(4), gbest)  # [G, U] winning candidate
+        return gbest, np.take_along_axis(args, which[None], axis=0)[0]
+
+
+def _running_min(
+    values: np.ndarray, args: np.ndarray, rows: range, step: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """values[r] = min(values[r], values[r + step]) along `rows` (in order), with arguments."""
+    values, args = values.copy(), args.copy()
+    for r in rows:
+        better = values[r + step] < values[r]
+        values[r] = np.where(better, values[r + step], values[r])
+        args[r] = np.where(better, args[r + step], args[r])
+    return values, args

@@ -154,12 +154,17 @@ def plot_plan(plan: ParallelPlan, path: str | Path) -> None:
         fontsize=8,
     )
     axes[0].set_yticks([])
+    axes[0].set_xlabel("layer (black lines: stage boundaries)")
     pred = plan.prediction
     if pred is not None:
         axes[1].bar(range(plan.pp), pred.stage_peak_memory_gib)
+        if plan.cluster is not None:
+            axes[1].axhline(plan.cluster.memory_gib, color="red", linestyle="--")
         axes[1].set_ylabel("peak GiB")
         axes[2].bar(range(plan.pp), pred.stage_time_s)
         axes[2].set_ylabel("busy s / iteration")
         axes[2].set_xlabel("pipeline stage")
+        for ax in axes[1:]:
+            ax.set_xticks(range(plan.pp))
     fig.savefig(path)
     plt.close(fig)

@@ -31,7 +31,7 @@ from megatron_ext.planner.cost.evaluate import Evaluation, evaluate
 from megatron_ext.planner.cost.model import CostModel, LayerCosts
 from megatron_ext.planner.cost.pipeline import OVERLAP_SLOWDOWN, pipeline_lower_bound_s
 from megatron_ext.planner.cost.vocab import StageExtras, stage_extras
-from megatron_ext.planner.dp import StageDP, layer_dp
+from megatron_ext.planner.dp import MaxSwitch, StageDP, layer_dp
 from megatron_ext.planner.partition import best_partition, bmw_partition
 from megatron_ext.planner.space import (
     StrategyTable,
@@ -246,9 +246,13 @@ def prune_strategies(
         drop = dominated(sub, np.zeros((len(members), len(members))))
         keep.extend(members[~drop].tolist())
     keep = np.array(sorted(keep), dtype=np.int64)
-    keep = keep[~dominated_layouts(comps[keep], switch[np.ix_(keep, keep)], layout[keep])]
-    drop = dominated(comps[keep], switch[np.ix_(keep, keep)])
-    return keep[~drop]
+    while True:  # dropping a layout can make another one dominated: repeat to a fixed point
+        sub = np.ix_(keep, keep)
+        kept = keep[~dominated_layouts(comps[keep], switch[sub], layout[keep])]
+        kept = kept[~dominated(comps[kept], switch[np.ix_(kept, kept)])]
+        if len(kept) == len(keep):
+            return keep
+        keep = kept
 
 
 def _take(costs: LayerCosts, index: np.ndarray) -> LayerCosts:
@@ -266,7 +270,9 @@ def _solve_combo(
     objective_all = combo.costs.objective_s(m)
     keep = prune_strategies(combo.costs, objective_all, switch_all, combo.table.layout)
     table, costs = combo.table.subset(keep), _take(combo.costs, keep)
-    objective, switch = objective_all[keep], switch_all[np.ix_(keep, keep)]
+    objective = objective_all[keep]
+    max_switch = cm.transition_model(table, mbs)  # on the kept table's layout ids
+    switch = max_switch.matrix()[np.ix_(table.layout, table.layout)]
     transient = float(costs.transient_bytes.max())
     vocabs = vocab_options(
         width=cm.cluster.num_gpus // pp, pp=pp, gpus_per_node=cm.cluster.gpus_per_node, training=t
@@ -293,7 +299,13 @@ def _solve_combo(
         if top >= 0:
             mem_units = np.ceil(costs.memory_bytes(inflight) / unit).astype(np.int64)
             dps[inflight] = layer_dp(
-                objective, mem_units, switch, num_layers=n_hi, budget_units=top, layout=table.layout
+                objective,
+                mem_units,
+                switch,
+                num_layers=n_hi,
+                budget_units=top,
+                layout=table.layout,
+                max_switch=max_switch,
             )
             stats["dp_runs"] += 1
     partition = best_partition if options.partition == "exact" else bmw_partition
@@ -308,7 +320,7 @@ def _solve_combo(
         if estimate > best_s * (1 + options.finalist_slack):
             break
         out.append(
-            _backtrack(table, objective, switch, costs, unit, vocab, ex, budget, counts, mbs)
+            _backtrack(table, objective, max_switch, costs, unit, vocab, ex, budget, counts, mbs)
         )
     return out
 
@@ -335,7 +347,7 @@ def _slots(
 def _backtrack(
     table: StrategyTable,
     objective: np.ndarray,
-    switch: np.ndarray,
+    max_switch: MaxSwitch,
     costs: LayerCosts,
     unit: float,
     vocab: VocabStrategy,
@@ -355,10 +367,11 @@ def _backtrack(
             dp = layer_dp(
                 objective,
                 mem_units,
-                switch,
+                max_switch.matrix()[np.ix_(table.layout, table.layout)],
                 num_layers=key[1],
                 budget_units=key[2],
                 layout=table.layout,
+                max_switch=max_switch,
                 keep_choices=True,
             )
             cache[key] = dp.picks(key[1], key[2])

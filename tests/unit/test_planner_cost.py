@@ -146,6 +146,17 @@ def test_costs_move_the_right_way():
     assert c.state_bytes[3] < c.state_bytes[0]
 
 
+def test_sequence_parallel_moves_the_same_tp_bytes():
+    """Megatron SP replaces each all-reduce by an all-gather + reduce-scatter: same volume."""
+    cm = _cost_model()
+    table = StrategyTable.of(
+        [LayerStrategy(tp=4, sp=True, dp=2, zero=1), LayerStrategy(tp=4, sp=False, dp=2, zero=1)]
+    )
+    c = cm.layer_costs(table, 8)
+    assert c.comm_s[0] == pytest.approx(c.comm_s[1])
+    assert c.activation_bytes[0] < c.activation_bytes[1]
+
+
 def test_uniform_vectorised_score_equals_evaluate():
     cm = _cost_model()
     for pp, mbs in [(1, 16), (2, 8), (4, 4)]:

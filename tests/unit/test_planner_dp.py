@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from megatron_ext.errors import InfeasiblePlanError
+from megatron_ext.planner.cost.model import LayerCosts
 from megatron_ext.planner.dp import layer_dp
-from megatron_ext.planner.space import dominated, dominated_layouts
+from megatron_ext.planner.search import prune_strategies
 
 
 def brute_force(cost, mem, switch, num_layers, budget):
@@ -97,16 +98,22 @@ def test_dp_without_choices_matches_with_choices():
         np.testing.assert_array_equal(a.best, b.best)
 
 
-def pruned(comps, switch, layout):
-    """The search's two pruning passes (search.prune_strategies without the cost model)."""
-    keep = []
-    for lay in np.unique(layout):
-        members = np.flatnonzero(layout == lay)
-        drop = dominated(comps[members], np.zeros((len(members), len(members))))
-        keep += members[~drop].tolist()
-    keep = np.array(sorted(keep))
-    keep = keep[~dominated_layouts(comps[keep], switch[np.ix_(keep, keep)], layout[keep])]
-    return keep[~dominated(comps[keep], switch[np.ix_(keep, keep)])]
+def pruned(time_s, state, act, switch, layout):
+    """The search's pruning (rules R6, to a fixed point) on bare cost components."""
+    zeros = np.zeros_like(time_s)
+    costs = LayerCosts(
+        forward_s=time_s,
+        backward_s=zeros,
+        recompute_s=zeros,
+        comm_s=zeros,
+        grad_sync_s=zeros,
+        param_gather_s=zeros,
+        optimizer_s=zeros,
+        state_bytes=state,
+        activation_bytes=act,
+        transient_bytes=zeros,
+    )
+    return prune_strategies(costs, time_s, switch, layout)
 
 
 def test_pruning_never_changes_the_optimum():
@@ -114,7 +121,7 @@ def test_pruning_never_changes_the_optimum():
     them, for every layer count, budget and in-flight count (memory = state + inflight * act)."""
     rng = np.random.default_rng(11)
     dropped_total = 0
-    for _ in range(150):
+    for _ in range(300):
         num = int(rng.integers(2, 9))
         layout = rng.integers(0, 3, num)
         # Coarse values make ties and dominance frequent.
@@ -124,7 +131,7 @@ def test_pruning_never_changes_the_optimum():
         g = rng.integers(0, 3, (3, 3)).astype(float) / 2
         np.fill_diagonal(g, 0.0)
         switch = g[np.ix_(layout, layout)]
-        keep = pruned(np.stack([time_s, state, act], axis=1), switch, layout)
+        keep = pruned(time_s, state, act, switch, layout)
         dropped_total += num - len(keep)
         for inflight in (1, 3):
             mem = (state + inflight * act).astype(np.int64)
@@ -139,3 +146,47 @@ def test_pruning_never_changes_the_optimum():
             )
             np.testing.assert_allclose(sub.best, full.best, rtol=1e-12)
     assert dropped_total > 100  # the rules actually fire on these problems
+
+
+def random_max_switch(rng, num_layouts):
+    from megatron_ext.planner.dp import MaxSwitch
+
+    num_levels = int(rng.integers(1, num_layouts + 1))
+    level = rng.integers(0, num_levels, num_layouts)
+    cost = np.sort(rng.uniform(0.0, 0.8, num_levels))
+    structured = cost[np.maximum(level[:, None], level[None, :])]
+    exceptions = []
+    for a, b in itertools.permutations(range(num_layouts), 2):
+        if rng.random() < 0.2:
+            exceptions.append((a, b, float(structured[a, b] * rng.uniform(0.0, 1.0))))
+    return MaxSwitch(level=level, level_cost_s=cost, exceptions=tuple(exceptions))
+
+
+def test_max_switch_form_equals_dense_and_brute_force():
+    """The O(G U) "max" form of the switch costs gives the dense DP's table and valid picks."""
+    rng = np.random.default_rng(13)
+    for _ in range(80):
+        num = int(rng.integers(1, 6))
+        layout = rng.integers(0, 3, num)
+        layout = np.searchsorted(np.unique(layout), layout)  # dense ids 0..G-1
+        ms = random_max_switch(rng, int(layout.max()) + 1)
+        switch = ms.matrix()[np.ix_(layout, layout)]
+        cost = rng.uniform(0.1, 2.0, num)
+        mem = rng.integers(0, 9, num)
+        dense = layer_dp(cost, mem, switch, num_layers=4, budget_units=15, layout=layout)
+        fast = layer_dp(
+            cost,
+            mem,
+            switch,
+            num_layers=4,
+            budget_units=15,
+            layout=layout,
+            max_switch=ms,
+            keep_choices=True,
+        )
+        np.testing.assert_allclose(fast.best, dense.best, rtol=1e-12)
+        for n in range(1, 5):
+            want = brute_force(cost, mem, switch, n, 15)
+            if np.isfinite(want):
+                picks = fast.picks(n, 15)
+                assert solution_cost(picks, cost, switch) == pytest.approx(want, rel=1e-12)

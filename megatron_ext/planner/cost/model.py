@@ -29,6 +29,7 @@ from megatron_ext.planner.cost.memory import (
     state_bytes_per_param,
 )
 from megatron_ext.planner.cost.pipeline import OVERLAP_SLOWDOWN
+from megatron_ext.planner.dp import MaxSwitch
 from megatron_ext.planner.space import StrategyTable
 from megatron_ext.planner.training import TrainingSpec
 from megatron_ext.specs import ClusterSpec, ModelSpec
@@ -163,8 +164,8 @@ class CostModel:
         # TP: 2 all-reduces (or all-gather + reduce-scatter under SP) of [rows, h] each way.
         hidden_bytes = rows * m.hidden_size * e
         tp_ar = self.collective_s("all_reduce", hidden_bytes, table.tp, 1)
-        tp_sp = 2 * self.collective_s("all_gather", hidden_bytes, table.tp, 1)
-        tp_one_way = 2 * np.where(table.sp, tp_sp / 2, tp_ar)
+        tp_sp = 2 * self.collective_s("all_gather", hidden_bytes, table.tp, 1)  # AG + RS
+        tp_one_way = 2 * np.where(table.sp, tp_sp, tp_ar)  # attention block + MLP block
         # Ulysses: all-to-all of q, k, v before attention and of its output after, each way.
         uly_bytes = rows * (2 * C.q_dim(m) + 2 * C.kv_dim(m)) / table.tp * e
         uly_one_way = self.collective_s("all_to_all", uly_bytes, table.ulysses, table.tp * table.cp)
@@ -267,29 +268,39 @@ class CostModel:
             "transient_bytes": np.asarray(transient, dtype=float),
         }
 
-    def transition_s(self, table: StrategyTable, micro_batch_size: int) -> np.ndarray:  # [S, S]
+    def transition_model(self, table: StrategyTable, micro_batch_size: int) -> MaxSwitch:
         """Seconds per micro-batch (forward activation + backward gradient) to move the hidden
-        state between consecutive layers whose layouts differ. Same layout: free. Only SP
-        toggled: one all-gather over the tp group (the other direction is a local slice).
-        Otherwise: an all-to-all over the stage's W ranks of the larger per-rank shard, each way."""
+        state between consecutive layers whose layouts differ, in the DP's "max" form over the
+        table's layout ids. Generic re-layout: an all-to-all over the stage's W ranks of the
+        larger per-rank shard, each way, so the cost is that of the larger shard's level. Only SP
+        toggled (same tp, cp, ulysses, dp): one all-gather over the tp group (the other
+        direction is a local slice), or the generic move if that is cheaper."""
         m, t = self.model, self.training
+        first = np.unique(table.layout, return_index=True)[1]  # one strategy per layout id
+        tp, sp, cp = table.tp[first], table.sp[first], table.cp[first]
+        uly, dp = table.ulysses[first], table.dp[first]
+        width = int(tp[0] * cp[0] * uly[0] * dp[0]) if len(first) else 1  # ranks per stage
+        full = micro_batch_size * t.seq_length * m.hidden_size * self.element_bytes
+        shard = full / (dp * cp * uly * np.where(sp, tp, 1))  # [G] bytes per rank
+        sizes, level = np.unique(shard, return_inverse=True)
+        level_cost = 2 * np.asarray(
+            self.comm.time_s("all_to_all", sizes, self.layout(width, 1)), dtype=float
+        )
+        level_cost = np.maximum.accumulate(level_cost)  # a measured curve may wiggle
+        gather = self.collective_s("all_gather", full / (dp * cp * uly), tp, 1)
+        exceptions = []
+        for a in range(len(first)):
+            for b in range(len(first)):
+                same = tp[a] == tp[b] and cp[a] == cp[b] and uly[a] == uly[b] and dp[a] == dp[b]
+                if a != b and same:
+                    rule = level_cost[max(level[a], level[b])]
+                    exceptions.append((a, b, float(min(gather[a], rule))))
+        return MaxSwitch(level=level, level_cost_s=level_cost, exceptions=tuple(exceptions))
+
+    def transition_s(self, table: StrategyTable, micro_batch_size: int) -> np.ndarray:  # [S, S]
+        """The switch costs of `transition_model` for every pair of strategies."""
         if len(table) == 0:
             return np.zeros((0, 0))
-        width = int(table.tp[0] * table.cp[0] * table.ulysses[0] * table.dp[0])  # ranks per stage
-        full = micro_batch_size * t.seq_length * m.hidden_size * self.element_bytes
-        shard = full / (table.dp * table.cp * table.ulysses * np.where(table.sp, table.tp, 1))
-        a2a = self.comm.time_s(
-            "all_to_all", np.maximum(shard[:, None], shard[None, :]), self.layout(width, 1)
-        )
-        a2a = 2 * np.asarray(a2a, dtype=float)
-        per_replica = full / (table.dp * table.cp * table.ulysses)
-        gather = self.collective_s("all_gather", per_replica, table.tp, 1)
-        same = table.layout[:, None] == table.layout[None, :]
-        sp_only = (
-            (table.tp[:, None] == table.tp[None, :])
-            & (table.cp[:, None] == table.cp[None, :])
-            & (table.ulysses[:, None] == table.ulysses[None, :])
-            & (table.dp[:, None] == table.dp[None, :])
-        )
-        out = np.where(sp_only, gather[:, None] + np.zeros_like(a2a), a2a)
-        return np.where(same, 0.0, out)
+        return self.transition_model(table, micro_batch_size).matrix()[
+            np.ix_(table.layout, table.layout)
+        ]
