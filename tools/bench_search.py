@@ -6,6 +6,8 @@
 Speedup = plan tokens/s / best uniform tokens/s, both predicted by the same cost model.
 `bound` = uniform time / the search's own lower bound on any layout's time (the relaxation the
 search prunes with): no layout in the cost model can beat the uniform one by more than that.
+`vs +fsdp` = speedup over a wider uniform baseline that may also use Megatron-LM's FSDP2
+(ZeRO-3 on every layer, pp=1 only), which the issue's baseline leaves out.
 Search time is wall-clock (and CPU time) of one `search` call in this process; on a shared
 machine the CPU time is the fairer number.
 """
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 from megatron_ext.planner.cost.model import CostModel
 from megatron_ext.planner.search import _combo_bound, _combos, search
 from megatron_ext.planner.training import TrainingSpec
+from megatron_ext.planner.uniform import search_uniform
 from megatron_ext.presets import cluster_preset, model_preset
 
 
@@ -144,6 +147,8 @@ def run_case(case: Case) -> dict:
     plan, uni = result.plan, result.uniform_plan
     bound = min(_combo_bound(cm, c.costs, c.pp, c.micro_batch_size) for c in _combos(cm))
     uniform_s = result.uniform_evaluation.iteration_s if uni else math.inf
+    fsdp = search_uniform(cm, fsdp=True)
+    fsdp_s = fsdp[1].iteration_s if fsdp else math.inf
     return {
         "case": case.key,
         "model": case.model,
@@ -160,6 +165,7 @@ def run_case(case: Case) -> dict:
         "uniform_tokens_per_s": round(uni.prediction.tokens_per_s, 1) if uni else 0.0,
         "speedup": round(uniform_s / result.evaluation.iteration_s, 4),
         "bound_speedup": round(uniform_s / bound, 4),
+        "speedup_vs_uniform_fsdp": round(fsdp_s / result.evaluation.iteration_s, 4),
         "plan_mfu": round(plan.prediction.mfu, 4),
         "uniform_mfu": round(uni.prediction.mfu, 4) if uni else 0.0,
         "plan": _describe(plan),
@@ -189,7 +195,16 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = ("case", "search s", "cpu s", "uniform tok/s", "plan tok/s", "speedup", "bound")
+    head = (
+        "case",
+        "search s",
+        "cpu s",
+        "uniform tok/s",
+        "plan tok/s",
+        "speedup",
+        "bound",
+        "vs +fsdp",
+    )
     lines = [head]
     for r in rows:
         lines.append(
@@ -201,6 +216,7 @@ def print_table(rows: list[dict]) -> None:
                 f"{r['plan_tokens_per_s']:,.0f}",
                 f"{r['speedup']:.3f}",
                 f"{r['bound_speedup']:.3f}",
+                f"{r['speedup_vs_uniform_fsdp']:.3f}",
             )
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]

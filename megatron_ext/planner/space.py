@@ -101,11 +101,13 @@ def layer_strategies(
     gpus_per_node: int,
     micro_batch_size: int,
     uniform: bool = False,
+    uniform_fsdp: bool = False,
 ) -> StrategyTable:
     """Legal strategies of one layer on a stage of `width` ranks (rules R1-R5).
 
     uniform=True gives what stock Megatron-LM expresses: no Ulysses, ZeRO 0 or 1 (the distributed
-    optimizer), every recompute mode."""
+    optimizer), every recompute mode; uniform_fsdp adds ZeRO-3 (Megatron-LM's --use-torch-fsdp2,
+    which it allows only with pp=1)."""
     seq = training.seq_length
     out: list[LayerStrategy] = []
     for tp, cp, uly in product(divisors(width), repeat=3):
@@ -124,16 +126,23 @@ def layer_strategies(
         dp = width // (tp * cp * uly)
         if micro_batch_size % dp:
             continue
-        out += _variants(tp, cp, uly, dp, seq, training, uniform)
+        out += _variants(tp, cp, uly, dp, seq, training, uniform, uniform_fsdp)
     return StrategyTable.of(out)
 
 
 def _variants(
-    tp: int, cp: int, uly: int, dp: int, seq: int, training: TrainingSpec, uniform: bool
+    tp: int,
+    cp: int,
+    uly: int,
+    dp: int,
+    seq: int,
+    training: TrainingSpec,
+    uniform: bool,
+    uniform_fsdp: bool = False,
 ) -> list[LayerStrategy]:
     d = dp * cp * uly
     if uniform:
-        zeros = [1, 0]
+        zeros = [1, 0, 3] if uniform_fsdp else [1, 0]
     elif d == 1:
         zeros = [1]
     else:

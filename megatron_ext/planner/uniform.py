@@ -60,9 +60,11 @@ def _partitions(num_layers: int, pp: int) -> np.ndarray:
 
 
 def score_uniform(
-    cm, pp: int, micro_batch_size: int, bound_s: float = np.inf
+    cm, pp: int, micro_batch_size: int, bound_s: float = np.inf, *, fsdp: bool = False
 ) -> tuple[float, Layout] | None:
-    """Best uniform layout at this (pp, micro-batch size) faster than bound_s, or None."""
+    """Best uniform layout at this (pp, micro-batch size) faster than bound_s, or None.
+    fsdp=True also tries ZeRO-3 everywhere (FSDP2), which Megatron-LM allows with pp=1 and
+    untied embeddings only."""
     model, cluster = cm.model, cm.cluster
     width = cluster.num_gpus // pp
     table = layer_strategies(
@@ -72,6 +74,7 @@ def score_uniform(
         gpus_per_node=cluster.gpus_per_node,
         micro_batch_size=micro_batch_size,
         uniform=True,
+        uniform_fsdp=fsdp and pp == 1 and not model.tied_embeddings,
     )
     if len(table) == 0:
         return None
@@ -140,14 +143,15 @@ def _best_of(
 
 
 def search_uniform(
-    cm, *, progress: Callable[[str], None] | None = None
+    cm, *, progress: Callable[[str], None] | None = None, fsdp: bool = False
 ) -> tuple[Layout, Evaluation] | None:
-    """The fastest uniform layout over every pp and micro-batch size; None if nothing fits."""
+    """The fastest uniform layout over every pp and micro-batch size; None if nothing fits.
+    fsdp=True widens the baseline with Megatron-LM's FSDP2 (ZeRO-3 everywhere, pp=1)."""
     model, cluster = cm.model, cm.cluster
     best: tuple[float, Layout] | None = None
     for pp in [p for p in divisors(cluster.num_gpus) if p <= model.num_layers]:
         for mbs in divisors(cm.training.global_batch_size):
-            found = score_uniform(cm, pp, mbs, best[0] if best else np.inf)
+            found = score_uniform(cm, pp, mbs, best[0] if best else np.inf, fsdp=fsdp)
             if found is not None and (best is None or found[0] < best[0]):
                 best = found
         if progress is not None:
