@@ -195,20 +195,34 @@ def _cuts(desc: np.ndarray, problem: MicroBatchProblem, cost: FlexSPCostModel, n
 def _to_step_plan(lengths: np.ndarray, order: np.ndarray,
                   best: tuple[float, list[tuple[np.ndarray, Assignment]]],
                   cost: FlexSPCostModel) -> StepPlan:
-    total, planned = best
+    _, planned = best
     degrees = cost.degrees
     microbatches = []
     for run, result in planned:
         seq_ids = order[run]  # original index of each position of this micro-batch
         groups, start = [], 0
         for g, j in enumerate(result.group_deg_idx.tolist()):
-            members = seq_ids[np.flatnonzero(result.seq_group == g)]
-            groups.append(SPGroup(start_rank=start, degree=degrees[j],
-                                  seq_ids=tuple(int(i) for i in members),
-                                  predicted_time_s=float(result.loads[g])))
+            members = [int(i) for i in seq_ids[np.flatnonzero(result.seq_group == g)]]
+            groups += _groups_at(start, degrees[j], members, lengths, cost)
             start += degrees[j]
-        microbatches.append(MicroBatchPlan(
-            groups=tuple(groups),
-            predicted_time_s=cost.fixed_s_per_microbatch + result.makespan_s))
+        time_s = cost.fixed_s_per_microbatch + max(g.predicted_time_s for g in groups)
+        microbatches.append(MicroBatchPlan(groups=tuple(groups), predicted_time_s=time_s))
     return StepPlan(lengths=tuple(int(x) for x in lengths), num_gpus=cost.num_gpus,
-                    microbatches=tuple(microbatches), predicted_time_s=total)
+                    microbatches=tuple(microbatches),
+                    predicted_time_s=sum(mb.predicted_time_s for mb in microbatches))
+
+
+def _groups_at(start: int, degree: int, members: list[int], lengths: np.ndarray,
+               cost: FlexSPCostModel) -> list[SPGroup]:
+    """One group, or, when it would hold fewer tokens than ranks (a rank with no token cannot
+    run the layers), `degree` single-rank groups taking its sequences one each."""
+    seq_lengths = [int(lengths[i]) for i in members]
+    if not 0 < sum(seq_lengths) < degree:
+        return [SPGroup(start_rank=start, degree=degree, seq_ids=tuple(members),
+                        predicted_time_s=cost.group_time_s(seq_lengths, degree))]
+    out = []
+    for r in range(degree):
+        ids = (members[r],) if r < len(members) else ()
+        out.append(SPGroup(start_rank=start + r, degree=1, seq_ids=ids,
+                           predicted_time_s=cost.group_time_s([int(lengths[i]) for i in ids], 1)))
+    return out

@@ -74,7 +74,8 @@ class StepPlan:
 
     def check(self, *, capacity_tokens: int | None = None) -> None:
         """Raise PlanError unless every sequence is in exactly one group, groups are aligned
-        powers of two covering [0, num_gpus), and (if given) no device exceeds its tokens."""
+        powers of two covering [0, num_gpus), every rank of a busy group holds a token, and (if
+        given) no device exceeds its tokens."""
         seen = [0] * len(self.lengths)
         for m, mb in enumerate(self.microbatches):
             next_rank = 0
@@ -87,6 +88,9 @@ class StepPlan:
                                     f"{next_rank}")
                 next_rank += g.degree
                 tokens = sum(self.lengths[i] for i in g.seq_ids)
+                if 0 < tokens < g.degree:
+                    raise PlanError(f"microbatch {m}: group at {g.start_rank} holds {tokens} "
+                                    f"tokens, fewer than its {g.degree} ranks; use smaller groups")
                 if capacity_tokens is not None and -(-tokens // g.degree) > capacity_tokens:
                     raise PlanError(f"microbatch {m}: group at {g.start_rank} holds {tokens} "
                                     f"tokens over {g.degree} devices of {capacity_tokens}")
