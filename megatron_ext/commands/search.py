@@ -36,7 +36,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     cluster = p.add_mutually_exclusive_group()
     cluster.add_argument("--cluster", help=f"cluster preset (default {DEFAULT_CLUSTER})")
     cluster.add_argument(
-        "--cluster-profile", help="cluster profile JSON from the hardware profiler"
+        "--cluster-profile", help="cluster profile JSON (megatron-ext profile hardware)"
+    )
+    p.add_argument(
+        "--model-profile",
+        help="model profile JSON (megatron-ext profile model): measured layer times replace "
+        "the analytic compute",
     )
     p.add_argument("--nodes", type=int, default=None, help="nodes (default 1, or the profile's)")
     p.add_argument("--memory-gib", type=float, default=None, help="usable memory per GPU")
@@ -85,26 +90,32 @@ def _model(args: argparse.Namespace) -> ModelSpec:
     from megatron_ext.megatron_adapter.arguments import parse_megatron_args
     from megatron_ext.megatron_adapter.plan_from_args import model_from_args
 
-    # Only the model flags matter; Megatron's parser also wants the batch flags, so supply them.
     tokens = shlex.split(text, comments=True)
-    if "--micro-batch-size" not in tokens:
-        tokens += ["--micro-batch-size", "1"]
-    if "--seq-length" not in tokens:
-        tokens += ["--seq-length", str(args.seq_length)]
-    model = model_from_args(parse_megatron_args(tokens))
+    model = model_from_args(parse_megatron_args(tokens, model_only=True))
     return dataclasses.replace(model, name=path.stem)
 
 
 def _cost_model(args: argparse.Namespace, model: ModelSpec):
-    from megatron_ext.planner.cost.comm import AlphaBetaComm, MeasuredComm
     from megatron_ext.planner.cost.model import CostModel
-    from megatron_ext.planner.profiles import load_cluster_profile
     from megatron_ext.planner.training import TrainingSpec
 
-    comm = compute = None
-    if args.cluster_profile:
-        profile = load_cluster_profile(args.cluster_profile)
-        cluster, comm, compute = profile.cluster, profile.comm, profile.compute
+    training = TrainingSpec(
+        global_batch_size=args.global_batch_size,
+        seq_length=args.seq_length,
+        precision=args.precision,
+        allow_vocab_parallel=args.vocab_parallel,
+    )
+    if not args.cluster_profile and not args.model_profile:
+        cluster = cluster_preset(
+            args.cluster or DEFAULT_CLUSTER, num_nodes=args.nodes or 1, memory_gib=args.memory_gib
+        )
+        return CostModel(model, cluster, training)
+    from megatron_ext.profile_cost import ProfiledCostModel
+    from megatron_ext.profiles import ClusterProfile, ModelProfile
+
+    profile = ClusterProfile.load(args.cluster_profile) if args.cluster_profile else None
+    if profile is not None:
+        cluster = profile.cluster
         if args.nodes is not None:
             if args.nodes < 1:
                 raise PlanError(f"--nodes={args.nodes} must be >= 1")
@@ -113,19 +124,17 @@ def _cost_model(args: argparse.Namespace, model: ModelSpec):
             if not args.memory_gib > 0:
                 raise PlanError(f"--memory-gib={args.memory_gib} must be > 0")
             cluster = dataclasses.replace(cluster, memory_gib=args.memory_gib)
-        if isinstance(comm, MeasuredComm):
-            comm = MeasuredComm(curves=comm.curves, fallback=AlphaBetaComm(cluster=cluster))
     else:
         cluster = cluster_preset(
             args.cluster or DEFAULT_CLUSTER, num_nodes=args.nodes or 1, memory_gib=args.memory_gib
         )
-    training = TrainingSpec(
-        global_batch_size=args.global_batch_size,
-        seq_length=args.seq_length,
-        precision=args.precision,
-        allow_vocab_parallel=args.vocab_parallel,
-    )
-    return CostModel(model, cluster, training, comm=comm, compute=compute)
+    model_profile = ModelProfile.load(args.model_profile) if args.model_profile else None
+    if model_profile is not None and model_profile.model != model:
+        raise PlanError(
+            f"--model-profile was measured on {model_profile.model.name!r}, not {model.name!r}; "
+            "profile this model with megatron-ext profile model"
+        )
+    return ProfiledCostModel(model, profile, training, model_profile=model_profile, cluster=cluster)
 
 
 class _Progress:

@@ -29,7 +29,7 @@ from megatron_ext.errors import InfeasiblePlanError
 from megatron_ext.plan import ParallelPlan, VocabStrategy
 from megatron_ext.planner.cost.evaluate import Evaluation, evaluate
 from megatron_ext.planner.cost.model import CostModel, LayerCosts
-from megatron_ext.planner.cost.pipeline import OVERLAP_SLOWDOWN, pipeline_lower_bound_s
+from megatron_ext.planner.cost.pipeline import pipeline_lower_bound_s
 from megatron_ext.planner.cost.vocab import StageExtras, stage_extras
 from megatron_ext.planner.dp import MaxSwitch, StageDP, layer_dp
 from megatron_ext.planner.partition import best_partition, bmw_partition
@@ -267,7 +267,7 @@ def _solve_combo(
     pp, mbs = combo.pp, combo.micro_batch_size
     m = t.global_batch_size // mbs
     switch_all = cm.transition_s(combo.table, mbs)
-    objective_all = combo.costs.objective_s(m)
+    objective_all = combo.costs.objective_s(m, cm.overlap_slowdown)
     keep = prune_strategies(combo.costs, objective_all, switch_all, combo.table.layout)
     table, costs = combo.table.subset(keep), _take(combo.costs, keep)
     objective = objective_all[keep]
@@ -311,7 +311,8 @@ def _solve_combo(
     partition = best_partition if options.partition == "exact" else bmw_partition
     scored = []
     for vocab, ex, budget in zip(vocabs, extras, budgets):
-        found = partition(_slots(ex, budget, dps, n_hi, m), model.num_layers, m)
+        slot = _slots(ex, budget, dps, n_hi, m, cm.overlap_slowdown)
+        found = partition(slot, model.num_layers, m)
         if found is not None:
             scored.append((found[0], vocab, ex, budget, found[1]))
     scored.sort(key=lambda item: item[0])
@@ -326,7 +327,12 @@ def _solve_combo(
 
 
 def _slots(
-    ex: StageExtras, budget: np.ndarray, dps: dict[int, StageDP], n_hi: int, m: int
+    ex: StageExtras,
+    budget: np.ndarray,
+    dps: dict[int, StageDP],
+    n_hi: int,
+    m: int,
+    slowdown: float,
 ) -> np.ndarray:  # [pp, n_hi + 1]
     """Slot time of stage k with n layers: DP time + vocabulary work + p2p + exposed
     side-stream communication + the vocabulary tail spread over the micro-batches."""
@@ -337,9 +343,9 @@ def _slots(
         if dp is None or budget[k] < 0:
             continue
         layers = dp.best[:, budget[k]]
-        tail = max(0.0, OVERLAP_SLOWDOWN * ex.grad_sync_s[k] - ex.backward_s[k])
+        tail = max(0.0, slowdown * ex.grad_sync_s[k] - ex.backward_s[k])
         tail += ex.optimizer_s[k] + max(0.0, ex.param_gather_s[k] - ex.forward_s[k])
-        hidden = np.maximum(0.0, OVERLAP_SLOWDOWN * ex.overlap_comm_s[k] - layers)
+        hidden = np.maximum(0.0, slowdown * ex.overlap_comm_s[k] - layers)
         slot[k] = layers + ex.forward_s[k] + ex.backward_s[k] + 2 * ex.p2p_s[k] + hidden + tail / m
     return slot
 

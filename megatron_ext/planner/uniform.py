@@ -137,6 +137,7 @@ def _best_of(
         n * c(costs.param_gather_s) + ex.param_gather_s,
         n * c(costs.optimizer_s) + ex.optimizer_s,
         m,
+        overlap_slowdown=cm.overlap_slowdown,
     )
     k = int(np.argmin(pipe.iteration_s))
     return float(pipe.iteration_s[k]), int(sel[si[k]]), int(pj[k])

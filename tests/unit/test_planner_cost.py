@@ -9,13 +9,7 @@ import numpy as np
 import pytest
 
 from megatron_ext.plan import LayerStrategy, VocabStrategy
-from megatron_ext.planner.cost.comm import (
-    AlphaBetaComm,
-    GroupLayout,
-    MeasuredComm,
-    MeasuredCurve,
-    group_layout,
-)
+from megatron_ext.planner.cost.comm import AlphaBetaComm, GroupLayout, group_layout
 from megatron_ext.planner.cost.evaluate import evaluate
 from megatron_ext.planner.cost.memory import (
     layer_activation_bytes,
@@ -95,23 +89,42 @@ def test_alpha_beta_collectives_know_nodes():
     assert comm.time_s("all_reduce", n, GroupLayout(size=1, ranks_per_node=1)) == 0
 
 
-def test_measured_curves_replace_the_formula_where_measured():
-    cluster = cluster_preset("dgx-h100")
-    curve = MeasuredCurve(
+def measured_profile(overlap_slowdown: float = 1.3):
+    """A hardware-profiler ClusterProfile of one dgx-h100 node with one measured curve."""
+    from megatron_ext.profiles import ClusterProfile, CollectiveCurve
+
+    curve = CollectiveCurve(
         collective="all_reduce",
         group_size=8,
+        stride=1,
         ranks_per_node=8,
-        num_bytes=(1e6, 1e8),
-        seconds=(1e-4, 1e-2),
+        num_bytes=(1e6, 1e7, 1e8),
+        seconds=(1e-4, 1e-3, 1e-2),
     )
-    comm = MeasuredComm(curves=(curve,), fallback=AlphaBetaComm(cluster=cluster))
+    return ClusterProfile(
+        cluster=cluster_preset("dgx-h100"),
+        backend="nccl",
+        device="test",
+        overlap_slowdown=overlap_slowdown,
+        collectives=(curve,),
+    )
+
+
+def test_cluster_profile_replaces_the_formulas_where_measured():
+    """The profiler's ClusterProfile is a CommModel: measured curves where they exist (10x slower
+    than the preset's NVLink here), the formula elsewhere, and its measured overlap slowdown."""
+    profile = measured_profile()
+    training = TrainingSpec(global_batch_size=64, seq_length=2048)
+    model = model_preset("llama2-7b")
+    measured = CostModel(model, profile.cluster, training, comm=profile)
+    analytic = CostModel(model, profile.cluster, training)
+    assert measured.overlap_slowdown == 1.3 and analytic.overlap_slowdown == 1.1
     layout = group_layout(8, 1, 8)
-    assert comm.time_s("all_reduce", 5.05e7, layout) == pytest.approx(5.05e-3)
-    assert comm.time_s("all_reduce", 2e8, layout) == pytest.approx(2e-2)  # last slope
-    other = group_layout(4, 1, 8)
-    assert comm.time_s("all_reduce", 1e8, other) == AlphaBetaComm(cluster=cluster).time_s(
-        "all_reduce", 1e8, other
-    )
+    assert measured.comm.time_s("all_reduce", 1e7, layout) == pytest.approx(1e-3, rel=1e-6)
+    table = StrategyTable.of([LayerStrategy(tp=8, dp=1, zero=1), LayerStrategy(tp=1, dp=8)])
+    slow, fast = measured.layer_costs(table, 8), analytic.layer_costs(table, 8)
+    assert slow.comm_s[0] > 2 * fast.comm_s[0]  # TP all-reduces over 8 ranks are measured
+    assert slow.grad_sync_s[1] > 2 * fast.grad_sync_s[1]  # so is the 8-rank DP all-reduce
 
 
 def test_one_f_one_b_equal_stages_is_textbook():

@@ -206,3 +206,50 @@ def test_cli_model_config_files(tmp_path, capsys):
     for name in same:
         assert getattr(plans[0].model, name) == getattr(plans[1].model, name)
     assert plans[0].layers == plans[1].layers
+
+
+def test_cli_uses_a_cluster_profile(tmp_path, capsys):
+    """--cluster-profile reads the hardware profiler's file; --nodes and --memory-gib override
+    its cluster."""
+    from megatron_ext.profiles import ClusterProfile, CollectiveCurve
+
+    curve = CollectiveCurve(
+        collective="all_reduce",
+        group_size=8,
+        stride=1,
+        ranks_per_node=8,
+        num_bytes=(1e6, 1e7, 1e8),
+        seconds=(1e-4, 1e-3, 1e-2),
+    )
+    path = tmp_path / "cluster.json"
+    ClusterProfile(
+        cluster=cluster_preset("dgx-h100"),
+        backend="nccl",
+        device="test",
+        overlap_slowdown=1.2,
+        collectives=(curve,),
+    ).save(path)
+    out = tmp_path / "plan.json"
+    assert (
+        main(
+            [
+                "search",
+                "--cluster-profile",
+                str(path),
+                "--nodes",
+                "2",
+                "--memory-gib",
+                "60",
+                "--global-batch-size",
+                "32",
+                "--seq-length",
+                "2048",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    capsys.readouterr()
+    plan = ParallelPlan.load(out)
+    assert plan.world_size == 16 and plan.cluster.memory_gib == 60

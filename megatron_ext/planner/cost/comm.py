@@ -4,27 +4,19 @@ Legend: p = group size, q = group members inside one node, n = p / q nodes spann
 N = bytes (all_reduce / broadcast: the buffer; all_gather: the gathered output; reduce_scatter:
 the full input; all_to_all: one rank's send buffer; p2p: the message).
 
-Every cost goes through one interface, `CommModel.time_s(collective, num_bytes, layout)`, so a
-measured table from the hardware profiler (`MeasuredComm`) replaces the formulas without touching
-the rest of the cost model.
+Every cost goes through one interface, `CommModel.time_s(collective, num_bytes, layout)`, so the
+hardware profiler's measured curves (megatron_ext.profiles.ClusterProfile implements it) replace
+the formulas without touching the rest of the cost model.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from dataclasses import dataclass
+from typing import Literal, Protocol
 
 import numpy as np
 
-from megatron_ext.errors import PlanError
-from megatron_ext.schema import (
-    expect_list,
-    expect_object,
-    get_float_list,
-    get_int,
-    get_str,
-)
 from megatron_ext.specs import ClusterSpec
 
 Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p"]
@@ -152,84 +144,3 @@ def all_gather_time_s(
 def p2p_time_s(num_bytes: ArrayLike, bandwidth_bytes_per_s: float, latency_s: float) -> ArrayLike:
     """One point-to-point message: alpha + N / beta."""
     return latency_s + num_bytes / bandwidth_bytes_per_s
-
-
-# ---- measured tables ------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class MeasuredCurve:
-    """Measured seconds of one collective on one group layout, at increasing message sizes."""
-
-    collective: Collective
-    """Which collective (same byte convention as the module legend)."""
-    group_size: int
-    """p."""
-    ranks_per_node: int
-    """q."""
-    num_bytes: tuple[float, ...]
-    """Message sizes, strictly increasing."""
-    seconds: tuple[float, ...]
-    """Measured time at each size."""
-
-    def __post_init__(self) -> None:
-        if len(self.num_bytes) < 2 or len(self.num_bytes) != len(self.seconds):
-            raise PlanError(
-                f"{self.collective} p={self.group_size}: needs >= 2 points and as many seconds as "
-                f"bytes (got {len(self.num_bytes)} bytes, {len(self.seconds)} seconds)"
-            )
-        if any(b <= a for a, b in zip(self.num_bytes, self.num_bytes[1:])):
-            raise PlanError(f"{self.collective} p={self.group_size}: bytes must increase strictly")
-
-    def time_s(self, num_bytes: ArrayLike) -> ArrayLike:
-        """Piecewise-linear in bytes; beyond the largest size, extrapolate at the last slope."""
-        xs = np.asarray(self.num_bytes)
-        ys = np.asarray(self.seconds)
-        x = np.asarray(num_bytes, dtype=float)
-        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-        out = np.where(x > xs[-1], ys[-1] + (x - xs[-1]) * slope, np.interp(x, xs, ys))
-        return float(out) if np.ndim(out) == 0 else out
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class MeasuredComm:
-    """Uses a measured curve where one matches (collective, p, q); the formula elsewhere."""
-
-    curves: tuple[MeasuredCurve, ...]
-    """Measured curves, from the hardware profiler's cluster profile."""
-    fallback: AlphaBetaComm
-    """Used for layouts the profile did not measure."""
-    _index: dict[tuple[str, int, int], MeasuredCurve] = field(default_factory=dict, repr=False)
-
-    def __post_init__(self) -> None:
-        for curve in self.curves:
-            self._index[(curve.collective, curve.group_size, curve.ranks_per_node)] = curve
-
-    def time_s(
-        self, collective: Collective, num_bytes: ArrayLike, layout: GroupLayout
-    ) -> ArrayLike:
-        curve = self._index.get((collective, layout.size, layout.ranks_per_node))
-        if curve is None:
-            return self.fallback.time_s(collective, num_bytes, layout)
-        return curve.time_s(num_bytes)
-
-
-def curves_from_json(data: Any, path: str = "collectives") -> tuple[MeasuredCurve, ...]:
-    """Read `[{"collective", "group_size", "ranks_per_node", "num_bytes": [...],
-    "seconds": [...]}, ...]` (the `collectives` list of a cluster profile)."""
-    curves = []
-    for i, item in enumerate(expect_list(data, path)):
-        where = f"{path}[{i}]"
-        item = expect_object(item, where)
-        curves.append(
-            MeasuredCurve(
-                collective=get_str(  # type: ignore[arg-type]
-                    item, "collective", where, choices=COLLECTIVES
-                ),
-                group_size=get_int(item, "group_size", where, minimum=1),
-                ranks_per_node=get_int(item, "ranks_per_node", where, minimum=1),
-                num_bytes=get_float_list(item, "num_bytes", where),
-                seconds=get_float_list(item, "seconds", where),
-            )
-        )
-    return tuple(curves)

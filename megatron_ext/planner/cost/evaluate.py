@@ -19,7 +19,7 @@ import numpy as np
 
 from megatron_ext.plan import LayerStrategy, Prediction, VocabStrategy
 from megatron_ext.planner.cost.compute import model_flops_per_token
-from megatron_ext.planner.cost.pipeline import OVERLAP_SLOWDOWN, mfu, one_f_one_b
+from megatron_ext.planner.cost.pipeline import mfu, one_f_one_b
 from megatron_ext.planner.cost.vocab import stage_extras
 from megatron_ext.planner.space import StrategyTable
 
@@ -78,7 +78,7 @@ def evaluate(
         ids = index[start:end]
         sw = float(switch[ids[:-1], ids[1:]].sum()) / 2
         layer_work = float((costs.forward_s[ids] + costs.backward_s[ids]).sum())
-        exposed = max(0.0, OVERLAP_SLOWDOWN * ex.overlap_comm_s[k] - layer_work)
+        exposed = max(0.0, cm.overlap_slowdown * ex.overlap_comm_s[k] - layer_work)
         arr["f"][k] = costs.forward_s[ids].sum() + sw + ex.forward_s[k]
         arr["b"][k] = costs.backward_s[ids].sum() + sw + ex.backward_s[k] + exposed
         arr["sync"][k] = costs.grad_sync_s[ids].sum() + ex.grad_sync_s[k]
@@ -91,7 +91,16 @@ def evaluate(
         )
         arr["rc"][k] = costs.recompute_s[ids].sum()
         arr["comm"][k] = costs.comm_s[ids].sum() + 2 * sw + exposed
-    pipe = one_f_one_b(arr["f"], arr["b"], ex.p2p_s, arr["sync"], arr["gather"], arr["opt"], m)
+    pipe = one_f_one_b(
+        arr["f"],
+        arr["b"],
+        ex.p2p_s,
+        arr["sync"],
+        arr["gather"],
+        arr["opt"],
+        m,
+        overlap_slowdown=cm.overlap_slowdown,
+    )
     return _finish(cm, pipe, arr, ex, m)
 
 

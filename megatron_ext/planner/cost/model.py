@@ -63,11 +63,13 @@ class LayerCosts:
     transient_bytes: np.ndarray
     """Short-lived while this layer runs backward (recomputed activations, gathered weights)."""
 
-    def objective_s(self, num_microbatches: int) -> np.ndarray:  # [S]
+    def objective_s(
+        self, num_microbatches: int, overlap_slowdown: float = OVERLAP_SLOWDOWN
+    ) -> np.ndarray:  # [S]
         """The layerwise DP's per-layer time: one micro-batch's forward + backward, plus this
         layer's share of the once-per-iteration tail (exposed reduction, optimizer, exposed
         all-gather) spread over the m micro-batches."""
-        exposed = np.maximum(0.0, OVERLAP_SLOWDOWN * self.grad_sync_s - self.backward_s)
+        exposed = np.maximum(0.0, overlap_slowdown * self.grad_sync_s - self.backward_s)
         exposed += np.maximum(0.0, self.param_gather_s - self.forward_s)
         return self.forward_s + self.backward_s + (exposed + self.optimizer_s) / num_microbatches
 
@@ -93,6 +95,8 @@ class CostModel:
         self.comm: CommModel = comm if comm is not None else AlphaBetaComm(cluster=cluster)
         self.compute = compute if compute is not None else C.ComputeProfile()
         self.layer_params = C.layer_params(model)
+        self.overlap_slowdown = float(getattr(self.comm, "overlap_slowdown", OVERLAP_SLOWDOWN))
+        """Slowdown of overlapped communication: measured by a cluster profile, else default."""
 
     # ---- small helpers --------------------------------------------------------------------
 

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import numpy as np
 
 OVERLAP_SLOWDOWN = 1.1
-"""Communication that overlaps compute runs this much slower (Galvatron measures 1.1-1.3)."""
+"""Default slowdown of communication that overlaps compute (Galvatron measures 1.1-1.3); a
+cluster profile's measured `overlap_slowdown` replaces it (CostModel.overlap_slowdown)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -51,6 +52,7 @@ def one_f_one_b(
     param_gather_s: np.ndarray,
     optimizer_s: np.ndarray,
     num_microbatches: int,
+    overlap_slowdown: float = OVERLAP_SLOWDOWN,
 ) -> PipelineTime:
     """Iteration time of 1F1B over stage arrays of shape [..., p] (see the module docstring)."""
     f, b, c = np.asarray(forward_s), np.asarray(backward_s), np.asarray(p2p_s)
@@ -58,7 +60,7 @@ def one_f_one_b(
     pipe = slot.sum(axis=-1) + (num_microbatches - 1) * slot.max(axis=-1)
     before = np.cumsum(b + c, axis=-1) - (b + c)
     finish = pipe[..., None] - before
-    tail = gradient_tail_s(f, b, grad_sync_s, param_gather_s, optimizer_s)
+    tail = gradient_tail_s(f, b, grad_sync_s, param_gather_s, optimizer_s, overlap_slowdown)
     iteration = (finish + tail).max(axis=-1)
     busy = num_microbatches * (f + b) + tail
     return PipelineTime(
@@ -72,10 +74,11 @@ def gradient_tail_s(
     grad_sync_s: np.ndarray,
     param_gather_s: np.ndarray,
     optimizer_s: np.ndarray,
+    overlap_slowdown: float = OVERLAP_SLOWDOWN,
 ) -> np.ndarray:
     """What stage k adds after its last backward: exposed gradient reduction, optimizer step,
     exposed parameter all-gather."""
-    exposed_sync = np.maximum(0.0, OVERLAP_SLOWDOWN * np.asarray(grad_sync_s) - backward_s)
+    exposed_sync = np.maximum(0.0, overlap_slowdown * np.asarray(grad_sync_s) - backward_s)
     exposed_gather = np.maximum(0.0, np.asarray(param_gather_s) - forward_s)
     return exposed_sync + np.asarray(optimizer_s) + exposed_gather
 
