@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compare_static(lengths: np.ndarray, cost, flexsp_s: float) -> None:  # noqa: ANN001
+def _compare_static(lengths: np.ndarray, cost, flexsp_s: float) -> None:
     from megatron_ext.planner.flexsp import plan_step
 
     times = {}
