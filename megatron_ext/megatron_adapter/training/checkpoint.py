@@ -12,11 +12,13 @@ position is a sample count and is restored under any plan.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
 import shutil
 import threading
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -91,10 +93,17 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
 
 
-def _metadata(backend: Any) -> dict[str, Any]:
-    """Megatron-LM's `_build_sharded_state_dict_metadata` (mcore_cpu.md section 8.3/8.4)."""
+# The distributed optimizer's state is saved in the layout-independent format, so a checkpoint
+# loads under any other plan (Megatron-LM's --dist-ckpt-optim-fully-reshardable). Its default
+# `dp_reshardable` only survives a change of the DP degree; `fully_sharded_model_space` fails in
+# 0.16.1 (mcore_cpu.md section 8.4).
+DISTOPT_SHARDING = "fully_reshardable"
+
+
+def _metadata(backend: Any, sharding: str = DISTOPT_SHARDING) -> dict[str, Any]:
+    """Megatron-LM's `_build_sharded_state_dict_metadata` (mcore_cpu.md section 8.3)."""
     return {"dp_cp_group": backend.dp_cp_group, "singleton_local_shards": False,
-            "chained_optim_avoid_prefix": True, "distrib_optim_sharding_type": "dp_reshardable"}
+            "chained_optim_avoid_prefix": True, "distrib_optim_sharding_type": sharding}
 
 
 def _state_dict(backend: Any, scheduler: Any, state: TrainState, plan: ParallelPlan, *,
@@ -180,10 +189,63 @@ def checkpoint_padded_vocab(root: str | Path) -> int | None:
     return int(common["megatron_ext"]["padded_vocab_size"])
 
 
+def _inner_optimizers(optimizer: Any) -> list[Any]:
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _ensure_distopt_state(optimizer: Any) -> None:
+    """Give a never-stepped DistributedOptimizer a state to load into.
+
+    Without TE/apex its `state_dict()` asserts one shared `step` (distrib_optimizer.py:642),
+    which an empty torch Adam state does not have. megatron-core's own dummy initialisation
+    steps on zero grads; its effect on the weights is overwritten by the model load that
+    follows, and `_fix_adam_step` then sets the real step count.
+    """
+    for opt in _inner_optimizers(optimizer):
+        init = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
+        if init is not None and not getattr(opt.optimizer, "state", True):
+            init()
+
+
+@contextlib.contextmanager
+def _tolerate_missing_step(optimizer: Any) -> Iterator[None]:
+    """Load `fully_reshardable` distributed-optimizer state into torch Adam.
+
+    The checkpoint holds param/exp_avg/exp_avg_sq per parameter, but the copy loop copies every
+    key of the live state, including torch Adam's per-parameter `step`, and raises
+    KeyError('step') (distrib_optimizer.py:940, mcore_cpu.md section 8.5). For the duration of
+    the load, `step` is set aside around each copy; `_fix_adam_step` sets it afterwards.
+    """
+    patched = []
+    for opt in _inner_optimizers(optimizer):
+        original = getattr(opt, "_set_main_param_and_optimizer_states", None)
+        if original is None:
+            continue
+
+        def tolerant(model_param: Any, tensors: Any, _opt: Any = opt, _orig: Any = original) -> None:
+            group_index, group_order = _opt.model_param_group_index_map[model_param]
+            main_param = _opt.optimizer.param_groups[group_index]["params"][group_order]
+            state = _opt.optimizer.state[main_param]
+            step = state.pop("step", None)
+            try:
+                _orig(model_param, tensors)
+            finally:
+                if step is not None:
+                    state["step"] = step
+
+        opt._set_main_param_and_optimizer_states = tolerant
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states
+
+
 def _fix_adam_step(optimizer: Any, num_steps: int) -> None:
     """Set torch Adam's per-parameter `step` lost by the distributed optimizer's load
     (mcore_cpu.md section 8.5): every parameter has been stepped `num_steps` times."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for opt in _inner_optimizers(optimizer):
         inner = getattr(opt, "optimizer", None)
         if inner is None or not hasattr(inner, "state"):
             continue
@@ -205,13 +267,16 @@ def load_checkpoint(root: str | Path, backend: Any, scheduler: Any, plan: Parall
     common = dist_checkpointing.load_common_state_dict(ckpt_dir)
     same_plan = common["megatron_ext"]["fingerprint"] == _plan_fingerprint(plan)
     with_rng = load_rng and same_plan
+    if load_optimizer:
+        _ensure_distopt_state(backend.optimizer)
     sd = _state_dict(backend, scheduler, TrainState(), plan, is_loading=True, with_rng=with_rng,
                      with_optimizer=load_optimizer)
     loaded = dist_checkpointing.load(sd, ckpt_dir)
     backend.load_model_state(loaded)
     state = TrainState(**loaded["train_state"])
     if load_optimizer:
-        with torch.no_grad():  # distopt copies into views of leaf params (mcore_cpu.md 8.5)
+        # no_grad: distopt copies into views of leaf params (mcore_cpu.md 8.5)
+        with torch.no_grad(), _tolerate_missing_step(backend.optimizer):
             backend.optimizer.load_state_dict(loaded["optimizer"])
         if getattr(backend.optimizer.config, "use_distributed_optimizer", False):
             _fix_adam_step(backend.optimizer, state.iteration - state.skipped_iterations)
