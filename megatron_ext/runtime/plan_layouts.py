@@ -13,6 +13,8 @@ Legend: s = sequence, b = micro-batch (all replicas), S = ranks per stage, vtp =
 
 from __future__ import annotations
 
+import dataclasses
+
 from megatron_ext.errors import PlanError
 from megatron_ext.plan import LayerStrategy, ParallelPlan
 from megatron_ext.runtime.layout import Layout
@@ -54,8 +56,14 @@ def embedding_layout(plan: ParallelPlan) -> Layout:
 
 
 def output_layout(plan: ParallelPlan) -> Layout:
-    """Layout of the final norm, output layer and loss on the last stage."""
-    return _vocab_layout(plan, plan.layers[-1])
+    """Layout of the final norm, output layer and loss on the last stage.
+
+    With pp = 1 it shares the embedding layout's sp flag: both run under one model config.
+    """
+    layout = _vocab_layout(plan, plan.layers[-1])
+    if plan.pp == 1 and layout.sp != embedding_layout(plan).sp:
+        layout = dataclasses.replace(layout, sp=not layout.sp)
+    return layout
 
 
 def boundary_layout(plan: ParallelPlan, stage: int) -> Layout:

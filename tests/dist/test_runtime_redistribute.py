@@ -20,8 +20,8 @@ import torch.distributed as dist
 from megatron_ext.runtime.layout import Layout
 from megatron_ext.runtime.redistribute import exchange_plan, local_block, redistribute
 from megatron_ext.runtime.ring_attention import ring_attention
-from megatron_ext.runtime.ulysses import heads_to_seq, seq_to_heads
 from megatron_ext.runtime.testing import run_distributed
+from megatron_ext.runtime.ulysses import heads_to_seq, seq_to_heads
 
 pytestmark = pytest.mark.dist
 
@@ -73,7 +73,7 @@ def _check_attention(rank: int, layout: Layout, seq_group, cp_group) -> None:
     local = [local_block(t.detach(), layout, rank).requires_grad_() for t in (q, k, v)]
     heads = [seq_to_heads(t, seq_group) for t in local]  # [s/cp, b, heads/seq, d]
     mine = heads_to_seq(ring_attention(*heads, group=cp_group, softmax_scale=scale), seq_group)
-    tol = dict(rtol=1e-12, atol=1e-12)
+    tol = {"rtol": 1e-12, "atol": 1e-12}
     torch.testing.assert_close(mine, local_block(out.detach(), layout, rank), **tol)
     mine.backward(local_block(grad_out, layout, rank))
     for t, ref in zip(local, grads):

@@ -6,6 +6,7 @@ rank sets exist and who belongs to them, never numerics.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -142,8 +143,14 @@ def test_world_mismatch_is_one_line_plan_error() -> None:
 
 
 def test_vocab_layouts_follow_neighbour_or_split_tokens() -> None:
-    plan = _plan(8, 1, [LayerStrategy(tp=2, dp=4), LayerStrategy(tp=8)],
-                 vocab=__import__("megatron_ext.plan", fromlist=["VocabStrategy"]).VocabStrategy(
-                     tp=2))
-    assert embedding_layout(plan) == Layout(tp=2, dp=4)
-    assert output_layout(plan) == Layout(tp=2, sp=True, dp=4)  # mbs 32 splits over 4
+    from megatron_ext.plan import VocabStrategy
+
+    layers = [LayerStrategy(tp=2, dp=4), LayerStrategy(tp=8), LayerStrategy(tp=8),
+              LayerStrategy(tp=8)]
+    plan = _plan(8, 1, layers, vocab=VocabStrategy(tp=2))
+    assert embedding_layout(plan) == Layout(tp=2, dp=4)  # the first layer's own layout
+    assert output_layout(plan) == Layout(tp=2, dp=4)  # pp=1: shares the embedding's sp
+    plan = _plan(16, 2, [LayerStrategy(tp=8)] * 4, vocab=VocabStrategy(tp=2))
+    assert output_layout(plan) == Layout(tp=2, sp=True, dp=4)  # mbs 32 splits over all 4
+    plan = dataclasses.replace(plan, micro_batch_size=2, global_batch_size=4)
+    assert output_layout(plan) == Layout(tp=2, sp=True, seq=2, dp=2)  # rest split by sequence

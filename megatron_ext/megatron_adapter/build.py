@@ -1,0 +1,171 @@
+"""Entry point: `build_model(plan, config) -> (model chunks, groups)` for any valid plan.
+
+Order: validate (plan vs runtime, plan vs world size, config vs plan: one-line PlanErrors before
+any group exists) -> groups -> per-layer configs/specs -> `HeteroGPTModel` for this rank's
+stage -> plan-invariant init -> `HeteroDDP`. The model config gets `calculate_per_token_loss`,
+`no_sync_func` and `finalize_model_grads_func`, so megatron-core schedules drive it unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_ext.errors import PlanError
+from megatron_ext.megatron_adapter import cpu_compat
+from megatron_ext.megatron_adapter.block import LayerBuild
+from megatron_ext.megatron_adapter.ddp import HeteroDDP, finalize_grads
+from megatron_ext.megatron_adapter.layers import (
+    base_config,
+    check_config,
+    final_norm_spec,
+    layer_config,
+    layer_spec,
+    vocab_config,
+)
+from megatron_ext.megatron_adapter.model import HeteroGPTModel
+from megatron_ext.megatron_adapter.pg import layout_pg_collection
+from megatron_ext.megatron_adapter.weights import init_plan_invariant
+from megatron_ext.plan import ParallelPlan
+from megatron_ext.runtime.groups import PlanGroups, build_plan_groups, check_world_size
+from megatron_ext.runtime.layout import Layout
+from megatron_ext.runtime.plan_layouts import (
+    boundary_layout,
+    embedding_layout,
+    output_layout,
+)
+from megatron_ext.specs import ModelSpec
+
+__all__ = ["build_model", "check_runtime_support", "padded_vocab_size", "prepare_megatron"]
+
+
+def prepare_megatron() -> None:
+    """Process-wide megatron-core setup without `initialize_model_parallel` (idempotent): the
+    CPU/gloo patches (no-op with CUDA) and the global memory buffer attention uses."""
+    cpu_compat.apply()
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        parallel_state._set_global_memory_buffer()
+
+
+def check_runtime_support(plan: ParallelPlan, *, embedding: bool, output_layer: bool) -> None:
+    """One-line PlanError for plan features this runtime does not run."""
+    for start, end, s in plan.layer_runs():
+        if s.zero == 3:
+            raise PlanError(
+                f"layers[{start}:{end}].zero=3 is not supported by the layerwise runtime yet; "
+                "use zero 0 (DDP) or 1 (distributed optimizer)"
+            )
+    if plan.flexsp is not None:
+        raise PlanError("plan.flexsp is set: FlexSP plans run on the FlexSP runtime, not "
+                        "build_model; remove flexsp or use the FlexSP trainer")
+    if plan.vocab.mode == "vocab_parallel" and (embedding or output_layer):
+        raise PlanError("vocab.mode='vocab_parallel' needs the vocabulary-parallel runtime: call "
+                        "build_model(..., embedding=False, output_layer=False) for the body")
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
+    """Megatron-LM's padding: a multiple of divisible_by * tp."""
+    multiple = divisible_by * tp
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+def _resolve_config(plan: ParallelPlan, config: TransformerConfig | ModelSpec | None
+                    ) -> TransformerConfig:
+    if config is None or isinstance(config, ModelSpec):
+        if config is not None and config != plan.model:
+            raise PlanError(f"model {config.name!r} differs from the plan's model "
+                            f"{plan.model.name!r}; use the plan's model or re-plan")
+        config = base_config(plan.model, plan.precision)
+    else:
+        check_config(plan, config)
+    return dataclasses.replace(config, calculate_per_token_loss=True)
+
+
+def _without_cp(pgc: ProcessGroupCollection, singleton: dist.ProcessGroup
+                ) -> ProcessGroupCollection:
+    """Same groups, cp = singleton: the GPTModel-level rotary table covers the full sequence."""
+    fields = {k: v for k, v in vars(pgc).items() if not k.startswith("_")}
+    return ProcessGroupCollection(**{**fields, "cp": singleton})
+
+
+def _stage_model(plan: ParallelPlan, config: TransformerConfig, groups: PlanGroups, *,
+                 embedding: bool, output: bool, final_norm: bool, use_te: bool | None,
+                 divisible_by: int) -> HeteroGPTModel:
+    stage, pp = groups.stage, plan.pp
+    start, end = plan.stages[stage]
+    first, last = stage == 0, stage == pp - 1
+    pgs = {layout: layout_pg_collection(groups, layout) for layout in groups.layouts}
+    builds = []
+    for idx in range(start, end):
+        strategy = plan.layers[idx]
+        layout = Layout.of(strategy)
+        cfg = layer_config(config, strategy)
+        spec = layer_spec(cfg, strategy, groups.for_layout(layout).seq, use_te=use_te)
+        builds.append(LayerBuild(layer_idx=idx, layout=layout, config=cfg, spec=spec,
+                                 pg_collection=pgs[layout],
+                                 full_recompute=strategy.recompute == "full"))
+    input_layout = embedding_layout(plan) if first else boundary_layout(plan, stage - 1)
+    out_layout = output_layout(plan) if last else boundary_layout(plan, stage)
+    model_layout = (embedding_layout(plan) if first else
+                    output_layout(plan) if last else Layout.of(plan.layers[start]))
+    model_config = vocab_config(config, model_layout, pp)
+    assert not last or out_layout.sp == model_layout.sp, "a stage's vocabulary layouts share sp"
+    return HeteroGPTModel(
+        model_config, plan=plan, groups=groups, builds=builds, input_layout=input_layout,
+        output_layout=out_layout,
+        vocab_size=padded_vocab_size(plan.model.vocab_size, plan.vocab.tp, divisible_by),
+        pg_collection=_without_cp(pgs[model_layout], groups.singleton),
+        block_pg_collection=pgs[out_layout if last else model_layout],
+        final_norm=final_norm_spec(use_te=use_te) if last and final_norm else None,
+        pre_process=first and embedding, post_process=last and output,
+    )
+
+
+def build_model(
+    plan: ParallelPlan,
+    config: TransformerConfig | ModelSpec | None = None,
+    *,
+    groups: PlanGroups | None = None,
+    ddp_config: DistributedDataParallelConfig | None = None,
+    seed: int = 1234,
+    init: str = "plan_invariant",
+    wrap_ddp: bool = True,
+    embedding: bool = True,
+    output_layer: bool = True,
+    final_norm: bool = True,
+    use_te: bool | None = None,
+    make_vocab_size_divisible_by: int = 128,
+) -> tuple[list[HeteroDDP] | list[HeteroGPTModel], PlanGroups]:
+    """Build this rank's pipeline stage of `plan` (collective: every rank calls it).
+
+    `config` is a megatron `TransformerConfig` for the plan's model (degrees are replaced per
+    layer) or a ModelSpec / None for CPU-safe defaults. `init="plan_invariant"` gives the same
+    weights under every plan for one seed; "megatron" keeps megatron-core's own init.
+    """
+    check_runtime_support(plan, embedding=embedding, output_layer=output_layer)
+    config = _resolve_config(plan, config)
+    if groups is None:
+        check_world_size(plan, dist.get_world_size())
+    prepare_megatron()
+    groups = groups or build_plan_groups(plan)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=groups.local_rank, ep_rank=0,
+                                                    etp_rank=0, force_reset_rng=True)
+    model = _stage_model(plan, config, groups, embedding=embedding, output=output_layer,
+                         final_norm=final_norm, use_te=use_te,
+                         divisible_by=make_vocab_size_divisible_by)
+    if init == "plan_invariant":
+        init_plan_invariant(model, seed)
+    elif init != "megatron":
+        raise ValueError(f"init={init!r} must be 'plan_invariant' or 'megatron'")
+    if not wrap_ddp:
+        return [model], groups
+    chunk = HeteroDDP(model, ddp_config or DistributedDataParallelConfig())
+    model.config.no_sync_func = chunk.no_sync
+    model.config.finalize_model_grads_func = finalize_grads
+    return [chunk], groups

@@ -1,0 +1,171 @@
+"""Gradient synchronisation for a model whose layers sit in different data-parallel groups.
+
+megatron-core's `DistributedDataParallel` reduces all dense params over one group. The
+replicas of a parameter shard of a layer with tensor-parallel degree tp are the stage ranks with
+the same tp rank (its dp x cp x Ulysses ranks), so the gradient group depends on tp alone.
+`HeteroDDP` wraps the stage model once and holds one stock DDP per (tp, zero) class of layers
+(plus the vocabulary layers, classed by vocab.tp and the zero level of their neighbour layer),
+each over its own `dp_cp` group with its own bucketing/overlap, and ZeRO-1
+(`use_distributed_optimizer`) per class. The DDPs own no forward: their per-parameter hooks and
+buffers work on the shared layer modules. The API mirrors DDP, so megatron-core schedules and
+`finalize_grads` treat it as one model chunk.
+
+Loss scaling: the runtime always uses per-token loss (`calculate_per_token_loss`): DDPs sum
+gradients and `finalize_grads` divides by the global token count. Averaging per data-parallel
+group would be wrong when layers have different dp degrees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+)
+from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+from megatron.core.distributed.finalize_model_grads import (
+    _allreduce_non_tensor_model_parallel_grads,
+    _allreduce_word_embedding_grads,
+)
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from megatron_ext.megatron_adapter.model import HeteroGPTModel
+
+__all__ = ["GradClass", "HeteroDDP", "finalize_grads"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GradClass:
+    """Parameters that share a gradient group and a ZeRO level."""
+
+    tp: int
+    zero: int
+    modules: tuple[torch.nn.Module, ...]
+    pg_collection: ProcessGroupCollection
+
+
+def grad_classes(model: HeteroGPTModel) -> list[GradClass]:
+    """Classes in first-use order: embedding, layers, final norm + output layer."""
+    plan = model.plan
+    start, end = plan.stages[model.groups.stage]
+    found: dict[tuple[int, int], tuple[list[torch.nn.Module], ProcessGroupCollection]] = {}
+
+    def add(tp: int, zero: int, module: torch.nn.Module | None, pgc: ProcessGroupCollection):
+        if module is not None and any(p.requires_grad for p in module.parameters()):
+            found.setdefault((tp, zero), ([], pgc))[0].append(module)
+
+    vocab_pg = model.pg_collection
+    if model.pre_process:
+        add(plan.vocab.tp, plan.layers[start].zero, model.embedding, vocab_pg)
+    for build in model.decoder.builds:
+        strategy = plan.layers[build.layer_idx]
+        add(strategy.tp, strategy.zero, model.decoder.layers[str(build.layer_idx)],
+            build.pg_collection)
+    last_zero = plan.layers[end - 1].zero
+    add(plan.vocab.tp, last_zero, model.decoder.final_layernorm, model.decoder.pg_collection)
+    if model.post_process:
+        add(plan.vocab.tp, last_zero, model.output_layer, vocab_pg)
+    return [GradClass(tp=tp, zero=zero, modules=tuple(mods), pg_collection=pgc)
+            for (tp, zero), (mods, pgc) in found.items()]
+
+
+class HeteroDDP(_BaseDataParallel):
+    """One stock DDP per gradient class, presented as a single data-parallel model chunk."""
+
+    def __init__(self, module: HeteroGPTModel, ddp_config: DistributedDataParallelConfig) -> None:
+        super().__init__(config=module.config, module=module)
+        self.ddp_config = ddp_config
+        self.classes = grad_classes(module)
+        self._ddps = [  # a plain list: not submodules, so state dicts stay the model's
+            DistributedDataParallel(
+                config=module.config,
+                ddp_config=dataclasses.replace(ddp_config,
+                                               use_distributed_optimizer=cls.zero >= 1),
+                module=torch.nn.ModuleList(cls.modules),
+                pg_collection=cls.pg_collection,
+            )
+            for cls in self.classes
+        ]
+
+    @property
+    def ddps(self) -> list[DistributedDataParallel]:
+        return self._ddps
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for ddp in self._ddps:
+                stack.enter_context(ddp.no_sync())
+            yield
+
+    def start_grad_sync(self, *unused: Any) -> None:
+        for ddp in self._ddps:
+            ddp.start_grad_sync()
+
+    def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
+        for ddp in self._ddps:
+            ddp.finish_grad_sync(force_all_reduce=force_all_reduce)
+
+    def start_param_sync(self, *unused: Any, force_sync: bool = False,
+                         force_dispatch: bool = False) -> None:
+        for ddp in self._ddps:
+            ddp.start_param_sync(force_sync=force_sync, force_dispatch=force_dispatch)
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        for ddp in self._ddps:
+            ddp.scale_gradients(scaling_factor)
+
+    def zero_grad_buffer(self) -> None:
+        for ddp in self._ddps:
+            ddp.zero_grad_buffer()
+
+    def broadcast_params(self) -> None:
+        for ddp in self._ddps:
+            ddp.broadcast_params()
+
+    def sharded_state_dict(self, prefix: str = "", *args: Any, **kwargs: Any) -> dict:
+        """The model's sharded state dict (global layer keys), not prefixed by `module.`."""
+        return self.module.sharded_state_dict(prefix, *args, **kwargs)
+
+    def allreduce_sequence_parallel_grads(self) -> None:
+        """Sum SP-tagged (and qk-layernorm) grads over each class's own tp group."""
+        qk = bool(getattr(self.config, "qk_layernorm", False))
+        for cls, ddp in zip(self.classes, self._ddps):
+            cfg = SimpleNamespace(sequence_parallel=True, qk_layernorm=qk)
+            _allreduce_non_tensor_model_parallel_grads([ddp], cfg, cls.pg_collection.tp)
+
+
+def finalize_grads(
+    model: list[HeteroDDP],
+    num_tokens: torch.Tensor | None = None,
+    pg_collection: ProcessGroupCollection | None = None,
+    force_all_reduce: bool | None = False,
+) -> None:
+    """`finalize_model_grads_func` for heterogeneous plans (megatron-core's, per gradient class).
+
+    DP reduction per class; SP layernorm grads over each class's tp group; tied embedding grads
+    over the first/last-stage embedding group; grads divided by the global token count (the
+    count on the last stage, summed over the world and divided by vocab.tp, the replication of
+    each loss token).
+    """
+    chunk = model[0]
+    chunk.finish_grad_sync(force_all_reduce=force_all_reduce)
+    for c in model:
+        c.allreduce_sequence_parallel_grads()
+    inner: HeteroGPTModel = chunk.module
+    if inner.groups.embd is not None:
+        _allreduce_word_embedding_grads(model, inner.config, inner.groups.embd, inner.groups.pp)
+    if num_tokens is not None:
+        total = num_tokens.detach().to(torch.float64).reshape(1)
+        dist.all_reduce(total)  # world: only last-stage ranks contribute
+        total = total / inner.plan.vocab.tp
+        if total.item() > 0:
+            for c in model:
+                c.scale_gradients(1.0 / total.item())

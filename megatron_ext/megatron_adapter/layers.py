@@ -1,0 +1,137 @@
+"""Per-layer megatron-core configs and specs: each layer gets its own degrees and process groups.
+
+megatron-core reads degrees (`tensor_model_parallel_size`, `sequence_parallel`, recompute) from
+the config a module receives and its groups from its `pg_collection`, so every layer gets a
+`dataclasses.replace` of the base config and the collection of its layout. Specs are stock:
+the TE spec when transformer_engine imports, the local spec otherwise (`sp_norm.gpt_layer_spec`,
+SP-capable norms); only the core attention of context-parallel / Ulysses layers is swapped
+(`attention.SequenceParallelCoreAttention`; with TE, CP-only layers keep TE's CP attention).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_ext.errors import PlanError
+from megatron_ext.megatron_adapter.attention import SequenceParallelCoreAttention
+from megatron_ext.megatron_adapter.sp_norm import (
+    SPNorm,
+    gpt_layer_spec,
+    have_transformer_engine,
+)
+from megatron_ext.plan import LayerStrategy, ParallelPlan
+from megatron_ext.runtime.layout import Layout
+from megatron_ext.specs import ModelSpec
+
+__all__ = [
+    "base_config",
+    "check_config",
+    "final_norm_spec",
+    "layer_config",
+    "layer_spec",
+    "vocab_config",
+]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def base_config(model: ModelSpec, precision: str = "fp32", **overrides: Any) -> TransformerConfig:
+    """A TransformerConfig for `model` with CPU-safe defaults (no fusions, dropout 0)."""
+    swiglu = model.activation == "swiglu"
+    dtype = _DTYPES[precision]
+    fields: dict[str, Any] = {
+        "num_layers": model.num_layers, "hidden_size": model.hidden_size,
+        "ffn_hidden_size": model.ffn_hidden_size, "num_attention_heads": model.num_attention_heads,
+        "num_query_groups": model.num_query_groups, "kv_channels": model.head_dim,
+        "normalization": model.normalization, "gated_linear_unit": swiglu,
+        "activation_func": F.silu if swiglu else F.gelu, "add_bias_linear": model.add_bias_linear,
+        "hidden_dropout": 0.0, "attention_dropout": 0.0, "params_dtype": dtype, "pipeline_dtype": dtype,
+        "bf16": precision == "bf16", "fp16": precision == "fp16",
+        "use_cpu_initialization": not torch.cuda.is_available(), "masked_softmax_fusion": False,
+        "bias_activation_fusion": False, "bias_dropout_fusion": False, "apply_rope_fusion": False,
+        "gradient_accumulation_fusion": False, "persist_layer_norm": False,
+    }
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def check_config(plan: ParallelPlan, config: TransformerConfig) -> None:
+    """One-line PlanError when the model config disagrees with the plan's model."""
+    model = plan.model
+    pairs = {
+        "num_layers": model.num_layers, "hidden_size": model.hidden_size,
+        "ffn_hidden_size": model.ffn_hidden_size,
+        "num_attention_heads": model.num_attention_heads,
+        "num_query_groups": model.num_query_groups or model.num_attention_heads,
+    }
+    for name, expected in pairs.items():
+        got = getattr(config, name) or (model.num_attention_heads
+                                        if name == "num_query_groups" else None)
+        if got != expected:
+            raise PlanError(
+                f"model config {name}={got} but the plan was made for model.{name}={expected}; "
+                "use the plan's model or re-plan"
+            )
+
+
+def _plain_pipeline(config: TransformerConfig, **extra: Any) -> TransformerConfig:
+    """No pipeline fields: layers get global layer numbers directly (offset 0)."""
+    return dataclasses.replace(
+        config, pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
+        pipeline_model_parallel_layout=None, num_layers_in_first_pipeline_stage=None,
+        num_layers_in_last_pipeline_stage=None, account_for_embedding_in_pipeline_split=False,
+        account_for_loss_in_pipeline_split=False, **extra,
+    )
+
+
+def layer_config(base: TransformerConfig, strategy: LayerStrategy) -> TransformerConfig:
+    """Config of one layer: its TP/SP/CP degrees and selective recompute (full is block-level)."""
+    selective = strategy.recompute == "selective"
+    return _plain_pipeline(
+        base, tensor_model_parallel_size=strategy.tp, sequence_parallel=strategy.sp,
+        context_parallel_size=strategy.cp, recompute_method=None, recompute_num_layers=None,
+        recompute_granularity="selective" if selective else None,
+        recompute_modules=["core_attn"] if selective else base.recompute_modules,
+    )
+
+
+def vocab_config(base: TransformerConfig, layout: Layout, pp: int) -> TransformerConfig:
+    """Config of the embedding / output layer / final norm on a stage (vocabulary layout)."""
+    return dataclasses.replace(
+        _plain_pipeline(base, tensor_model_parallel_size=layout.tp, sequence_parallel=layout.sp,
+                        context_parallel_size=1, recompute_granularity=None,
+                        recompute_method=None, recompute_num_layers=None),
+        pipeline_model_parallel_size=pp,
+    )
+
+
+def layer_spec(config: TransformerConfig, strategy: LayerStrategy,
+               ulysses_group: dist.ProcessGroup, *, use_te: bool | None = None) -> ModuleSpec:
+    """Stock GPT layer spec; CP/Ulysses layers get `SequenceParallelCoreAttention`."""
+    use_te = have_transformer_engine() if use_te is None else use_te
+    spec = gpt_layer_spec(config, use_transformer_engine=use_te)
+    if strategy.ulysses == 1 and (strategy.cp == 1 or use_te):
+        return spec
+    core = ModuleSpec(module=SequenceParallelCoreAttention,
+                      params={"ulysses_group": ulysses_group})
+    attn = spec.submodules.self_attention
+    attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules,
+                                                                    core_attention=core))
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules,
+                                                                    self_attention=attn))
+
+
+def final_norm_spec(*, use_te: bool | None = None) -> Any:
+    """Norm class of the block's final layer norm (SP-capable on the local path)."""
+    if have_transformer_engine() if use_te is None else use_te:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TENorm
+    return SPNorm

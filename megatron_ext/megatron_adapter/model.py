@@ -1,0 +1,121 @@
+"""`HeteroGPTModel`: megatron-core's `GPTModel` with a per-layer-strategy decoder, and `build_model`.
+
+Legend: s = sequence, b = micro-batch (all data-parallel replicas), h = hidden,
+v = padded vocabulary, vtp = plan.vocab.tp; local blocks per `runtime/layout.py`.
+
+`GPTModel.__init__` supplies the embedding, rotary table, output layer, tied-weight setup and
+checkpoint keys, all over the vocabulary tp group; the decoder is replaced by
+`HeteroTransformerBlock`. `forward` takes the *full* micro-batch (`[b, s]` token ids, labels, on
+every rank of the stage) and slices the part of its layout itself; with labels it returns the
+per-token loss of this rank's tokens, `[b_loc, s_loc]` (`local_tokens` slices a loss mask the
+same way), from a cross entropy over the vocabulary tp group.
+
+Body-only stages (no embedding / no output layer, for vocabulary parallelism): pass
+`decoder_input` `[s_loc, b_loc, h]` in `model.decoder.input_layout` on the first stage; the last
+stage returns hidden states in `model.decoder.output_layout` (after the final norm when
+`final_norm=True`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_ext.megatron_adapter.block import HeteroTransformerBlock, LayerBuild
+from megatron_ext.megatron_adapter.cross_entropy import (
+    group_vocab_parallel_cross_entropy,
+)
+from megatron_ext.plan import ParallelPlan
+from megatron_ext.runtime.groups import PlanGroups
+from megatron_ext.runtime.layout import Layout
+from megatron_ext.runtime.redistribute import local_tokens
+
+__all__ = ["HeteroGPTModel"]
+
+
+class HeteroGPTModel(GPTModel):
+    """One pipeline stage of a GPT model whose layers follow a ParallelPlan."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        *,
+        plan: ParallelPlan,
+        groups: PlanGroups,
+        builds: list[LayerBuild],
+        input_layout: Layout,
+        output_layout: Layout,
+        vocab_size: int,
+        pg_collection: ProcessGroupCollection,
+        block_pg_collection: ProcessGroupCollection,
+        final_norm: Any | None,
+        pre_process: bool,
+        post_process: bool,
+    ) -> None:
+        model = plan.model
+        super().__init__(
+            config=config,
+            transformer_layer_spec=TransformerBlockSubmodules(layer_specs=[], layer_norm=None),
+            vocab_size=vocab_size, max_sequence_length=model.max_position_embeddings,
+            pre_process=pre_process, post_process=post_process,
+            share_embeddings_and_output_weights=model.tied_embeddings,
+            position_embedding_type=model.position_embedding,
+            rotary_base=getattr(config, "rotary_base", 10000), pg_collection=pg_collection,
+        )
+        self.plan = plan
+        self.groups = groups
+        self.decoder = HeteroTransformerBlock(
+            config, builds=builds, groups=groups, input_layout=input_layout,
+            output_layout=output_layout, final_norm=final_norm,
+            pg_collection=block_pg_collection, pre_process=pre_process,
+            post_process=final_norm is not None,
+        )
+
+    def local_tokens(self, tokens: torch.Tensor, *, at_input: bool = False) -> torch.Tensor:
+        """This rank's `[b_loc, s_loc]` part of full `[b, s]` ids / labels / loss mask: the
+        tokens the output layer sees (its input is SP-gathered), or with `at_input` the tokens
+        the embedding looks up (it reduce-scatters to SP itself)."""
+        layout = self.decoder.input_layout if at_input else self.decoder.output_layout
+        return local_tokens(tokens, layout.attention_layout(), self.groups.local_rank)
+
+    def forward(  # type: ignore[override]
+        self,
+        input_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        **_unused: Any,
+    ) -> torch.Tensor:
+        """Full `[b, s]` input_ids/labels -> per-token loss `[b_loc, s_loc]` (with labels),
+        logits `[b_loc, s_loc, v/vtp]` (without), or hidden states (no output layer)."""
+        if decoder_input is None and self.pre_process:
+            ids = self.local_tokens(input_ids, at_input=True)  # [b_loc, s_loc]
+            if position_ids is None:
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+                position_ids = position_ids.expand_as(input_ids)
+            positions = self.local_tokens(position_ids, at_input=True)  # [b_loc, s_loc]
+            decoder_input = self.embedding(input_ids=ids, position_ids=positions)
+        seq_length = (input_ids.shape[1] if input_ids is not None
+                      else self.decoder.global_seq_length(
+                          decoder_input if decoder_input is not None else self.decoder.input_tensor))
+        rope = None
+        if self.position_embedding_type == "rope":
+            rope = self.rotary_pos_emb(seq_length)  # [s, 1, 1, d]
+        hidden = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
+                              rotary_pos_emb=rope)  # [s_loc, b_loc, h] in output_layout
+        if not self.post_process:
+            return hidden
+        weight = (self.shared_embedding_or_output_weight()
+                  if self.share_embeddings_and_output_weights else None)
+        logits, _ = self.output_layer(hidden, weight=weight)  # [s_loc, b_loc, v/vtp]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()  # [b_loc, s_loc, v/vtp]
+        target = self.local_tokens(labels).transpose(0, 1).contiguous()  # [s_loc, b_loc]
+        loss = group_vocab_parallel_cross_entropy(logits, target, self.pg_collection.tp)
+        return loss.transpose(0, 1).contiguous()  # [b_loc, s_loc]

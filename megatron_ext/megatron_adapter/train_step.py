@@ -1,0 +1,119 @@
+"""One optimizer step of a heterogeneous plan on megatron-core's own schedules.
+
+Legend: s = sequence, b = micro-batch (all replicas), h = hidden.
+
+pp = 1 runs `forward_backward_no_pipelining`; pp > 1 runs megatron-core's 1F1B
+(`forward_backward_pipelining_without_interleaving`) with this plan's `P2PCommunicator` and an
+`adjust_tensor_shapes_fn`: stage p receives `[s_loc, b_loc, h]` of the layout stage p-1 sends
+(its last layer's) and sends its own last layer's layout, so uneven stages and different
+strategies on both sides of a boundary pass fixed, known shapes (no shape exchange).
+Batches are dicts of full micro-batch tensors `[b, s]` (tokens, labels, loss_mask, optional
+position_ids), identical on every rank of a stage; the model slices its part.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+from megatron.core.utils import get_attr_wrapped_model
+
+from megatron_ext.megatron_adapter.ddp import HeteroDDP
+from megatron_ext.megatron_adapter.model import HeteroGPTModel
+from megatron_ext.megatron_adapter.optimizer import HeteroChainedOptimizer
+from megatron_ext.plan import ParallelPlan
+from megatron_ext.runtime.groups import PlanGroups
+from megatron_ext.runtime.plan_layouts import boundary_layout
+
+__all__ = ["forward_backward", "forward_step", "loss_func", "stage_shapes", "train_step"]
+
+Batch = dict[str, torch.Tensor]
+
+
+def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """(sum of masked loss, token count, report) over this rank's `[b_loc, s_loc]` tokens."""
+    mask = loss_mask.to(per_token_loss.dtype)
+    total = (per_token_loss * mask).sum()
+    count = mask.sum()
+    return total, count.to(torch.int), {"lm loss": torch.stack([total.detach(), count.detach()])}
+
+
+def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module
+                 ) -> tuple[torch.Tensor, Callable[..., Any]]:
+    """megatron `forward_step_func`: full micro-batch in, per-token loss of this rank out."""
+    batch = next(data_iterator)
+    inner: HeteroGPTModel = get_attr_wrapped_model(model, "local_tokens", return_model_obj=True)
+    output = model(input_ids=batch["tokens"] if inner.pre_process else None,
+                   position_ids=batch.get("position_ids"),
+                   labels=batch["labels"] if inner.post_process else None)
+    mask = inner.local_tokens(batch["loss_mask"]) if inner.post_process else None
+    return output, partial(loss_func, mask)
+
+
+def stage_shapes(plan: ParallelPlan, stage: int, hidden: int) -> tuple[list, list]:
+    """([recv shape], [send shape]) of `stage`: `[s_loc, b_loc, h]` of the boundary layouts."""
+    def shape(boundary: int) -> tuple[int, int, int]:
+        s_loc, b_loc = boundary_layout(plan, boundary).local_shape(plan.seq_length,
+                                                                  plan.micro_batch_size)
+        return (s_loc, b_loc, hidden)
+
+    recv = [shape(stage - 1)] if stage > 0 else [()]
+    send = [shape(stage)] if stage < plan.pp - 1 else [()]
+    return recv, send
+
+
+def forward_backward(
+    chunks: list[HeteroDDP],
+    data_iterator: Iterator[Batch],
+    groups: PlanGroups,
+    *,
+    forward_step_func: Callable[..., Any] = forward_step,
+    forward_only: bool = False,
+) -> dict[str, float]:
+    """Forward (and backward) over `plan.num_microbatches` micro-batches; grads are finalized.
+
+    Returns the global per-token loss and token count, identical on every rank.
+    """
+    plan = groups.plan
+    inner: HeteroGPTModel = chunks[0].module
+    config = inner.config
+    kwargs: dict[str, Any] = {}
+    if plan.pp > 1:
+        recv, send = stage_shapes(plan, groups.stage, config.hidden_size)
+        kwargs = {"adjust_tensor_shapes_fn": lambda _r, _s: (recv, send),
+                      "p2p_communicator": P2PCommunicator(pp_group=groups.pp, config=config)}
+    reports = get_forward_backward_func(pp_size=plan.pp, vp_size=None)(
+        forward_step_func=forward_step_func, data_iterator=data_iterator, model=chunks,
+        num_microbatches=plan.num_microbatches, seq_length=plan.seq_length,
+        micro_batch_size=plan.micro_batch_size, forward_only=forward_only,
+        pg_collection=inner.pg_collection, **kwargs,
+    )
+    totals = torch.zeros(2, dtype=torch.float64)  # [loss sum, tokens] over this rank's tokens
+    for report in reports:
+        totals += report["lm loss"].detach().to(torch.float64)
+    dist.all_reduce(totals)  # only last-stage ranks contribute; each token vocab.tp times
+    return {"loss": float(totals[0] / totals[1]), "num_tokens": float(totals[1]) / plan.vocab.tp}
+
+
+def train_step(
+    chunks: list[HeteroDDP],
+    optimizer: HeteroChainedOptimizer,
+    data_iterator: Iterator[Batch],
+    groups: PlanGroups,
+    *,
+    forward_step_func: Callable[..., Any] = forward_step,
+) -> dict[str, float]:
+    """Zero grads, `forward_backward`, optimizer step: loss, grad_norm, num_tokens, update ok."""
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    result = forward_backward(chunks, data_iterator, groups, forward_step_func=forward_step_func)
+    ok, grad_norm, _ = optimizer.step()
+    result.update(grad_norm=float(grad_norm or 0.0), update_successful=float(ok))
+    return result

@@ -1,0 +1,99 @@
+"""Full (unsharded) tensors <-> this rank's shards of a `HeteroGPTModel`, and plan-invariant init.
+
+A parameter's global tensor is what a single-process (TP=1) megatron-core model holds under the
+same name (`decoder.layers.{layer_idx}.*` with global indices). Tensor-parallel params carry
+megatron's `tensor_model_parallel` / `partition_dim` attributes and their module's `tp_group`;
+the gated (SwiGLU) fc1 is split per half, as in megatron's `apply_swiglu_sharded_factory`.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["full_shape", "init_plan_invariant", "load_full_state_dict", "local_shard",
+           "param_shards"]
+
+_GATED_FC1 = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
+
+
+def param_shards(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter,
+                                                              dist.ProcessGroup | None]]:
+    """(global name, param, its tp group or None when not tensor-parallel), each param once."""
+    seen: set[int] = set()
+    for module_name, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            if id(param) in seen:
+                continue
+            seen.add(id(param))
+            tp = getattr(module, "tp_group", None)
+            split = getattr(param, "tensor_model_parallel", False) and tp is not None
+            yield f"{module_name}.{pname}" if module_name else pname, param, tp if split else None
+
+
+def _is_gated(name: str, model: torch.nn.Module) -> bool:
+    return name.endswith(_GATED_FC1) and bool(getattr(model.config, "gated_linear_unit", False))
+
+
+def local_shard(name: str, full: torch.Tensor, param: torch.nn.Parameter,
+                tp: dist.ProcessGroup | None, gated: bool) -> torch.Tensor:
+    """This rank's part of the global tensor `full`."""
+    if tp is None or dist.get_world_size(tp) == 1:
+        return full
+    dim, size, rank = param.partition_dim, dist.get_world_size(tp), dist.get_rank(tp)
+    if gated:  # [gate; up] -> [gate_shard; up_shard]
+        return torch.cat([half.chunk(size, dim)[rank] for half in full.chunk(2, dim=0)], dim=0)
+    return full.chunk(size, dim)[rank]
+
+
+def full_shape(param: torch.nn.Parameter, tp: dist.ProcessGroup | None) -> torch.Size:
+    shape = list(param.shape)
+    if tp is not None:
+        shape[param.partition_dim] *= dist.get_world_size(tp)
+    return torch.Size(shape)
+
+
+@torch.no_grad()
+def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Copy this rank's shards of single-process tensors `full` (keyed by global name)."""
+    for name, param, tp in param_shards(model):
+        if name not in full and name == "output_layer.weight":  # tied copy on the last stage
+            name_src = "embedding.word_embeddings.weight"
+        else:
+            name_src = name
+        shard = local_shard(name, full[name_src], param, tp, _is_gated(name, model))
+        param.copy_(shard.to(param.dtype))
+
+
+def _init_fn(name: str, config: object):
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return config.output_layer_init_method
+    if name.startswith(("embedding.", "output_layer.")):
+        return getattr(config, "embedding_init_method", None) or config.init_method
+    return config.init_method
+
+
+@torch.no_grad()
+def init_plan_invariant(model: torch.nn.Module, seed: int) -> None:
+    """Re-initialise every >=2-D param from a global tensor seeded by (seed, name).
+
+    The same seed gives the same model under every plan (1-D params, norms and biases, are
+    already plan-invariant constants). The tied output copy uses the embedding's name.
+    """
+    config = model.config
+    for name, param, tp in param_shards(model):
+        if param.dim() < 2:
+            continue
+        key = name
+        if name == "output_layer.weight" and getattr(model, "share_embeddings_and_output_weights",
+                                                     False):
+            key = "embedding.word_embeddings.weight"
+        state = torch.get_rng_state()
+        torch.manual_seed(zlib.crc32(key.encode()) ^ seed)
+        full = torch.empty(full_shape(param, tp), dtype=torch.float32)
+        _init_fn(key, config)(full)
+        torch.set_rng_state(state)
+        param.copy_(local_shard(name, full, param, tp, _is_gated(name, model)).to(param.dtype))

@@ -1,0 +1,183 @@
+"""Parity harness (imported by spawned ranks): a plan through `build_model`/`train_step` against a
+single-process stock megatron-core `GPTModel` (TP=1, local spec) with the same initial weights,
+the same fixed data, torch AdamW and torch grad clipping.
+
+Both sides start from `init_plan_invariant(seed)`: the reference holds full tensors, the plan's
+model its shards, so a sharding bug shows up as a loss or gradient mismatch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_ext.plan import LayerStrategy, ParallelPlan
+from megatron_ext.specs import ModelSpec
+
+LR = 3e-3
+WEIGHT_DECAY = 0.01
+CLIP = 1.0
+
+
+def make_plan(model: ModelSpec, layers: list[LayerStrategy], *, world: int = 4, pp: int = 1,
+              stages: list[tuple[int, int]] | None = None, mbs: int = 4, num_mb: int = 2,
+              seq: int = 32, **kw: Any) -> ParallelPlan:
+    stages = stages or [(0, len(layers))]
+    return ParallelPlan(world_size=world, pp=pp, stages=tuple(stages), layers=tuple(layers),
+                        model=model, micro_batch_size=mbs, global_batch_size=mbs * num_mb,
+                        seq_length=seq, precision="fp32", **kw)
+
+
+def make_batches(plan: ParallelPlan, steps: int, seed: int = 7) -> list[list[dict]]:
+    """One fixed global batch (num_microbatches micro-batches of full `[b, s]` tensors, same on
+    every rank) for each of `steps` steps: the loss falls step by step, so a wrong update shows."""
+    gen = torch.Generator().manual_seed(seed)
+    micro = []
+    for _ in range(plan.num_microbatches):
+        ids = torch.randint(0, plan.model.vocab_size, (plan.micro_batch_size,
+                                                       plan.seq_length + 1), generator=gen)
+        mask = (torch.rand(plan.micro_batch_size, plan.seq_length, generator=gen) > 0.1)
+        micro.append({"tokens": ids[:, :-1], "labels": ids[:, 1:], "loss_mask": mask.float()})
+    return [micro] * steps
+
+
+def _singleton_pgc():
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    one = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
+    return ProcessGroupCollection(tp=one, cp=one, pp=one, embd=None, pos_embd=None)
+
+
+def reference_run(plan: ParallelPlan, batches: list[list[dict]], seed: int
+                  ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process run: per-step losses and full gradients of step 1 (by global name)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from megatron_ext.megatron_adapter.build import padded_vocab_size, prepare_megatron
+    from megatron_ext.megatron_adapter.layers import base_config
+    from megatron_ext.megatron_adapter.weights import init_plan_invariant
+
+    prepare_megatron()
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=0, ep_rank=0, etp_rank=0,
+                                                    force_reset_rng=True)
+
+    model_spec = plan.model
+    config = base_config(model_spec, "fp32")
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization=model_spec.normalization),
+        vocab_size=padded_vocab_size(model_spec.vocab_size, plan.vocab.tp),
+        max_sequence_length=model_spec.max_position_embeddings,
+        share_embeddings_and_output_weights=model_spec.tied_embeddings,
+        position_embedding_type=model_spec.position_embedding, pg_collection=_singleton_pgc(),
+    )
+    init_plan_invariant(model, seed)
+    named = dict(model.named_parameters())
+    decay = [p for n, p in named.items() if not (n.endswith(".bias") or p.dim() == 1)]
+    no_decay = [p for n, p in named.items() if n.endswith(".bias") or p.dim() == 1]
+    opt = torch.optim.AdamW([{"params": no_decay, "weight_decay": 0.0},
+                             {"params": decay, "weight_decay": WEIGHT_DECAY}], lr=LR)
+    losses, grads = [], {}
+    for step, micro in enumerate(batches):
+        opt.zero_grad()
+        total_tokens = sum(b["loss_mask"].sum() for b in micro)
+        step_loss = 0.0
+        for b in micro:
+            positions = torch.arange(plan.seq_length).expand_as(b["tokens"])
+            logits = model(b["tokens"], positions, None)  # [b, s, v]
+            ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), b["labels"].reshape(-1),
+                                 reduction="none")
+            loss = (ce * b["loss_mask"].reshape(-1)).sum() / total_tokens
+            loss.backward()
+            step_loss += loss.item()
+        if step == 0:
+            grads = {n: p.grad.detach().clone() for n, p in named.items()}
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        losses.append(step_loss)
+    return losses, grads
+
+
+def opt_config(plan: ParallelPlan):
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(optimizer="adam", lr=LR, weight_decay=WEIGHT_DECAY, clip_grad=CLIP,
+                           bf16=False, fp16=False, params_dtype=torch.float32)
+
+
+def _owned_range(chunks, optimizer, param) -> tuple[int, int] | None:
+    """Flat range of a ZeRO-1 `param` whose reduced grad lives on this rank (possibly empty);
+    None for params reduced in full (DDP)."""
+    zero = {id(p) for ddp in chunks[0].ddps if ddp.ddp_config.use_distributed_optimizer
+            for p in ddp.module.parameters()}
+    if id(param) not in zero:
+        return None
+    for opt in optimizer.chained_optimizers:
+        if param in getattr(opt, "model_param_gbuf_map", {}):
+            rng = opt._get_model_param_range_map(param)["param"]
+            return rng.start, rng.end
+    return 0, 0
+
+
+def compare_grads(chunks, optimizer, ref_grads: dict[str, torch.Tensor], *, rtol: float,
+                  atol: float) -> int:
+    """Compare every local grad shard with the reference; returns how many were compared."""
+    from megatron_ext.megatron_adapter.weights import (
+        _is_gated,
+        local_shard,
+        param_shards,
+    )
+
+    model = chunks[0].module
+    count = 0
+    for name, param, tp in param_shards(model):
+        key = "embedding.word_embeddings.weight" if (
+            name == "output_layer.weight" and name not in ref_grads) else name
+        expected = local_shard(name, ref_grads[key], param, tp, _is_gated(name, model))
+        got = param.main_grad
+        owned = _owned_range(chunks, optimizer, param)
+        if owned is not None:
+            got, expected = got.reshape(-1)[owned[0]:owned[1]], expected.reshape(-1)[
+                owned[0]:owned[1]]
+        torch.testing.assert_close(got, expected, rtol=rtol, atol=atol,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+        count += 1
+    return count
+
+
+def run_plan(plan: ParallelPlan, *, steps: int = 5, seed: int = 11,
+             ref: tuple[list[float], dict] | None = None, loss_rtol: float, grad_rtol: float,
+             grad_atol: float) -> dict[str, Any]:
+    """Train `plan` for `steps` steps; assert losses and step-1 grads match the reference."""
+    from megatron_ext.megatron_adapter.build import build_model
+    from megatron_ext.megatron_adapter.optimizer import build_optimizer
+    from megatron_ext.megatron_adapter.train_step import forward_backward
+
+    batches = make_batches(plan, steps)
+    ref_losses, ref_grads = ref if ref is not None else reference_run(plan, batches, seed)
+    chunks, groups = build_model(plan, seed=seed)
+    optimizer = build_optimizer(chunks, opt_config(plan))
+    losses = []
+    for step, micro in enumerate(batches):
+        chunks[0].zero_grad_buffer()
+        optimizer.zero_grad()
+        out = forward_backward(chunks, iter(micro), groups)
+        if step == 0:
+            n = compare_grads(chunks, optimizer, ref_grads, rtol=grad_rtol, atol=grad_atol)
+        optimizer.step()
+        losses.append(out["loss"])
+    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
+                               torch.tensor(ref_losses, dtype=torch.float64), rtol=loss_rtol,
+                               atol=0.0)
+    return {"losses": losses, "ref": ref_losses, "grads_compared": n}
+
+
+def replace_layers(plan: ParallelPlan, **changes: Any) -> ParallelPlan:
+    return dataclasses.replace(plan, **changes)
