@@ -1,0 +1,172 @@
+"""Calibration benchmark of the cost model on this CPU machine: profile, predict, run, compare.
+
+    python tools/bench_costmodel.py [--json bench_costmodel.json] [--world-size 4]
+        [--cluster-profile F --model-profile F]  # reuse profiles instead of measuring
+
+1. Profile the hardware (collective curves and overlap of `world_size` gloo ranks) and a small
+   GPT (its megatron-core layer at tp 1/2/4, with `world_size` processes computing at once, as
+   the ranks of a run do on a shared CPU).
+2. Predict the iteration time of each plan in `bench_costmodel_runs.bench_plans()` with the
+   profile-fed cost model (`ProfiledCostModel`) and, for comparison, with the analytic cost model
+   on the profile's ClusterSpec (measured peak and fitted links, formulas for everything else).
+3. Run each plan for real with the runtime (`build_model` + `train_step`, megatron-core 1F1B,
+   overlapped gradient reduction) and take the median step time (slowest rank).
+4. Report per plan predicted, measured and error; overall median absolute relative error and
+   Spearman rank correlation. JSON top level: `summary` {median_abs_error, spearman, num_plans}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from scipy.stats import spearmanr
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_costmodel_runs import (
+    BENCH_MODEL,
+    GLOBAL_BATCH,
+    SEQ_LENGTH,
+    bench_plans,
+    measure_rank,
+    profile_hardware_rank,
+)
+
+from megatron_ext.megatron_adapter.profile_model import ProfileGrid, profile_model
+from megatron_ext.plan import ParallelPlan
+from megatron_ext.planner.cost.evaluate import evaluate
+from megatron_ext.planner.cost.model import CostModel
+from megatron_ext.planner.training import TrainingSpec
+from megatron_ext.profile_cost import ProfiledCostModel
+from megatron_ext.profiles import ClusterProfile, ModelProfile
+from megatron_ext.runtime.testing import run_distributed
+
+
+def get_profiles(args: argparse.Namespace) -> tuple[ClusterProfile, ModelProfile, dict]:
+    timings = {}
+    t0 = time.perf_counter()
+    if args.cluster_profile:
+        cluster = ClusterProfile.load(args.cluster_profile)
+    else:
+        out = run_distributed(profile_hardware_rank, world_size=args.world_size, timeout_s=1800,
+                              collective_timeout_s=600, min_bytes=2**12, max_bytes=2**24)
+        cluster = ClusterProfile.from_dict(out[0])
+        timings["profile_hardware_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if args.model_profile:
+        model = ModelProfile.load(args.model_profile)
+    else:
+        grid = ProfileGrid(tps=(1, 2, 4), micro_batch_sizes=(1, 2, 4, 8),
+                           seq_lengths=(SEQ_LENGTH // 2, SEQ_LENGTH), repeats=args.repeats)
+        model = profile_model(BENCH_MODEL, precision="fp32", grid=grid,
+                              concurrency=args.world_size, threads=1)
+        timings["profile_model_s"] = time.perf_counter() - t0
+    if args.save_profiles:
+        Path(args.save_profiles).mkdir(parents=True, exist_ok=True)
+        cluster.save(Path(args.save_profiles) / "cluster_profile.json")
+        model.save(Path(args.save_profiles) / "model_profile.json")
+    return cluster, model, timings
+
+
+def predict(plan: ParallelPlan, cm: CostModel) -> float:
+    ev = evaluate(cm, pp=plan.pp, stages=plan.stages, layers=plan.layers, vocab=plan.vocab,
+                  micro_batch_size=plan.micro_batch_size)
+    return ev.iteration_s
+
+
+def summarize(pred: list[float], meas: list[float]) -> dict[str, float]:
+    err = [(p - m) / m for p, m in zip(pred, meas)]
+    return {"median_abs_error": float(statistics.median(abs(e) for e in err)),
+            "spearman": float(spearmanr(pred, meas).statistic), "num_plans": len(pred)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--json", default=None, help="write results here")
+    p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("--cluster-profile", default=None, help="reuse this cluster profile")
+    p.add_argument("--model-profile", default=None, help="reuse this model profile")
+    p.add_argument("--save-profiles", default=None, help="directory to write both profiles to")
+    p.add_argument("--repeats", type=int, default=3, help="model profiler repeats per shape")
+    p.add_argument("--rounds", type=int, default=2, help="round-robin passes over the plans")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per plan per round")
+    p.add_argument("--no-overlap-grad-reduce", action="store_true")
+    p.add_argument("--reuse-measured", default=None,
+                   help="take measured times from this earlier --json instead of running")
+    args = p.parse_args(argv)
+    t_start = time.perf_counter()
+    cluster, model_prof, timings = get_profiles(args)
+    training = TrainingSpec(global_batch_size=GLOBAL_BATCH, seq_length=SEQ_LENGTH,
+                            precision="fp32", dropout=False, flash_attention=False)
+    profiled = ProfiledCostModel(BENCH_MODEL, cluster, training, model_profile=model_prof)
+    analytic = CostModel(BENCH_MODEL, cluster.cluster, training)
+    plans = bench_plans()
+    t0 = time.perf_counter()
+    if args.reuse_measured:  # iterate on the cost model without re-running the plans
+        old = {r["plan"]: r for r in json.loads(Path(args.reuse_measured).read_text())["plans"]}
+        runs = [{k: old[name][k] for k in ("measured_s", "min_s", "max_s", "loss")}
+                for name, _ in plans]
+    else:
+        runs = run_distributed(measure_rank, world_size=args.world_size, timeout_s=3600,
+                               collective_timeout_s=900, plans=[pl.to_dict() for _, pl in plans],
+                               rounds=args.rounds, steps=args.steps,
+                               overlap_grad_reduce=not args.no_overlap_grad_reduce)[0]
+        timings["measure_s"] = time.perf_counter() - t0
+    rows = []
+    for (name, plan), run in zip(plans, runs):
+        pred, base = predict(plan, profiled), predict(plan, analytic)
+        rows.append({"plan": name, "predicted_s": pred, "analytic_s": base, **run,
+                     "error": (pred - run["measured_s"]) / run["measured_s"],
+                     "analytic_error": (base - run["measured_s"]) / run["measured_s"]})
+    pred = [r["predicted_s"] for r in rows]
+    meas = [r["measured_s"] for r in rows]
+    summary = summarize(pred, meas)
+    analytic_summary = summarize([r["analytic_s"] for r in rows], meas)
+    print_table(rows, summary, analytic_summary, cluster, model_prof)
+    timings["total_s"] = time.perf_counter() - t_start
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "summary": summary, "analytic_summary": analytic_summary, "plans": rows,
+            "overlap_slowdown": cluster.overlap_slowdown,
+            "peak_flops_per_rank": cluster.cluster.peak_flops,
+            "model_fit": {k: {"median_rel_error": a, "max_rel_error": b}
+                          for k, (a, b) in model_prof.fit_report().items()},
+            "timings_s": timings,
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+                        "load_avg_1m": os.getloadavg()[0]},
+            "world_size": args.world_size, "model": BENCH_MODEL.to_dict(),
+        }, indent=1) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+def print_table(rows: list[dict], summary: dict, analytic: dict, cluster: ClusterProfile,
+                model: ModelProfile) -> None:
+    print(f"{cluster.device}, {cluster.backend} x {cluster.cluster.gpus_per_node} ranks: peak "
+          f"{cluster.cluster.peak_flops / 1e9:.1f} GFLOP/s per rank, overlap slowdown "
+          f"{cluster.overlap_slowdown:.2f}; model fit forward median error "
+          f"{model.fit_report()['forward_s'][0]:.1%}")
+    print(f"{'plan':<30}{'predicted s':>12}{'measured s':>12}{'error':>9}{'analytic s':>12}"
+          f"{'error':>9}")
+    for r in rows:
+        print(f"{r['plan']:<30}{r['predicted_s']:>12.3f}{r['measured_s']:>12.3f}"
+              f"{r['error']:>+9.1%}{r['analytic_s']:>12.3f}{r['analytic_error']:>+9.1%}")
+    print(f"profiled: median |error| {summary['median_abs_error']:.1%}, Spearman "
+          f"{summary['spearman']:.3f} over {summary['num_plans']} plans; analytic: "
+          f"{analytic['median_abs_error']:.1%}, {analytic['spearman']:.3f}")
+    print(f"measured step times span {min(r['measured_s'] for r in rows):.2f}-"
+          f"{max(r['measured_s'] for r in rows):.2f} s; load average now "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    assert np.isfinite(summary["median_abs_error"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""Plans and per-rank measurement for tools/bench_costmodel.py (imported by spawned ranks).
+
+Legend: b = micro-batch (all replicas), s = sequence.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_ext.plan import LayerStrategy, ParallelPlan, VocabStrategy
+from megatron_ext.specs import ModelSpec
+
+BENCH_MODEL = ModelSpec(
+    name="bench-gpt", num_layers=4, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=8,
+    num_query_groups=8, vocab_size=2048, tied_embeddings=True, activation="gelu",
+    normalization="LayerNorm", position_embedding="learned_absolute",
+    max_position_embeddings=256, add_bias_linear=True,
+)
+"""A small GPT-3-style model: big enough that compute, not Python overhead, dominates on CPU."""
+SEQ_LENGTH = 128
+MICRO_BATCH = 8
+GLOBAL_BATCH = 32
+
+
+def _plan(name: str, layers: list[LayerStrategy], *, pp: int = 1,
+          stages: list[tuple[int, int]] | None = None, vocab_tp: int = 1,
+          world: int = 4) -> tuple[str, ParallelPlan]:
+    stages = stages or [(i * len(layers) // pp, (i + 1) * len(layers) // pp) for i in range(pp)]
+    return name, ParallelPlan(
+        world_size=world, pp=pp, stages=tuple(stages), layers=tuple(layers), model=BENCH_MODEL,
+        micro_batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH, seq_length=SEQ_LENGTH,
+        vocab=VocabStrategy(tp=vocab_tp), precision="fp32")
+
+
+def bench_plans() -> list[tuple[str, ParallelPlan]]:
+    """Uniform and heterogeneous plans on 4 ranks, with and without pipeline, recomputation
+    and ZeRO-1 (the runtime does not run ZeRO-3)."""
+    n = BENCH_MODEL.num_layers
+    L = LayerStrategy
+    return [
+        _plan("dp4", [L(dp=4)] * n),
+        _plan("dp4 zero1", [L(dp=4, zero=1)] * n),
+        _plan("dp4 full-rc", [L(dp=4, recompute="full")] * n),
+        _plan("tp2 dp2", [L(tp=2, dp=2)] * n, vocab_tp=2),
+        _plan("tp4 sp", [L(tp=4, sp=True, dp=1)] * n, vocab_tp=4),
+        _plan("tp2sp dp2 z1 sel-rc", [L(tp=2, sp=True, dp=2, zero=1, recompute="selective")] * n,
+              vocab_tp=2),
+        _plan("pp2 dp2", [L(dp=2)] * n, pp=2),
+        _plan("pp2 tp2", [L(tp=2, dp=1)] * n, pp=2, vocab_tp=2),
+        _plan("pp4", [L(dp=1)] * n, pp=4),
+        _plan("het tp2dp2|dp4", [L(tp=2, dp=2)] * 2 + [L(dp=4)] * 2),
+        _plan("het dp4 rc 2/4", [L(dp=4, recompute="full")] * 2 + [L(dp=4)] * 2),
+        _plan("het pp2 1|3 tp2-rc|dp2-z1", [L(tp=2, dp=1, recompute="full")]
+              + [L(dp=2, zero=1)] * 3, pp=2, stages=[(0, 1), (1, 4)]),
+    ]
+
+
+def _batches(plan: ParallelPlan, count: int, seed: int = 7) -> list[dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(0, plan.model.vocab_size, (plan.micro_batch_size,
+                                                       plan.seq_length + 1), generator=gen)
+        out.append({"tokens": ids[:, :-1], "labels": ids[:, 1:],  # [b, s] each
+                    "loss_mask": torch.ones(plan.micro_batch_size, plan.seq_length)})
+    return out
+
+
+def measure_rank(rank: int, world_size: int, *, plans: list[dict[str, Any]], rounds: int,
+                 steps: int, overlap_grad_reduce: bool) -> list[dict[str, float]]:
+    """Build every plan once, then `rounds` round-robin passes of 1 warm-up + `steps` timed
+    steps per plan (so load drift on a shared machine hits all plans alike). A step's time is
+    the slowest rank's; per plan the median over all timed steps."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_ext.megatron_adapter.build import build_model
+    from megatron_ext.megatron_adapter.optimizer import build_optimizer
+    from megatron_ext.megatron_adapter.train_step import train_step
+
+    built = []
+    for data in plans:
+        plan = ParallelPlan.from_dict(data)
+        ddp = DistributedDataParallelConfig(overlap_grad_reduce=overlap_grad_reduce)
+        chunks, groups = build_model(plan, seed=11, ddp_config=ddp)
+        opt = build_optimizer(chunks, OptimizerConfig(
+            optimizer="adam", lr=1e-4, weight_decay=0.01, clip_grad=1.0, bf16=False, fp16=False,
+            params_dtype=torch.float32))
+        built.append((plan, chunks, groups, opt, _batches(plan, plan.num_microbatches)))
+    times: list[list[float]] = [[] for _ in built]
+    losses: list[float] = [0.0] * len(built)
+    for _ in range(rounds):
+        for i, (plan, chunks, groups, opt, batches) in enumerate(built):
+            for step in range(steps + 1):
+                dist.barrier()
+                t0 = time.perf_counter()
+                out = train_step(chunks, opt, iter(batches), groups)
+                elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                if step > 0:
+                    times[i].append(float(elapsed))
+                losses[i] = out["loss"]
+    return [{"measured_s": statistics.median(t), "min_s": min(t), "max_s": max(t),
+             "loss": loss} for t, loss in zip(times, losses)]
+
+
+def profile_hardware_rank(rank: int, world_size: int, **kwargs: Any) -> dict[str, Any] | None:
+    """Spawned rank: run the hardware profiler; rank 0 returns the profile's JSON dict."""
+    from megatron_ext.runtime.profile_hardware import profile_hardware
+
+    profile = profile_hardware(world=dist.group.WORLD, device=torch.device("cpu"),
+                               local_world_size=world_size, **kwargs)
+    return profile.to_dict() if rank == 0 else None
