@@ -72,19 +72,25 @@ def run_hardware(args: argparse.Namespace) -> int:
     gpu = torch.cuda.is_available()
     if gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    if not dist.is_initialized():
+    owns_group = not dist.is_initialized()
+    if owns_group:
         dist.init_process_group("nccl" if gpu else "gloo")
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     rank = dist.get_rank()
     progress = (lambda msg: sys.stderr.write(f"profile hardware: {msg}\n")) if rank == 0 else None
-    profile = profile_hardware(world=dist.group.WORLD, device=device,
-                               local_world_size=args.ranks_per_node, min_bytes=args.min_bytes,
-                               max_bytes=args.max_bytes, repeats=args.repeats, progress=progress)
+    try:
+        profile = profile_hardware(world=dist.group.WORLD, device=device,
+                                   local_world_size=args.ranks_per_node,
+                                   min_bytes=args.min_bytes, max_bytes=args.max_bytes,
+                                   repeats=args.repeats, progress=progress)
+    except ValueError as err:
+        raise PlanError(f"profile hardware: {err}") from None
     if rank == 0:
         profile.save(args.out)
         sys.stderr.write(cluster_summary(profile) + f"wrote {args.out}\n")
     dist.barrier()
-    dist.destroy_process_group()
+    if owns_group:
+        dist.destroy_process_group()
     return 0
 
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from megatron_ext.profiles import ClusterProfile, CollectiveCurve, fitted_link
 from megatron_ext.specs import ClusterSpec
 
-__all__ = ["measure_seconds", "placement", "profile_collective", "profile_hardware",
+__all__ = ["measure_seconds", "message_sizes", "placement", "profile_collective", "profile_hardware",
            "profile_overlap", "profile_peak_flops"]
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -169,12 +169,16 @@ def profile_overlap(*, world: dist.ProcessGroup, device: torch.device, dtype: to
     return max(1.0, t_both / max(t_comm, t_comp)), raw
 
 
-def _power_of_two_sizes(min_bytes: int, max_bytes: int, factor: int = 4) -> list[int]:
+def message_sizes(min_bytes: int, max_bytes: int, factor: int = 4) -> list[int]:
+    """min, min * factor, ... below max, then max: at least two sizes."""
+    if not 1 <= min_bytes < max_bytes:
+        raise ValueError(f"message sizes need 1 <= min_bytes < max_bytes, got {min_bytes} and "
+                         f"{max_bytes}")
     sizes, n = [], min_bytes
-    while n <= max_bytes:
+    while n < max_bytes:
         sizes.append(n)
         n *= factor
-    return sizes
+    return sizes + [max_bytes]
 
 
 def _device_name(device: torch.device) -> str:
@@ -199,13 +203,14 @@ def profile_hardware(*, world: dist.ProcessGroup, device: torch.device,
     """Measure every curve, the overlap slowdown and the peak; same result on every rank."""
     gpu = device.type == "cuda"
     dtype = dtype or (torch.bfloat16 if gpu else torch.float32)
-    repeats = repeats or (10 if gpu else 5)
-    sizes = _power_of_two_sizes(min_bytes or (2**16 if gpu else 2**12),
-                                max_bytes or (2**30 if gpu else 2**24))
+    repeats = repeats if repeats is not None else (10 if gpu else 5)
+    sizes = message_sizes(min_bytes if min_bytes is not None else (2**16 if gpu else 2**12),
+                          max_bytes if max_bytes is not None else (2**30 if gpu else 2**24))
     world_size = dist.get_world_size(world)
     local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
-    if world_size % local:
-        raise ValueError(f"world size {world_size} is not a multiple of {local} ranks per node")
+    if repeats < 1 or local < 1 or world_size % local:
+        raise ValueError(f"need repeats >= 1 (got {repeats}) and a world size ({world_size}) "
+                         f"that is a multiple of the ranks per node ({local})")
     curves = _all_curves(sizes, world_size, local, world=world, device=device, dtype=dtype,
                          repeats=repeats, progress=progress)
     mm_dim = 4096 if gpu else 256
