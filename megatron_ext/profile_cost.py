@@ -18,11 +18,13 @@ import dataclasses
 
 import numpy as np
 
+from megatron_ext.errors import PlanError
 from megatron_ext.planner.cost import compute as C
+from megatron_ext.planner.cost.comm import CommModel
 from megatron_ext.planner.cost.model import CostModel, LayerCosts
 from megatron_ext.planner.space import StrategyTable
 from megatron_ext.planner.training import TrainingSpec
-from megatron_ext.profiles import ClusterProfile, ModelProfile
+from megatron_ext.profiles import ModelProfile
 from megatron_ext.specs import ClusterSpec, ModelSpec
 
 ADAM_BYTES_PER_PARAM = 30.0
@@ -60,19 +62,17 @@ def _efficiency(seconds_per_flop: float, peak_flops: float, default: float) -> f
 class ProfiledCostModel(CostModel):
     """CostModel with measured communication and measured per-layer compute."""
 
-    def __init__(self, model: ModelSpec, cluster_profile: ClusterProfile | None,
-                 training: TrainingSpec, *, model_profile: ModelProfile | None = None,
-                 cluster: ClusterSpec | None = None) -> None:
-        if cluster is None:
-            if cluster_profile is None:
-                raise ValueError("give a cluster profile or a ClusterSpec")
-            cluster = cluster_profile.cluster
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *,
+                 comm: CommModel | None = None, model_profile: ModelProfile | None = None
+                 ) -> None:
+        """As CostModel; `comm` is typically a ClusterProfile, `model_profile` replaces the
+        layer compute and the kernel efficiencies (None: the analytic ones)."""
         if model_profile is not None and model_profile.model != model:
-            raise ValueError(f"the model profile was measured on {model_profile.model.name!r}, "
-                             f"not {model.name!r}; profile this model")
+            raise PlanError(f"the model profile was measured on model {model_profile.model.name!r}"
+                            f" with a different shape than {model.name!r}; profile this model")
         compute = (fitted_compute_profile(model_profile, cluster)
                    if model_profile is not None else None)
-        super().__init__(model, cluster, training, comm=cluster_profile, compute=compute)
+        super().__init__(model, cluster, training, comm=comm, compute=compute)
         self.model_profile = model_profile
 
     def layer_costs(self, table: StrategyTable, micro_batch_size: int) -> LayerCosts:

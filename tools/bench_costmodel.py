@@ -106,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     cluster, model_prof, timings = get_profiles(args)
     training = TrainingSpec(global_batch_size=GLOBAL_BATCH, seq_length=SEQ_LENGTH,
                             precision="fp32", dropout=False, flash_attention=False)
-    profiled = ProfiledCostModel(BENCH_MODEL, cluster, training, model_profile=model_prof)
+    profiled = ProfiledCostModel(BENCH_MODEL, cluster.cluster, training, comm=cluster,
+                                 model_profile=model_prof)
     analytic = CostModel(BENCH_MODEL, cluster.cluster, training)
     plans = bench_plans()
     t0 = time.perf_counter()

@@ -230,7 +230,7 @@ def test_cluster_profile_is_a_comm_model_for_the_planner():
 def test_profiled_cost_model_uses_measured_layer_times():
     cp, mp = cluster_profile(), model_profile()
     training = TrainingSpec(global_batch_size=8, seq_length=64, precision="fp32")
-    cm = ProfiledCostModel(MODEL, cp, training, model_profile=mp)
+    cm = ProfiledCostModel(MODEL, cp.cluster, training, comm=cp, model_profile=mp)
     strategies = [LayerStrategy(tp=1, dp=4), LayerStrategy(tp=1, dp=4, recompute="full"),
                   LayerStrategy(tp=1, dp=4, recompute="selective")]
     costs = cm.layer_costs(StrategyTable.of(strategies), micro_batch_size=8)
@@ -251,6 +251,6 @@ def test_fitted_compute_profile_reproduces_measured_rates():
     # output GEMM: 4e-11 s per n*h*V_t = 2e-11 s per FLOP at a peak of 1e11 FLOP/s: 50%
     assert prof.gemm_efficiency == pytest.approx(0.5, rel=1e-6)
     assert prof.hbm_bytes_per_s == pytest.approx(30.0 / 5e-9, rel=1e-6)
-    with pytest.raises(ValueError, match="measured on"):
-        ProfiledCostModel(dataclasses.replace(MODEL, name="other"), cp,
+    with pytest.raises(PlanError, match="measured on model 'tiny-gpt'"):
+        ProfiledCostModel(dataclasses.replace(MODEL, hidden_size=128), cp.cluster,
                           TrainingSpec(global_batch_size=8, seq_length=64), model_profile=mp)
