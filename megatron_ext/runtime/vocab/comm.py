@@ -16,7 +16,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 GROUP_KINDS: tuple[str, ...] = ("hidden", "stats", "input_grad", "token_grad", "emb_fwd", "emb_bwd")
@@ -88,10 +87,14 @@ class CommStreams:
     """One single-worker FIFO per group kind. `submit` returns a Future; jobs of one kind run
     in submission order, so every rank must submit each kind's jobs in micro-batch order."""
 
-    def __init__(self, groups: VocabCommGroups) -> None:
+    def __init__(
+        self, groups: VocabCommGroups, *, thread_initializer: Callable[[], None] | None = None
+    ) -> None:
+        """`thread_initializer` runs once in each worker (e.g. a profiler's per-thread setup)."""
         self.groups = groups
         self._workers = {
-            kind: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"vocab-{kind}")
+            kind: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"vocab-{kind}",
+                                     initializer=thread_initializer)
             for kind in GROUP_KINDS
         }
 
@@ -101,23 +104,3 @@ class CommStreams:
     def close(self) -> None:
         for worker in self._workers.values():
             worker.shutdown(wait=True)
-
-
-# ---- jobs (run on a worker; `group` is the kind's duplicate group) ----------------------------
-
-
-def broadcast_job(group: dist.ProcessGroup, tensor: torch.Tensor, root: int) -> torch.Tensor:
-    dist.broadcast(tensor, group=group, group_src=root)  # in place on every rank
-    return tensor
-
-
-def all_reduce_job(group: dist.ProcessGroup, tensor: torch.Tensor) -> torch.Tensor:
-    dist.all_reduce(tensor, group=group)  # SUM, in place
-    return tensor
-
-
-def all_gather_job(
-    group: dist.ProcessGroup, local: torch.Tensor, out: torch.Tensor
-) -> torch.Tensor:
-    dist.all_gather_into_tensor(out, local.contiguous(), group=group)  # [R * n, ...]
-    return out
