@@ -13,7 +13,7 @@ Three phases, all on the FlexSP cost model (cost.py), sequences sorted by descen
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -38,6 +38,17 @@ class MicroBatchProblem:
     """[num_deg] all-to-all latency a non-empty group of each degree pays."""
     capacity_tokens: int
     """Tokens one device holds; a group of degree d holds d times as many."""
+    rows: list[list[float]] = field(default_factory=list)
+    """`times` as Python lists (the per-sequence loops read them); filled in __post_init__."""
+    length_list: list[int] = field(default_factory=list)
+    """`lengths` as a Python list."""
+    min_deg_list: list[int] = field(default_factory=list)
+    """`min_deg_idx` as a Python list."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "rows", self.times.tolist())
+        object.__setattr__(self, "length_list", self.lengths.tolist())
+        object.__setattr__(self, "min_deg_list", self.min_deg_idx.tolist())
 
 
 @dataclass(kw_only=True, slots=True)
@@ -93,10 +104,10 @@ def _lpt(problem: MicroBatchProblem, state: Assignment, seqs: list[int]) -> bool
         heapq.heapify(h)
     group_cap = [int(problem.capacity_tokens * problem.degrees[j]) for j in range(num_deg)]
     lat = problem.latency_s.tolist()
-    times, lengths, jmin = problem.times, problem.lengths.tolist(), problem.min_deg_idx.tolist()
+    rows, lengths, jmin = problem.rows, problem.length_list, problem.min_deg_list
     seq_group = state.seq_group
     for k in seqs:
-        row, length = times[k].tolist(), lengths[k]
+        row, length = rows[k], lengths[k]
         best_fin, best_g, best_j = float("inf"), -1, -1
         for j in range(jmin[k], num_deg):
             heap = heaps[j]

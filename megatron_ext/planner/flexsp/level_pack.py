@@ -27,8 +27,7 @@ def _pack(problem: MicroBatchProblem, num_gpus: int, num_big: int, level: float,
     """Open groups and big placements for `level`, or None if the level is infeasible."""
     degrees = problem.degrees.tolist()
     num_deg = len(degrees)
-    times, jmin = problem.times, problem.min_deg_idx.tolist()
-    lengths = problem.lengths.tolist()
+    rows, jmin, lengths = problem.rows, problem.min_deg_list, problem.length_list
     cap = problem.capacity_tokens
     lat = problem.latency_s.tolist()
     group_j: list[int] = []
@@ -38,7 +37,7 @@ def _pack(problem: MicroBatchProblem, num_gpus: int, num_big: int, level: float,
     seq_group = [-1] * num_big
     free = num_gpus
     for k in range(num_big):
-        row, length = times[k].tolist(), lengths[k]
+        row, length = rows[k], lengths[k]
         placed = False
         for j in range(jmin[k], num_deg):
             t = row[j]

@@ -42,6 +42,10 @@ def enumerate_multisets(
     return rows
 
 
+GRID_TOP = 256
+"""Multisets (best plain bounds first) that also get the parametric bound."""
+
+
 def lower_bounds(
     counts: np.ndarray,  # [num_multisets, num_deg]
     degrees: np.ndarray,  # [num_deg]
@@ -79,16 +83,19 @@ def lower_bounds(
     present = counts > 0  # [M, num_deg]
     best_single = np.where(present & allowed[0], times[0], np.inf).min(axis=1)  # [M]
     bound = np.maximum(bound, best_single)
-    finite = np.isfinite(bound)
-    if finite.any():
-        lo, hi = bound[finite].min(), bound[finite].max() * 4
+    # the parametric bound only for the GRID_TOP multisets with the best plain bounds: it
+    # reorders the promising ones; the others keep their (valid, weaker) plain bound
+    top = np.argsort(bound, kind="stable")[:GRID_TOP]
+    top = top[np.isfinite(bound[top])]
+    if top.size:
+        lo, hi = bound[top].min(), bound[top].max() * 4
         grid = np.geomspace(lo, hi, num_grid)  # [num_grid]
-        fails = _grid_infeasible(grid, gpus_at_least, times, gpu_s, allowed, lengths,
-                                 capacity_tokens)  # [M, num_grid]
+        fails = _grid_infeasible(grid, gpus_at_least[top], times, gpu_s, allowed, lengths,
+                                 capacity_tokens)  # [top, num_grid]
         # largest failing grid point below the first feasible one (feasibility is monotone)
         last_fail = np.where(fails.all(axis=1), num_grid - 1, np.argmin(fails, axis=1) - 1)
         grid_bound = np.where(last_fail >= 0, grid[np.maximum(last_fail, 0)], 0.0)
-        bound = np.maximum(bound, grid_bound)
+        bound[top] = np.maximum(bound[top], grid_bound)
     return bound
 
 

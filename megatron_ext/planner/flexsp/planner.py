@@ -1,13 +1,15 @@
 """The fast FlexSP planner: micro-batch cutting x group multisets x assignment, in milliseconds.
 
 plan_step(lengths, cost) -> StepPlan:
-1. sort the batch by descending length; M_min = ceil(tokens / (N * capacity));
-2. for M in [M_min, M_min + extra] and each cut (blaster.py), build every micro-batch's candidate
-   assignments without local search (microbatch.py) and score the cut by the sum of
-   (fixed per-micro-batch time + best candidate score); a cut is skipped as soon as its lower
-   bound or partial score reaches the best score so far;
-3. refine the best-scored cut, then any other cut whose score still beats the refined time;
-   keep the fastest. Each micro-batch's time is beta_1 + its slowest group (cost.py).
+1. sort the batch by descending length; M_min = ceil(tokens / (N * capacity)); micro-batch
+   counts from the first feasible one (plus `extra_microbatches`);
+2. per count, the consecutive cut (FlexSP's Sequence Blaster) and the balanced cut
+   (blaster.py), each scored by its micro-batches' level-packing searches (microbatch.py);
+   cuts whose lower bound or partial score reach the best score are skipped;
+3. finish cuts in score order while a score beats the best finished time: per micro-batch,
+   power-of-two group multisets in lower-bound order (earliest-finish-time + water-filling),
+   the best homogeneous multisets, then local search on the best candidate.
+Each micro-batch takes beta_1 + its slowest group (cost.py); the step is their sum.
 Deterministic: no randomness and no time limits, so every rank can plan the same batch itself.
 `fixed_degree` runs the same machinery with one degree (the static-Ulysses baseline).
 """
@@ -51,22 +53,20 @@ class PlannerOptions:
     max_evals: int = 0
     """Group multisets assigned (in lower-bound order) while scoring cuts; at least one when
     level packing finds nothing. Finishing the chosen cut assigns more (eval_budget)."""
-    eval_budget: int = 512
+    eval_budget: int = 128
     """Multisets assigned when finishing the chosen cut: eval_budget / num_sequences more
     (small micro-batches are cheap to assign and benefit most)."""
     level_pack: bool = True
     """Also run the level-packing search (level_pack.py) per micro-batch."""
     refine_top: int = 1
     """How many of the best-scored candidates of a micro-batch get local search (at least)."""
-    refine_budget: int = 256
+    refine_budget: int = 128
     """More refined candidates for small micro-batches: up to refine_budget / num_sequences."""
     refine_rounds: int = 200
     """Local-search rounds per refined assignment."""
-    max_refined_cuts: int = 2
-    """At most this many best-scored micro-batch cuts are refined."""
-    refine_slack: float = 0.03
-    """A further cut is refined if its score is within this fraction of the best refined time
-    (scores are unrefined estimates; local search typically gains a few percent)."""
+    finish_slack: float = 0.0
+    """A further cut is finished (local search) while its score is below (1 + slack) x the
+    best finished plan's time (scores are unrefined estimates)."""
     big_fraction: float = 0.25
     """Sequences slower than this fraction of the average device load are placed one by one."""
     token_fill: float = 0.95
@@ -76,10 +76,9 @@ class PlannerOptions:
         bad = set(self.cuts) - {"consecutive", "balanced"}
         if bad or not self.cuts:
             raise PlanError(f"cuts={self.cuts} must be a non-empty subset of consecutive, balanced")
-        if min(self.max_evals + 1, self.refine_top, self.max_refined_cuts) < 1:
-            raise PlanError(f"max_evals={self.max_evals}, refine_top={self.refine_top} and "
-                            f"max_refined_cuts={self.max_refined_cuts} must be >= 1 "
-                            "(max_evals >= 0)")
+        if self.max_evals < 0 or self.refine_top < 1 or self.finish_slack < 0:
+            raise PlanError(f"max_evals={self.max_evals} and finish_slack={self.finish_slack} "
+                            f"must be >= 0, refine_top={self.refine_top} >= 1")
         if self.extra_microbatches < 0:
             raise PlanError(f"extra_microbatches={self.extra_microbatches} must be >= 0")
 
@@ -97,36 +96,48 @@ def plan_step(
     desc = lengths_arr[order]
     cost.min_degree_for(int(desc[0]))  # PlanError if the longest sequence fits no group
     fixed = _fixed_counts(cost, fixed_degree, int(desc[0]))
-    scored = _score_cuts(desc, cost, options, fixed)
-    if not scored:
+    best = _search_cuts(desc, cost, options, fixed)
+    if best is None:
         raise PlanError(
             f"no plan fits {desc.size} sequences ({desc.sum()} tokens) on {cost.num_gpus} GPUs "
             f"of {cost.capacity_tokens} tokens in up to {options.max_microbatches} "
             "micro-batches; raise max_microbatches or the memory budget"
         )
-    best: tuple[float, list[tuple[np.ndarray, Assignment]]] | None = None
-    tried: list[float] = []
-    for score, runs, cands in sorted(scored, key=lambda item: item[0])[:options.max_refined_cuts]:
-        if best is not None and (len(tried) >= options.max_refined_cuts
-                                 or score >= best[0] * (1 + options.refine_slack)):
+    return _to_step_plan(lengths_arr, order, best, cost)
+
+
+_Planned = tuple[float, list[tuple[np.ndarray, Assignment]]]
+
+
+def _search_cuts(desc: np.ndarray, cost: FlexSPCostModel, options: PlannerOptions,
+                 fixed: np.ndarray | None) -> _Planned | None:
+    """Score every micro-batch cut worth trying, then finish them in score order; keep the
+    fastest. A cut is finished only while its score beats the best finished plan's time."""
+    scored = _score_cuts(desc, cost, options, fixed)
+    best: _Planned | None = None
+    for score, runs, cands in sorted(scored, key=lambda item: item[0]):
+        if best is not None and score >= best[0] * (1 + options.finish_slack):
             break
-        tried.append(score)
-        done = [(run, finish(c, extra_evals=min(MAX_EVALS,
-                                                max(1, options.eval_budget // run.size)),
-                             refine_top=min(MAX_REFINED, max(options.refine_top,
-                                                             options.refine_budget // run.size)),
-                             refine_rounds=options.refine_rounds))
-                for run, c in zip(runs, cands)]
-        total = sum(cost.fixed_s_per_microbatch + a.makespan_s for _, a in done)
+        total, done = 0.0, []
+        for run, c in zip(runs, cands):
+            result = finish(c, extra_evals=min(MAX_EVALS, max(1, options.eval_budget // run.size)),
+                            refine_top=min(MAX_REFINED, max(options.refine_top,
+                                                            options.refine_budget // run.size)),
+                            refine_rounds=options.refine_rounds)
+            total += cost.fixed_s_per_microbatch + result.makespan_s
+            done.append((run, result))
         if best is None or total < best[0]:
             best = (total, done)
-    assert best is not None
-    return _to_step_plan(lengths_arr, order, best, cost)
+    return best
 
 
 def _score_cuts(desc: np.ndarray, cost: FlexSPCostModel, options: PlannerOptions,
                 fixed: np.ndarray | None) -> list[tuple[float, list[np.ndarray], list[Candidates]]]:
-    """(score, runs, candidates) of every micro-batch cut worth considering."""
+    """(score, runs, candidates) of each cut: its micro-batches' first candidates, unrefined.
+
+    A cut is skipped when its lower bound (each micro-batch: fixed term + its least GPU-seconds
+    over N, or its longest sequence's fastest time) or its partial score reaches the best score.
+    """
     whole = make_problem(desc, cost)
     rows = np.arange(desc.size)
     min_gpu_s = whole.times[rows, whole.min_deg_idx] * whole.degrees[whole.min_deg_idx]  # [K]
@@ -149,8 +160,7 @@ def _score_cuts(desc: np.ndarray, cost: FlexSPCostModel, options: PlannerOptions
             score, cands = 0.0, []
             for run in runs:
                 c = microbatch_candidates(
-                    make_problem(desc[run], cost), cost.num_gpus,
-                    max_evals=options.max_evals,
+                    make_problem(desc[run], cost), cost.num_gpus, max_evals=options.max_evals,
                     big_fraction=options.big_fraction, level_pack=options.level_pack,
                     fixed_counts=fixed)
                 score += beta + c.score
@@ -197,26 +207,27 @@ def _to_step_plan(lengths: np.ndarray, order: np.ndarray,
                   cost: FlexSPCostModel) -> StepPlan:
     _, planned = best
     degrees = cost.degrees
+    length_list = lengths.tolist()
     microbatches = []
     for run, result in planned:
         seq_ids = order[run]  # original index of each position of this micro-batch
         groups, start = [], 0
         for g, j in enumerate(result.group_deg_idx.tolist()):
-            members = [int(i) for i in seq_ids[np.flatnonzero(result.seq_group == g)]]
-            groups += _groups_at(start, degrees[j], members, lengths, cost)
+            members = seq_ids[np.flatnonzero(result.seq_group == g)].tolist()
+            groups += _groups_at(start, degrees[j], members, length_list, cost)
             start += degrees[j]
         time_s = cost.fixed_s_per_microbatch + max(g.predicted_time_s for g in groups)
         microbatches.append(MicroBatchPlan(groups=tuple(groups), predicted_time_s=time_s))
-    return StepPlan(lengths=tuple(int(x) for x in lengths), num_gpus=cost.num_gpus,
+    return StepPlan(lengths=tuple(length_list), num_gpus=cost.num_gpus,
                     microbatches=tuple(microbatches),
                     predicted_time_s=sum(mb.predicted_time_s for mb in microbatches))
 
 
-def _groups_at(start: int, degree: int, members: list[int], lengths: np.ndarray,
+def _groups_at(start: int, degree: int, members: list[int], lengths: list[int],
                cost: FlexSPCostModel) -> list[SPGroup]:
     """One group, or, when it would hold fewer tokens than ranks (a rank with no token cannot
     run the layers), `degree` single-rank groups taking its sequences one each."""
-    seq_lengths = [int(lengths[i]) for i in members]
+    seq_lengths = [lengths[i] for i in members]
     if not 0 < sum(seq_lengths) < degree:
         return [SPGroup(start_rank=start, degree=degree, seq_ids=tuple(members),
                         predicted_time_s=cost.group_time_s(seq_lengths, degree))]
@@ -224,5 +235,5 @@ def _groups_at(start: int, degree: int, members: list[int], lengths: np.ndarray,
     for r in range(degree):
         ids = (members[r],) if r < len(members) else ()
         out.append(SPGroup(start_rank=start + r, degree=1, seq_ids=ids,
-                           predicted_time_s=cost.group_time_s([int(lengths[i]) for i in ids], 1)))
+                           predicted_time_s=cost.group_time_s([lengths[i] for i in ids], 1)))
     return out
