@@ -100,6 +100,12 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 DISTOPT_SHARDING = "fully_reshardable"
 
 
+def _optimizer_format(optimizer: Any) -> str:
+    """'distributed' (ZeRO-1 state: per-parameter fp32 main copy + moments) or 'local'."""
+    distributed = getattr(optimizer.config, "use_distributed_optimizer", False)
+    return "distributed" if distributed else "local"
+
+
 def _metadata(backend: Any, sharding: str = DISTOPT_SHARDING) -> dict[str, Any]:
     """Megatron-LM's `_build_sharded_state_dict_metadata` (mcore_cpu.md section 8.3)."""
     return {"dp_cp_group": backend.dp_cp_group, "singleton_local_shards": False,
@@ -119,7 +125,8 @@ def _state_dict(backend: Any, scheduler: Any, state: TrainState, plan: ParallelP
     sd["checkpoint_version"] = CHECKPOINT_VERSION
     sd["train_state"] = asdict(state)
     sd["megatron_ext"] = {"plan": plan.to_json(), "fingerprint": _plan_fingerprint(plan),
-                          "padded_vocab_size": backend.padded_vocab_size}
+                          "padded_vocab_size": backend.padded_vocab_size,
+                          "optimizer_format": _optimizer_format(backend.optimizer)}
     if with_rng:
         rank, world = dist.get_rank(), dist.get_world_size()
         sd["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
@@ -267,6 +274,12 @@ def load_checkpoint(root: str | Path, backend: Any, scheduler: Any, plan: Parall
     common = dist_checkpointing.load_common_state_dict(ckpt_dir)
     same_plan = common["megatron_ext"]["fingerprint"] == _plan_fingerprint(plan)
     with_rng = load_rng and same_plan
+    saved_format = common["megatron_ext"]["optimizer_format"]
+    if load_optimizer and saved_format != _optimizer_format(backend.optimizer):
+        raise PlanError(
+            f"--load={root} holds {saved_format} optimizer state but this plan uses the "
+            f"{_optimizer_format(backend.optimizer)} optimizer (the ZeRO level changed); add "
+            "--no-load-optim to restart the optimizer moments, or keep the ZeRO level")
     if load_optimizer:
         _ensure_distopt_state(backend.optimizer)
     sd = _state_dict(backend, scheduler, TrainState(), plan, is_loading=True, with_rng=with_rng,
