@@ -87,11 +87,9 @@ def min_memory_gib(cm) -> float:
 
 def min_nodes(cm, max_gpus: int = 65536) -> int | None:
     """Fewest nodes (same GPUs) at which some layout fits; doubling, then bisection."""
-    from megatron_ext.planner.cost.model import CostModel
 
     def fits(nodes: int) -> bool:
-        cluster = dataclasses.replace(cm.cluster, num_nodes=nodes)
-        other = CostModel(cm.model, cluster, cm.training, comm=None, compute=cm.compute)
+        other = cm.with_cluster(dataclasses.replace(cm.cluster, num_nodes=nodes))
         return min_memory_gib(other) <= cm.cluster.memory_gib
 
     lo, hi = cm.cluster.num_nodes, cm.cluster.num_nodes * 2
@@ -109,8 +107,7 @@ def verified_min_memory_gib(cm) -> float:
     """min_memory_gib, raised in 2% steps until the search (whose DP rounds memory up) really
     finds a layout there; inf if three steps do not suffice."""
     from megatron_ext.errors import InfeasiblePlanError
-    from megatron_ext.planner.cost.model import CostModel
-    from megatron_ext.planner.search import search
+    from megatron_ext.planner.search import SearchOptions, search
 
     memory = math.ceil(min_memory_gib(cm) * 10) / 10
     for _ in range(4):
@@ -118,7 +115,7 @@ def verified_min_memory_gib(cm) -> float:
             break
         cluster = dataclasses.replace(cm.cluster, memory_gib=memory)
         try:
-            search(CostModel(cm.model, cluster, cm.training, comm=cm.comm, compute=cm.compute))
+            search(cm.with_cluster(cluster), options=SearchOptions(explain_infeasible=False))
             return memory
         except InfeasiblePlanError:
             memory = math.ceil(memory * 1.02 * 10) / 10

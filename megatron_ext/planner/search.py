@@ -61,6 +61,8 @@ class SearchOptions:
     """Vocabulary layouts per combo backtracked and scored exactly."""
     finalist_slack: float = 0.02
     """Score exactly only layouts whose DP estimate is within this fraction of the best."""
+    explain_infeasible: bool = True
+    """When nothing fits, work out the smallest memory and GPU count that would (slower)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -105,6 +107,8 @@ def search(
         if found is not None and (best is None or found[1].iteration_s < best[1].iteration_s):
             best = found
     if best is None:
+        if not options.explain_infeasible:
+            raise InfeasiblePlanError(f"no layout of {cm.model.name} fits")
         from megatron_ext.planner.infeasible import explain_infeasible
 
         raise InfeasiblePlanError(explain_infeasible(cm))

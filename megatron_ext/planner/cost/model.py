@@ -12,6 +12,7 @@ the gradient (dp x cp x ulysses) group tp. Whether a group crosses nodes follows
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import numpy as np
@@ -97,6 +98,15 @@ class CostModel:
         self.layer_params = C.layer_params(model)
         self.overlap_slowdown = float(getattr(self.comm, "overlap_slowdown", OVERLAP_SLOWDOWN))
         """Slowdown of overlapped communication: measured by a cluster profile, else default."""
+
+    def with_cluster(self, cluster: ClusterSpec) -> CostModel:
+        """The same cost model on another cluster (more nodes, other memory); measured
+        profiles are kept, the alpha-beta formula follows the new cluster."""
+        other = copy.copy(self)
+        other.cluster = cluster
+        if isinstance(self.comm, AlphaBetaComm):
+            other.comm = AlphaBetaComm(cluster=cluster)
+        return other
 
     # ---- small helpers --------------------------------------------------------------------
 
