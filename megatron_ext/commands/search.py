@@ -129,12 +129,7 @@ def _cost_model(args: argparse.Namespace, model: ModelSpec):
             args.cluster or DEFAULT_CLUSTER, num_nodes=args.nodes or 1, memory_gib=args.memory_gib
         )
     model_profile = ModelProfile.load(args.model_profile) if args.model_profile else None
-    if model_profile is not None and model_profile.model != model:
-        raise PlanError(
-            f"--model-profile was measured on {model_profile.model.name!r}, not {model.name!r}; "
-            "profile this model with megatron-ext profile model"
-        )
-    return ProfiledCostModel(model, profile, training, model_profile=model_profile, cluster=cluster)
+    return ProfiledCostModel(model, cluster, training, comm=profile, model_profile=model_profile)
 
 
 class _Progress:
