@@ -144,8 +144,8 @@ class HeteroTransformerBlock(TransformerBlock):
 
         `rotary_pos_emb` is the full-sequence table `[s, 1, 1, d]` (or None).
         """
-        if not self.pre_process:
-            hidden_states = self.input_tensor
+        if hidden_states is None or not self.pre_process and self.input_tensor is not None:
+            hidden_states = self.input_tensor  # pipeline input (set_input_tensor)
         hidden = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
         group = self._groups.stage_group
         layout = self.input_layout

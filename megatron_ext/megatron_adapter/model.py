@@ -76,6 +76,14 @@ class HeteroGPTModel(GPTModel):
             post_process=final_norm is not None,
         )
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict:
+        """GPTModel's, with replica ids over the vocabulary layers' own dp_cp group (the decoder
+        sets each layer's); a caller's `dp_cp_group` (one group for a uniform model) is
+        replaced."""
+        metadata = {**(metadata or {}), "dp_cp_group": self.pg_collection.dp_cp}
+        return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+
     def local_tokens(self, tokens: torch.Tensor, *, at_input: bool = False) -> torch.Tensor:
         """This rank's `[b_loc, s_loc]` part of full `[b, s]` ids / labels / loss mask: the
         tokens the output layer sees (its input is SP-gathered), or with `at_input` the tokens

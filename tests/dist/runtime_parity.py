@@ -45,16 +45,21 @@ def make_batches(plan: ParallelPlan, steps: int, seed: int = 7) -> list[list[dic
     return [micro] * steps
 
 
+_SINGLETON: list = []
+
+
 def _singleton_pgc():
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    one = [dist.new_group([r]) for r in range(dist.get_world_size())][dist.get_rank()]
+    if not _SINGLETON:  # collective: every rank creates every singleton group once
+        _SINGLETON.append([dist.new_group([r]) for r in range(dist.get_world_size())])
+    one = _SINGLETON[0][dist.get_rank()]
     return ProcessGroupCollection(tp=one, cp=one, pp=one, embd=None, pos_embd=None)
 
 
-def reference_run(plan: ParallelPlan, batches: list[list[dict]], seed: int
-                  ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Single-process run: per-step losses and full gradients of step 1 (by global name)."""
+def reference_model(plan: ParallelPlan, seed: int):
+    """Single-process stock GPTModel (TP=1, local spec) with the plan-invariant initial weights."""
+    from megatron.core import tensor_parallel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
@@ -63,11 +68,8 @@ def reference_run(plan: ParallelPlan, batches: list[list[dict]], seed: int
     from megatron_ext.megatron_adapter.weights import init_plan_invariant
 
     prepare_megatron()
-    from megatron.core import tensor_parallel
-
     tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=0, ep_rank=0, etp_rank=0,
                                                     force_reset_rng=True)
-
     model_spec = plan.model
     config = base_config(model_spec, "fp32")
     model = GPTModel(
@@ -79,6 +81,13 @@ def reference_run(plan: ParallelPlan, batches: list[list[dict]], seed: int
         position_embedding_type=model_spec.position_embedding, pg_collection=_singleton_pgc(),
     )
     init_plan_invariant(model, seed)
+    return model
+
+
+def reference_run(plan: ParallelPlan, batches: list[list[dict]], seed: int
+                  ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process run: per-step losses and full gradients of step 1 (by global name)."""
+    model = reference_model(plan, seed)
     named = dict(model.named_parameters())
     decay = [p for n, p in named.items() if not (n.endswith(".bias") or p.dim() == 1)]
     no_decay = [p for n, p in named.items() if n.endswith(".bias") or p.dim() == 1]
@@ -181,3 +190,63 @@ def run_plan(plan: ParallelPlan, *, steps: int = 5, seed: int = 11,
 
 def replace_layers(plan: ParallelPlan, **changes: Any) -> ParallelPlan:
     return dataclasses.replace(plan, **changes)
+
+
+def check_body_only(plan: ParallelPlan, seed: int = 11) -> None:
+    """Body-only stage (no embedding/output layer, as vocabulary parallelism builds it): hidden
+    states in `input_layout` in, final-normed hidden states in `output_layout` out, equal to the
+    reference decoder's."""
+    from megatron_ext.megatron_adapter.build import build_model
+    from megatron_ext.runtime.redistribute import local_block
+
+    ref = reference_model(plan, seed)
+    chunks, groups = build_model(plan, seed=seed, embedding=False, output_layer=False)
+    model = chunks[0].module
+    assert not hasattr(model, "embedding") and not hasattr(model, "output_layer")
+    s, b, h = plan.seq_length, plan.micro_batch_size, plan.model.hidden_size
+    x = torch.randn(s, b, h)  # [s, b, h], same on every rank
+    rope = ref.rotary_pos_emb(s) if plan.model.position_embedding == "rope" else None
+    expected = ref.decoder(hidden_states=x, attention_mask=None, rotary_pos_emb=rope)
+    local_x = local_block(x, model.decoder.input_layout, groups.local_rank)
+    got = model(decoder_input=local_x)  # [s_loc, b_loc, h] in output_layout
+    want = local_block(expected.detach(), model.decoder.output_layout, groups.local_rank)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def check_sharded_state_dict(plan: ParallelPlan, seed: int = 11) -> int:
+    """Every ShardedTensor of the plan's model has its global key, global shape and offset such
+    that its data equals that slice of the single-process tensor; each shard has exactly one
+    main replica across all ranks. Returns the number of shards checked on this rank."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    from megatron_ext.megatron_adapter.build import build_model
+
+    ref_meta = {"non_homogeneous_layers": True, "dp_cp_group": _singleton_pgc().tp}
+    full = {item.key: item.data  # the reference's own checkpoint keys (megatron's key map)
+            for item in reference_model(plan, seed).sharded_state_dict(metadata=ref_meta).values()
+            if isinstance(item, ShardedTensor | ShardedTensorFactory)}
+    chunks, _ = build_model(plan, seed=seed)
+    shards = []
+    for item in chunks[0].sharded_state_dict().values():
+        items = item.build() if isinstance(item, ShardedTensorFactory) else [item]
+        shards += [t for t in items if isinstance(t, ShardedTensor)]
+    mains = []
+    for sh in shards:
+        assert sh.global_shape == tuple(full[sh.key].shape), (sh.key, sh.global_shape)
+        index = tuple(slice(o, o + n) for o, n in zip(sh.global_offset, sh.local_shape))
+        torch.testing.assert_close(sh.data, full[sh.key][index], rtol=0, atol=0,
+                                   msg=lambda m, k=sh.key: f"{k}: {m}")
+        if all(r == 0 for r in (sh.replica_id if isinstance(sh.replica_id, tuple)
+                                else (sh.replica_id,))):
+            mains.append((sh.key, tuple(sh.global_offset)))
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mains)
+    counts: dict = {}
+    for rank_mains in gathered:
+        for entry in rank_mains:
+            counts[entry] = counts.get(entry, 0) + 1
+    duplicated = [e for e, n in counts.items() if n != 1]
+    assert not duplicated, f"shards with several main replicas: {duplicated[:3]}"
+    every = {(k, off) for rank_mains in gathered for k, off in rank_mains}
+    assert {k for k, _ in every} == set(full), "keys differ from the single-process model's"
+    return len(shards)
