@@ -10,6 +10,14 @@
 - Transformer layers: `ProfiledCostModel.layer_costs` replaces the analytic per-layer compute
   (forward, backward, full and selective recomputation) with the model profile's fitted times and
   keeps every communication term of the base model.
+- Shared compute (`ProfiledCostModel.iteration_s`): the planner's pipeline formula assumes a
+  device per rank. When the cluster profile says fewer ranks than a node holds compute at full
+  speed (ranks sharing CPU cores), a pipeline bubble or a wait frees compute for the other
+  ranks. With S compute slots per node, model-profile times measured with c ranks at once are
+  max(1, c/S) slower than a rank computing alone, and one iteration takes at least
+    max(critical path at the uncontended speed,
+        total core-seconds of all ranks / (S * nodes)).
+  With a device per rank (S = ranks per node, c = 1) this is the planner's iteration time.
 """
 
 from __future__ import annotations
@@ -19,8 +27,10 @@ import dataclasses
 import numpy as np
 
 from megatron_ext.errors import PlanError
+from megatron_ext.plan import LayerStrategy, VocabStrategy
 from megatron_ext.planner.cost import compute as C
 from megatron_ext.planner.cost.comm import CommModel
+from megatron_ext.planner.cost.evaluate import Evaluation, evaluate
 from megatron_ext.planner.cost.model import CostModel, LayerCosts
 from megatron_ext.planner.space import StrategyTable
 from megatron_ext.planner.training import TrainingSpec
@@ -105,3 +115,30 @@ class ProfiledCostModel(CostModel):
             changes["activation_bytes"] = np.where(table.recompute == 0, act,
                                                    costs.activation_bytes)
         return dataclasses.replace(costs, **changes)
+
+    def uncontended_scale(self) -> float:
+        """Time of a rank computing alone over the model profile's time (<= 1)."""
+        slots = getattr(self.comm, "compute_slots_per_node", None)
+        if slots is None:
+            return 1.0
+        concurrency = self.model_profile.concurrency if self.model_profile is not None else 1
+        return 1.0 / max(1.0, concurrency / slots)
+
+    def iteration_s(self, evaluation: Evaluation, pp: int) -> float:
+        """Iteration time of `evaluation` (a layout with `pp` stages) under shared compute."""
+        slots = getattr(self.comm, "compute_slots_per_node", None)
+        if slots is None:
+            return evaluation.iteration_s
+        scale = self.uncontended_scale()
+        width = self.cluster.num_gpus // pp
+        core_s = scale * width * sum(evaluation.stage_busy_s)
+        return max(evaluation.iteration_s * scale, core_s / (slots * self.cluster.num_nodes))
+
+
+def predict_iteration_s(cm: CostModel, *, pp: int, stages: tuple[tuple[int, int], ...],
+                        layers: tuple[LayerStrategy, ...], vocab: VocabStrategy,
+                        micro_batch_size: int) -> float:
+    """Predicted seconds per optimizer step of a layout (shared compute included)."""
+    ev = evaluate(cm, pp=pp, stages=stages, layers=layers, vocab=vocab,
+                  micro_batch_size=micro_batch_size)
+    return cm.iteration_s(ev, pp) if isinstance(cm, ProfiledCostModel) else ev.iteration_s

@@ -91,7 +91,7 @@ class CollectiveCurve:
     num_bytes: tuple[float, ...]
     """Message sizes, strictly increasing (byte convention in the module docstring)."""
     seconds: tuple[float, ...]
-    """Median measured time at each size (slowest rank of all concurrently running groups)."""
+    """Measured time at each size (slowest rank of all concurrently running groups)."""
     fit: CurveFit = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -147,6 +147,9 @@ class ClusterProfile:
     """What ran the measurement, e.g. 'NVIDIA H100 80GB HBM3' or 'cpu (2 cores)'."""
     overlap_slowdown: float = 1.0
     """How much longer communication and compute take side by side than the longer alone (>= 1)."""
+    compute_slots_per_node: float | None = None
+    """Ranks of one node that compute at full speed at once: gpus_per_node with a device per
+    rank, fewer when ranks share CPU cores (None: not measured, a device per rank)."""
     collectives: tuple[CollectiveCurve, ...] = ()
     """Measured curves."""
     _index: dict = field(init=False, repr=False, compare=False)
@@ -155,6 +158,10 @@ class ClusterProfile:
         if not self.overlap_slowdown >= 1.0:
             raise PlanError(f"overlap_slowdown={self.overlap_slowdown} must be >= 1 (1 = "
                             "perfect overlap)")
+        slots = self.compute_slots_per_node
+        if slots is not None and not 1.0 <= slots <= self.cluster.gpus_per_node:
+            raise PlanError(f"compute_slots_per_node={slots} must be in [1, gpus_per_node="
+                            f"{self.cluster.gpus_per_node}]")
         index = {}
         for curve in sorted(self.collectives, key=lambda c: -c.stride):  # adjacent wins ties
             index[(curve.collective, curve.group_size, curve.ranks_per_node)] = curve
@@ -202,14 +209,16 @@ class ClusterProfile:
     def to_dict(self) -> dict[str, Any]:
         return {"schema_version": SCHEMA_VERSION, "kind": "cluster_profile",
                 "backend": self.backend, "device": self.device,
-                "overlap_slowdown": self.overlap_slowdown, "cluster": self.cluster.to_dict(),
+                "overlap_slowdown": self.overlap_slowdown,
+                "compute_slots_per_node": self.compute_slots_per_node,
+                "cluster": self.cluster.to_dict(),
                 "collectives": [c.to_dict() for c in self.collectives]}
 
     @classmethod
     def from_dict(cls, data: Any) -> ClusterProfile:
         data = expect_object(data, "cluster profile")
         reject_unknown(data, {"schema_version", "kind", "backend", "device", "overlap_slowdown",
-                              "cluster", "collectives"}, "")
+                              "compute_slots_per_node", "cluster", "collectives"}, "")
         _check_version(data, "cluster profile")
         _check_kind(data, "cluster_profile")
         items = expect_list(data.get("collectives", []), "collectives")
@@ -217,6 +226,7 @@ class ClusterProfile:
             cluster=ClusterSpec.from_dict(data.get("cluster"), "cluster"),
             backend=get_str(data, "backend", ""), device=get_str(data, "device", ""),
             overlap_slowdown=get_float(data, "overlap_slowdown", "", default=1.0),
+            compute_slots_per_node=_optional_float(data, "compute_slots_per_node", ""),
             collectives=tuple(CollectiveCurve.from_dict(c, f"collectives[{i}]")
                               for i, c in enumerate(items)),
         )

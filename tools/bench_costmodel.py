@@ -10,7 +10,9 @@
    profile-fed cost model (`ProfiledCostModel`) and, for comparison, with the analytic cost model
    on the profile's ClusterSpec (measured peak and fitted links, formulas for everything else).
 3. Run each plan for real with the runtime (`build_model` + `train_step`, megatron-core 1F1B,
-   overlapped gradient reduction) and take the median step time (slowest rank).
+   overlapped gradient reduction), plans round-robin; a step's time is the slowest rank's, a
+   plan's measured time its fastest step (least disturbed by other processes on a shared
+   machine, as the profilers keep their fastest repeat); the median is reported too.
 4. Report per plan predicted, measured and error; overall median absolute relative error and
    Spearman rank correlation. JSON top level: `summary` {median_abs_error, spearman, num_plans}.
 """
@@ -42,10 +44,9 @@ from bench_costmodel_runs import (
 
 from megatron_ext.megatron_adapter.profile_model import ProfileGrid, profile_model
 from megatron_ext.plan import ParallelPlan
-from megatron_ext.planner.cost.evaluate import evaluate
 from megatron_ext.planner.cost.model import CostModel
 from megatron_ext.planner.training import TrainingSpec
-from megatron_ext.profile_cost import ProfiledCostModel
+from megatron_ext.profile_cost import ProfiledCostModel, predict_iteration_s
 from megatron_ext.profiles import ClusterProfile, ModelProfile
 from megatron_ext.runtime.testing import run_distributed
 
@@ -77,9 +78,8 @@ def get_profiles(args: argparse.Namespace) -> tuple[ClusterProfile, ModelProfile
 
 
 def predict(plan: ParallelPlan, cm: CostModel) -> float:
-    ev = evaluate(cm, pp=plan.pp, stages=plan.stages, layers=plan.layers, vocab=plan.vocab,
-                  micro_batch_size=plan.micro_batch_size)
-    return ev.iteration_s
+    return predict_iteration_s(cm, pp=plan.pp, stages=plan.stages, layers=plan.layers,
+                               vocab=plan.vocab, micro_batch_size=plan.micro_batch_size)
 
 
 def summarize(pred: list[float], meas: list[float]) -> dict[str, float]:
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     if args.reuse_measured:  # iterate on the cost model without re-running the plans
         old = {r["plan"]: r for r in json.loads(Path(args.reuse_measured).read_text())["plans"]}
-        runs = [{k: old[name][k] for k in ("measured_s", "min_s", "max_s", "loss")}
+        runs = [{k: old[name][k] for k in ("measured_s", "median_s", "max_s", "loss")}
                 for name, _ in plans]
     else:
         runs = run_distributed(measure_rank, world_size=args.world_size, timeout_s=3600,

@@ -75,7 +75,8 @@ def measure_rank(rank: int, world_size: int, *, plans: list[dict[str, Any]], rou
                  steps: int, overlap_grad_reduce: bool) -> list[dict[str, float]]:
     """Build every plan once, then `rounds` round-robin passes of 1 warm-up + `steps` timed
     steps per plan (so load drift on a shared machine hits all plans alike). A step's time is
-    the slowest rank's; per plan the median over all timed steps."""
+    the slowest rank's; per plan the fastest timed step (the one least disturbed by other
+    processes, like the profilers' fastest-of-repeats) and the median."""
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
@@ -105,7 +106,7 @@ def measure_rank(rank: int, world_size: int, *, plans: list[dict[str, Any]], rou
                 if step > 0:
                     times[i].append(float(elapsed))
                 losses[i] = out["loss"]
-    return [{"measured_s": statistics.median(t), "min_s": min(t), "max_s": max(t),
+    return [{"measured_s": min(t), "median_s": statistics.median(t), "max_s": max(t),
              "loss": loss} for t, loss in zip(times, losses)]
 
 

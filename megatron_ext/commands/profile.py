@@ -98,7 +98,8 @@ def cluster_summary(profile: ClusterProfile) -> str:
     c = profile.cluster
     lines = [(f"{profile.device}, {profile.backend}: {c.num_nodes} node(s) x {c.gpus_per_node} "
              f"ranks, peak {c.peak_flops / 1e12:.3g} TFLOP/s per rank, overlap slowdown "
-             f"{profile.overlap_slowdown:.2f}"),
+             f"{profile.overlap_slowdown:.2f}, compute slots per node "
+             f"{profile.compute_slots_per_node}"),
              (f"{'collective':<15}{'g':>3}{'stride':>7}{'per node':>9}{'latency us':>12}"
              f"{'GB/s @max':>11}")]
     for cv in profile.collectives:

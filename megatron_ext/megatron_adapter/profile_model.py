@@ -46,7 +46,8 @@ class ProfileGrid:
     seq_lengths: tuple[int, ...] = (64, 128)
     """Sequence lengths (each divisible by every tp, for sp)."""
     repeats: int = 3
-    """Timed runs per shape (median kept) after one warm-up."""
+    """Timed runs per shape after one warm-up; the fastest is kept (the run least disturbed by
+    other work on a shared machine; on a dedicated GPU runs barely differ)."""
 
     def __post_init__(self) -> None:
         if not self.tps or not self.micro_batch_sizes or not self.seq_lengths or self.repeats < 1:
@@ -163,7 +164,7 @@ def _layer_sample(w: _Worker, layers: dict[str, torch.nn.Module], *, tp: int, sp
             result = fwd_bwd(kind)
             if i > 0:  # the first round warms up
                 runs[kind].append(result)
-    med = {kind: [statistics.median(r[i] for r in rs) for i in range(2)]
+    med = {kind: [min(r[i] for r in rs) for i in range(2)]
            for kind, rs in runs.items()}
     kept = runs["none"][-1][2]
     peak = runs["none"][-1][3]
@@ -231,7 +232,7 @@ def _vocab_sample(w: _Worker, *, tp: int, b: int, s: int, repeats: int) -> Vocab
             t2 = w.now()
             f.append(t1 - t0)
             bw.append(t2 - t1)
-        return statistics.median(f[1:]), statistics.median(bw[1:])
+        return min(f[1:]), min(bw[1:])
 
     ef, eb = paired(emb_fwd, emb_bwd)
     of, ob = paired(out_fwd, out_bwd)
@@ -245,7 +246,7 @@ def _optimizer_sample(w: _Worker, params: list[torch.nn.Parameter], repeats: int
     for p in params:
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(params, lr=1e-4)
-    step_s = statistics.median(w.timed(opt.step, repeats))
+    step_s = min(w.timed(opt.step, repeats))
     return OptimizerSample(num_params=sum(p.numel() for p in params), step_s=step_s)
 
 

@@ -8,14 +8,14 @@ Every rank calls every function here (they are collective over `world`). For eac
 g and each placement, adjacent ([0..g), [g..2g), ...) and strided (members W/g apart, i.e.
 spread over the nodes), all W/g disjoint groups run the collective at once, as data-parallel and
 tensor-parallel groups do in training; one sample is the slowest rank's time. Timing: CUDA events
-on GPU, wall clock after a barrier on CPU; the median of `repeats` samples after `warmup`.
+on GPU, wall clock after a barrier on CPU; the fastest of `repeats` samples after `warmup`
+(the one least disturbed by other work on a shared machine).
 Groups are passed explicitly and the device is taken from the tensors.
 """
 
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from collections.abc import Callable
 
@@ -33,7 +33,7 @@ COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 def measure_seconds(fn: Callable[[], object], *, world: dist.ProcessGroup, device: torch.device,
                     repeats: int, warmup: int = 2) -> float:
-    """Median over `repeats` of the slowest rank's seconds for `fn()` (collective over world)."""
+    """Fastest over `repeats` of the slowest rank's seconds for `fn()` (collective over world)."""
     for _ in range(warmup):
         fn()
     samples = torch.zeros(repeats, dtype=torch.float64, device=device)  # [repeats]
@@ -51,7 +51,7 @@ def measure_seconds(fn: Callable[[], object], *, world: dist.ProcessGroup, devic
             fn()
             samples[i] = time.perf_counter() - t0
     dist.all_reduce(samples, op=dist.ReduceOp.MAX, group=world)
-    return statistics.median(samples.tolist())
+    return min(samples.tolist())
 
 
 def placement(world_size: int, group_size: int, strided: bool) -> list[list[int]]:
@@ -140,11 +140,19 @@ def _matmul_fn(dim: int, count: int, device: torch.device, dtype: torch.dtype
 
 
 def profile_peak_flops(*, world: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
-                       dim: int, repeats: int) -> float:
-    """Dense matmul FLOP/s of one rank while every rank multiplies at once."""
-    t = measure_seconds(_matmul_fn(dim, 4, device, dtype), world=world, device=device,
-                        repeats=repeats)
-    return 4 * 2.0 * dim**3 / t
+                       dim: int, repeats: int, local_world_size: int) -> tuple[float, float]:
+    """(matmul FLOP/s of one rank while every rank multiplies at once, compute slots per node).
+
+    Slots = L * T(first rank of each node alone) / T(all L at once), in [1, L]: how many ranks
+    of a node compute at full speed together (L with one GPU per rank; the cores' worth when
+    ranks share a CPU)."""
+    busy = _matmul_fn(dim, 4, device, dtype)
+    t_all = measure_seconds(busy, world=world, device=device, repeats=repeats)
+    alone = dist.get_rank() % local_world_size == 0
+    t_one = measure_seconds(busy if alone else (lambda: None), world=world, device=device,
+                            repeats=repeats)
+    slots = min(float(local_world_size), max(1.0, local_world_size * t_one / t_all))
+    return 4 * 2.0 * dim**3 / t_all, slots
 
 
 def profile_overlap(*, world: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
@@ -214,8 +222,8 @@ def profile_hardware(*, world: dist.ProcessGroup, device: torch.device,
     curves = _all_curves(sizes, world_size, local, world=world, device=device, dtype=dtype,
                          repeats=repeats, progress=progress)
     mm_dim = 4096 if gpu else 256
-    peak = profile_peak_flops(world=world, device=device, dtype=dtype, dim=mm_dim,
-                              repeats=repeats)
+    peak, slots = profile_peak_flops(world=world, device=device, dtype=dtype, dim=mm_dim,
+                                     repeats=repeats, local_world_size=local)
     slowdown, _ = profile_overlap(world=world, device=device, dtype=dtype, num_bytes=sizes[-1],
                                   dim=mm_dim, repeats=repeats)
     ar = [c for c in curves if c.collective == "all_reduce"]
@@ -227,7 +235,7 @@ def profile_hardware(*, world: dist.ProcessGroup, device: torch.device,
                                               if intra is not None else {}))
     return ClusterProfile(cluster=cluster, backend=str(dist.get_backend(world)),
                           device=_device_name(device), overlap_slowdown=slowdown,
-                          collectives=tuple(curves))
+                          compute_slots_per_node=round(slots, 3), collectives=tuple(curves))
 
 
 def _all_curves(sizes: list[int], world_size: int, local: int, *, world: dist.ProcessGroup,

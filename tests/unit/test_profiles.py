@@ -13,7 +13,7 @@ import pytest
 from megatron_ext.errors import PlanError
 from megatron_ext.plan import LayerStrategy, VocabStrategy
 from megatron_ext.planner.cost.comm import GroupLayout
-from megatron_ext.planner.cost.evaluate import evaluate
+from megatron_ext.planner.cost.evaluate import Evaluation, evaluate
 from megatron_ext.planner.cost.model import CostModel
 from megatron_ext.planner.space import StrategyTable
 from megatron_ext.planner.training import TrainingSpec
@@ -50,7 +50,7 @@ def cluster_profile() -> ClusterProfile:
                    for g, q in ((2, 2), (2, 1), (4, 2)))
     curves += (power_law_curve("p2p", 2, 2, k=0.6),)
     return ClusterProfile(cluster=spec, backend="gloo", device="cpu", overlap_slowdown=1.3,
-                          collectives=curves)
+                          compute_slots_per_node=None, collectives=curves)
 
 
 def true_layer_time(tp, sp, b, s, coef):
@@ -119,6 +119,8 @@ def _model_json() -> dict:
     (lambda d: d["collectives"][1].update(group_size="2"), "collectives[1].group_size='2'"),
     (lambda d: d["collectives"][2].update(typo=1), "collectives[2].typo is not a known field"),
     (lambda d: d["cluster"].update(num_nodes=0), "cluster.num_nodes=0 must be >= 1"),
+    (lambda d: d.update(compute_slots_per_node=3), "compute_slots_per_node=3.0 must be in"),
+    (lambda d: d.update(compute_slots_per_node="2"), "compute_slots_per_node='2'"),
 ])
 def test_cluster_profile_errors_are_one_line_and_name_the_field(tmp_path, mutate, needle):
     data = _cluster_json()
@@ -254,3 +256,24 @@ def test_fitted_compute_profile_reproduces_measured_rates():
     with pytest.raises(PlanError, match="measured on model 'tiny-gpt'"):
         ProfiledCostModel(dataclasses.replace(MODEL, hidden_size=128), cp.cluster,
                           TrainingSpec(global_batch_size=8, seq_length=64), model_profile=mp)
+
+
+def test_shared_compute_iteration_time():
+    """4 ranks on 2 compute slots, model profiled with 4 at once: a rank alone is 2x faster.
+    Iteration = max(critical path at that speed, all busy core-seconds / 2 slots)."""
+    cp = dataclasses.replace(cluster_profile(), compute_slots_per_node=2.0)
+    cluster = dataclasses.replace(cp.cluster, num_nodes=1, gpus_per_node=4)
+    cp = dataclasses.replace(cp, cluster=cluster)
+    training = TrainingSpec(global_batch_size=8, seq_length=64, precision="fp32")
+    cm = ProfiledCostModel(MODEL, cluster, training, comm=cp, model_profile=model_profile())
+    assert cm.uncontended_scale() == 0.5
+
+    def ev(iteration_s, busy):
+        return Evaluation(iteration_s=iteration_s, tokens_per_s=1.0, mfu=0.0,
+                          stage_peak_bytes=(0.0,) * len(busy), stage_busy_s=busy, feasible=True)
+
+    assert cm.iteration_s(ev(10.0, (10.0,)), pp=1) == pytest.approx(10.0)  # 4 ranks busy
+    assert cm.iteration_s(ev(10.0, (4.0,) * 4), pp=4) == pytest.approx(5.0)  # path-bound
+    assert cm.iteration_s(ev(10.0, (8.0,) * 4), pp=4) == pytest.approx(8.0)  # work-bound
+    dedicated = ProfiledCostModel(MODEL, cluster, training, comm=cluster_profile())
+    assert dedicated.iteration_s(ev(10.0, (4.0,) * 4), pp=4) == 10.0
