@@ -19,9 +19,13 @@ import numpy as np
 from megatron_ext.planner.flexsp.assign import Assignment, MicroBatchProblem, assign
 from megatron_ext.planner.flexsp.cost import FlexSPCostModel
 from megatron_ext.planner.flexsp.level_pack import level_pack_search
-from megatron_ext.planner.flexsp.multisets import enumerate_multisets, lower_bounds
+from megatron_ext.planner.flexsp.multisets import enumerate_multisets, fit_caps, lower_bounds
 from megatron_ext.planner.flexsp.refine import refine
 
+MAX_MULTISETS = 4096
+"""At most this many multisets per micro-batch (large N): caps shrink until they fit."""
+PAIR_SLACK = 4
+"""Groups of a degree beyond those its ideal sequences need (see _count_caps)."""
 HOMOGENEOUS_TRIES = 2
 """Homogeneous multisets (best bounds first) every finished micro-batch also tries."""
 
@@ -91,7 +95,8 @@ class Candidates:
             counts = self.fixed_counts[None, :]
         else:
             degrees = tuple(problem.degrees.tolist())
-            caps = _count_caps(problem, self.avg_load)
+            caps = fit_caps(self.num_gpus, degrees, _count_caps(problem, self.avg_load),
+                            MAX_MULTISETS)
             counts = enumerate_multisets(self.num_gpus, degrees, caps)
             # the homogeneous multisets are always candidates (memory-tight fallback)
             missing = [row for row in _homogeneous(self.num_gpus, degrees)
@@ -178,13 +183,20 @@ def finish(candidates: Candidates, *, extra_evals: int, refine_top: int,
 
 
 def _count_caps(problem: MicroBatchProblem, avg_load: float) -> tuple[int, ...]:
-    """Most groups of each degree worth trying: sequences whose ideal degree (the smallest one
-    at which they finish within the average device load) is at least half that degree."""
+    """Most groups of each degree worth trying. A sequence's ideal degree is the smallest one
+    at which it finishes within the average device load; a group of degree d serves the
+    sequences whose ideal degree is >= d, plus pairs of those one step below (at most
+    PAIR_SLACK such groups: pairing short sequences only adds all-to-all)."""
     fast_enough = problem.times <= avg_load  # [K, num_deg]
     fast_enough[:, -1] = True
     allowed = np.arange(problem.degrees.size)[None, :] >= problem.min_deg_idx[:, None]
     ideal = np.argmax(fast_enough & allowed, axis=1)  # [K]
-    return tuple(int((ideal >= j - 1).sum()) for j in range(problem.degrees.size))
+    per_degree = np.bincount(ideal, minlength=problem.degrees.size)  # [num_deg]
+    at_least = np.cumsum(per_degree[::-1])[::-1]  # [num_deg]: sequences with ideal >= j
+    caps = [int(at_least[0])]
+    for j in range(1, problem.degrees.size):
+        caps.append(int(at_least[j]) + min(-(-int(per_degree[j - 1]) // 2), PAIR_SLACK))
+    return tuple(caps)
 
 
 def _homogeneous(num_gpus: int, degrees: tuple[int, ...]) -> np.ndarray:

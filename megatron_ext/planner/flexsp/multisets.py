@@ -46,6 +46,31 @@ GRID_TOP = 256
 """Multisets (best plain bounds first) that also get the parametric bound."""
 
 
+def count_multisets(num_gpus: int, degrees: tuple[int, ...],
+                    max_counts: tuple[int, ...] | None = None) -> int:
+    """How many rows `enumerate_multisets` would return (DP over degrees, O(num_deg * N))."""
+    ways = np.zeros(num_gpus + 1, dtype=np.float64)  # ways[r]: r devices left for smaller ones
+    ways[num_gpus] = 1.0
+    for j in range(len(degrees) - 1, 0, -1):
+        limit = max_counts[j] if max_counts is not None else num_gpus
+        new = np.zeros_like(ways)
+        for n in range(min(limit, num_gpus // degrees[j]) + 1):
+            shift = n * degrees[j]
+            new[: num_gpus + 1 - shift] += ways[shift:]
+        ways = new
+    return int(ways[:: degrees[0]].sum()) if degrees[0] > 1 else int(ways.sum())
+
+
+def fit_caps(num_gpus: int, degrees: tuple[int, ...], caps: tuple[int, ...],
+             max_rows: int) -> tuple[int, ...]:
+    """Shrink `caps` (all but the smallest degree, proportionally) until at most `max_rows`
+    multisets remain; the homogeneous multisets are added back by the caller."""
+    caps = tuple(min(c, num_gpus // d) for c, d in zip(caps, degrees))
+    while count_multisets(num_gpus, degrees, caps) > max_rows and any(caps[1:]):
+        caps = (caps[0],) + tuple(int(c * 0.7) for c in caps[1:])
+    return caps
+
+
 def lower_bounds(
     counts: np.ndarray,  # [num_multisets, num_deg]
     degrees: np.ndarray,  # [num_deg]
