@@ -1,0 +1,70 @@
+"""`build_model` rejects plans it cannot run with one-line PlanErrors, before any group exists."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch.distributed as dist
+
+from megatron_ext.errors import PlanError
+from megatron_ext.plan import FlexSPConfig, LayerStrategy, ParallelPlan
+from megatron_ext.presets import MODEL_PRESETS
+
+
+def _plan(layers: list[LayerStrategy], world: int = 4, **kw: object) -> ParallelPlan:
+    return ParallelPlan(world_size=world, pp=1, stages=((0, 4),), layers=tuple(layers),
+                        model=MODEL_PRESETS["tiny-llama"], micro_batch_size=4,
+                        global_batch_size=8, seq_length=32, precision="fp32",
+                        **kw)  # type: ignore[arg-type]
+
+
+def _one_line(err: pytest.ExceptionInfo) -> str:
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+def test_zero3_is_a_plan_error() -> None:
+    from megatron_ext.megatron_adapter.build import build_model
+
+    plan = _plan([LayerStrategy(dp=4)] * 2 + [LayerStrategy(dp=4, zero=3)] * 2)
+    with pytest.raises(PlanError) as err:
+        build_model(plan)
+    assert "layers[2:4].zero=3 is not supported" in _one_line(err)
+
+
+def test_flexsp_plan_is_a_plan_error() -> None:
+    from megatron_ext.megatron_adapter.build import build_model
+
+    plan = _plan([LayerStrategy(dp=4)] * 4, flexsp=FlexSPConfig(max_group_size=4))
+    with pytest.raises(PlanError, match="flexsp"):
+        build_model(plan)
+
+
+def test_config_mismatch_is_a_plan_error() -> None:
+    from megatron_ext.megatron_adapter.build import build_model
+    from megatron_ext.megatron_adapter.layers import base_config
+
+    plan = _plan([LayerStrategy(tp=2, dp=2)] * 4)
+    config = base_config(dataclasses.replace(plan.model, hidden_size=128))
+    with pytest.raises(PlanError) as err:
+        build_model(plan, config)
+    assert "hidden_size=128 but the plan was made for model.hidden_size=64" in _one_line(err)
+
+
+def test_world_mismatch_fails_before_any_group() -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from megatron_ext.megatron_adapter.build import build_model
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+    try:
+        groups_before = dist.distributed_c10d._world.group_count
+        plan = _plan([LayerStrategy(tp=2, dp=4)] * 4, world=8)
+        with pytest.raises(PlanError) as err:
+            build_model(plan)
+        assert "plan.world_size=8 but 4 processes were launched" in _one_line(err)
+        assert dist.distributed_c10d._world.group_count == groups_before
+    finally:
+        dist.destroy_process_group()
