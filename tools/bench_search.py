@@ -23,8 +23,9 @@ import sys
 import time
 from dataclasses import dataclass
 
+from megatron_ext.planner.bounds import combo_bound
 from megatron_ext.planner.cost.model import CostModel
-from megatron_ext.planner.search import _combo_bound, _combos, search
+from megatron_ext.planner.search import _combos, search
 from megatron_ext.planner.training import TrainingSpec
 from megatron_ext.planner.uniform import search_uniform
 from megatron_ext.presets import cluster_preset, model_preset
@@ -145,7 +146,7 @@ def run_case(case: Case) -> dict:
     result = search(cm)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     plan, uni = result.plan, result.uniform_plan
-    bound = min(_combo_bound(cm, c.costs, c.pp, c.micro_batch_size) for c in _combos(cm))
+    bound = min(combo_bound(cm, c.costs, c.pp, c.micro_batch_size) for c in _combos(cm))
     uniform_s = result.uniform_evaluation.iteration_s if uni else math.inf
     fsdp = search_uniform(cm, fsdp=True)
     fsdp_s = fsdp[1].iteration_s if fsdp else math.inf

@@ -27,18 +27,17 @@ import numpy as np
 
 from megatron_ext.errors import InfeasiblePlanError
 from megatron_ext.plan import ParallelPlan, VocabStrategy
+from megatron_ext.planner.bounds import combo_bound
 from megatron_ext.planner.cost.evaluate import Evaluation, evaluate
 from megatron_ext.planner.cost.model import CostModel, LayerCosts
-from megatron_ext.planner.cost.pipeline import pipeline_lower_bound_s
 from megatron_ext.planner.cost.vocab import StageExtras, stage_extras
 from megatron_ext.planner.dp import MaxSwitch, StageDP, layer_dp
 from megatron_ext.planner.partition import best_partition, bmw_partition
 from megatron_ext.planner.space import (
     StrategyTable,
     divisors,
-    dominated,
-    dominated_layouts,
     layer_strategies,
+    prune_strategies,
     vocab_options,
 )
 from megatron_ext.planner.uniform import Layout, search_uniform
@@ -191,72 +190,12 @@ def _combos(cm: CostModel) -> list[_Combo]:
             if len(table) == 0:
                 continue
             costs = cm.layer_costs(table, mbs)
-            bound = _combo_bound(cm, costs, pp, mbs)
+            bound = combo_bound(cm, costs, pp, mbs)
             if math.isfinite(bound):
                 out.append(
                     _Combo(pp=pp, micro_batch_size=mbs, table=table, costs=costs, bound_s=bound)
                 )
     return out
-
-
-def _combo_bound(cm: CostModel, costs: LayerCosts, pp: int, mbs: int) -> float:
-    """Lower bound of any layout's iteration time at (pp, micro-batch size), inf if none fits.
-
-    Relaxation: all L layers share the pp stages' total memory (each stage keeps at least one
-    micro-batch of activations), strategies may be mixed fractionally, vocabulary work is at least
-    the output GEMM of one replica's micro-batch at the best GEMM efficiency, and 1F1B needs at
-    least (m + pp - 1) / pp of the total per-micro-batch work."""
-    model, t = cm.model, cm.training
-    per_layer = lp_min_time(
-        costs.state_bytes + costs.activation_bytes,
-        costs.forward_s + costs.backward_s,
-        pp * cm.memory_cap_bytes / model.num_layers,
-    )
-    width = cm.cluster.num_gpus // pp
-    vocab_flops = 6.0 * mbs * t.seq_length * model.hidden_size * model.vocab_size / width
-    vocab_s = vocab_flops / (cm.cluster.peak_flops * cm.compute.gemm_efficiency)
-    work = model.num_layers * per_layer + vocab_s
-    return pipeline_lower_bound_s(work, pp, t.global_batch_size // mbs)
-
-
-def lp_min_time(mem: np.ndarray, time_s: np.ndarray, mean_mem: float) -> float:
-    """min of sum_s w_s time_s over weights w >= 0, sum w = 1, sum w_s mem_s <= mean_mem: the
-    lower convex hull of (mem, time) at mean_mem (inf if every strategy needs more memory)."""
-    fits = mem <= mean_mem
-    if not np.any(fits):
-        return math.inf
-    best = float(np.min(time_s[fits]))
-    lo, hi = np.flatnonzero(fits), np.flatnonzero(~fits)
-    if len(hi):
-        m_lo, t_lo = mem[lo][:, None], time_s[lo][:, None]
-        m_hi, t_hi = mem[hi][None, :], time_s[hi][None, :]
-        mix = t_lo + (t_hi - t_lo) * (mean_mem - m_lo) / (m_hi - m_lo)  # [lo, hi]
-        best = min(best, float(mix.min()))
-    return best
-
-
-def prune_strategies(
-    costs: LayerCosts, objective: np.ndarray, switch: np.ndarray, layout: np.ndarray
-) -> np.ndarray:
-    """Indices kept by rule R6: first inside each layout (switch costs are equal there), then
-    across layouts with the switch costs compared."""
-    comps = np.stack(
-        [objective, costs.state_bytes, costs.activation_bytes, costs.transient_bytes], axis=1
-    )
-    keep = []
-    for lay in np.unique(layout):
-        members = np.flatnonzero(layout == lay)
-        sub = comps[members]
-        drop = dominated(sub, np.zeros((len(members), len(members))))
-        keep.extend(members[~drop].tolist())
-    keep = np.array(sorted(keep), dtype=np.int64)
-    while True:  # dropping a layout can make another one dominated: repeat to a fixed point
-        sub = np.ix_(keep, keep)
-        kept = keep[~dominated_layouts(comps[keep], switch[sub], layout[keep])]
-        kept = kept[~dominated(comps[kept], switch[np.ix_(kept, kept)])]
-        if len(kept) == len(keep):
-            return keep
-        keep = kept
 
 
 def _take(costs: LayerCosts, index: np.ndarray) -> LayerCosts:
@@ -276,7 +215,6 @@ def _solve_combo(
     table, costs = combo.table.subset(keep), _take(combo.costs, keep)
     objective = objective_all[keep]
     max_switch = cm.transition_model(table, mbs)  # on the kept table's layout ids
-    switch = max_switch.matrix()[np.ix_(table.layout, table.layout)]
     transient = float(costs.transient_bytes.max())
     vocabs = vocab_options(
         width=cm.cluster.num_gpus // pp, pp=pp, gpus_per_node=cm.cluster.gpus_per_node, training=t
@@ -292,26 +230,8 @@ def _solve_combo(
         np.floor((cm.memory_cap_bytes - ex.fixed_bytes - transient) / unit).astype(np.int64)
         for ex in extras
     ]
-    dps: dict[int, StageDP] = {}
-    for inflight in sorted({int(i) for ex in extras for i in ex.inflight}):
-        top = max(
-            int(bud[k])
-            for ex, bud in zip(extras, budgets)
-            for k in range(pp)
-            if ex.inflight[k] == inflight
-        )
-        if top >= 0:
-            mem_units = np.ceil(costs.memory_bytes(inflight) / unit).astype(np.int64)
-            dps[inflight] = layer_dp(
-                objective,
-                mem_units,
-                switch,
-                num_layers=n_hi,
-                budget_units=top,
-                layout=table.layout,
-                max_switch=max_switch,
-            )
-            stats["dp_runs"] += 1
+    dps = _stage_dps(table, costs, objective, max_switch, extras, budgets, unit, n_hi)
+    stats["dp_runs"] += len(dps)
     partition = best_partition if options.partition == "exact" else bmw_partition
     scored = []
     for vocab, ex, budget in zip(vocabs, extras, budgets):
@@ -328,6 +248,39 @@ def _solve_combo(
             _backtrack(table, objective, max_switch, costs, unit, vocab, ex, budget, counts, mbs)
         )
     return out
+
+
+def _stage_dps(
+    table: StrategyTable,
+    costs: LayerCosts,
+    objective: np.ndarray,
+    max_switch: MaxSwitch,
+    extras: list[StageExtras],
+    budgets: list[np.ndarray],
+    unit: float,
+    n_hi: int,
+) -> dict[int, StageDP]:
+    """One layerwise DP per distinct in-flight count, at the largest budget any stage with that
+    count has under any vocabulary layout; smaller budgets are read from the same table."""
+    switch = max_switch.matrix()[np.ix_(table.layout, table.layout)]
+    tops: dict[int, int] = {}
+    for ex, budget in zip(extras, budgets):
+        for inflight, units in zip(ex.inflight.tolist(), budget.tolist()):
+            tops[inflight] = max(tops.get(inflight, -1), units)
+    dps = {}
+    for inflight, top in sorted(tops.items()):
+        if top >= 0:
+            mem_units = np.ceil(costs.memory_bytes(inflight) / unit).astype(np.int64)
+            dps[inflight] = layer_dp(
+                objective,
+                mem_units,
+                switch,
+                num_layers=n_hi,
+                budget_units=top,
+                layout=table.layout,
+                max_switch=max_switch,
+            )
+    return dps
 
 
 def _slots(

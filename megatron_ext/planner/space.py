@@ -243,3 +243,30 @@ def vocab_options(
     if pp > 1 and training.allow_vocab_parallel:
         out += [VocabStrategy(mode="vocab_parallel", tp=t, algorithm=1) for t in tps]
     return out
+
+
+def prune_strategies(
+    costs,  # LayerCosts (cost/model.py imports this module, so no import here)
+    objective: np.ndarray,
+    switch: np.ndarray,
+    layout: np.ndarray,
+) -> np.ndarray:
+    """Indices kept by rule R6: first inside each layout (switch costs are equal there), then
+    across layouts with the switch costs compared."""
+    comps = np.stack(
+        [objective, costs.state_bytes, costs.activation_bytes, costs.transient_bytes], axis=1
+    )
+    keep = []
+    for lay in np.unique(layout):
+        members = np.flatnonzero(layout == lay)
+        sub = comps[members]
+        drop = dominated(sub, np.zeros((len(members), len(members))))
+        keep.extend(members[~drop].tolist())
+    keep = np.array(sorted(keep), dtype=np.int64)
+    while True:  # dropping a layout can make another one dominated: repeat to a fixed point
+        sub = np.ix_(keep, keep)
+        kept = keep[~dominated_layouts(comps[keep], switch[sub], layout[keep])]
+        kept = kept[~dominated(comps[kept], switch[np.ix_(kept, kept)])]
+        if len(kept) == len(keep):
+            return keep
+        keep = kept

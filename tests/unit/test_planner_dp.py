@@ -16,7 +16,7 @@ import pytest
 from megatron_ext.errors import InfeasiblePlanError
 from megatron_ext.planner.cost.model import LayerCosts
 from megatron_ext.planner.dp import layer_dp
-from megatron_ext.planner.search import prune_strategies
+from megatron_ext.planner.space import prune_strategies
 
 
 def brute_force(cost, mem, switch, num_layers, budget):

@@ -69,24 +69,44 @@ def stage_extras(
     cm, vocab: VocabStrategy, pp: int, micro_batch_size: int, num_microbatches: int, vocab_zero: int
 ) -> StageExtras:
     """Per-stage vocabulary costs of `vocab` (cm is the CostModel)."""
-    model, t = cm.model, cm.training
+    t = cm.training
     width = cm.cluster.num_gpus // pp
-    tv = vocab.tp
-    dpv = width // tv
+    dpv = width // vocab.tp
     tokens = micro_batch_size * t.seq_length / dpv
-    e = cm.element_bytes
-    spread = pp if vocab.mode == "vocab_parallel" else 1
-    vocab_size = C.padded_vocab_size(model, tv * spread)
-    shard_rows = vocab_size / (tv * spread)
-    weight_params = shard_rows * model.hidden_size
-    pos = (
-        model.max_position_embeddings * model.hidden_size
-        if model.position_embedding == "learned_absolute"
-        else 0
+    inflight = inflight_microbatches(pp, num_microbatches, vocab)
+    params, fwd, bwd, fixed, overlap = _place(cm, vocab, pp, width, tokens, inflight)
+    per_param = state_bytes_per_param(
+        min(vocab_zero, 1),
+        dpv,
+        half_precision=t.half_precision,
+        num_optimizer_states=t.num_optimizer_states,
     )
-    zeros = np.zeros(pp)
-    params = zeros.copy()
-    fwd, bwd, fixed, overlap = zeros.copy(), zeros.copy(), zeros.copy(), zeros.copy()
+    fixed += params * per_param
+    sync, gather, opt = _vocab_data_parallel(
+        cm, params, dpv, vocab.tp, vocab_zero, vocab, pp, width
+    )
+    return StageExtras(
+        fixed_bytes=fixed,
+        forward_s=fwd,
+        backward_s=bwd,
+        overlap_comm_s=overlap,
+        grad_sync_s=sync,
+        param_gather_s=gather,
+        optimizer_s=opt,
+        p2p_s=np.full(pp, cm.p2p_s(pp, micro_batch_size)),
+        inflight=inflight,
+    )
+
+
+def _place(cm, vocab: VocabStrategy, pp: int, width: int, tokens: float, inflight: np.ndarray):
+    """(params, forward s, backward s, activation bytes, side-stream comm s) per stage [pp]."""
+    model, e, tv = cm.model, cm.element_bytes, vocab.tp
+    spread = pp if vocab.mode == "vocab_parallel" else 1
+    shard_rows = C.padded_vocab_size(model, tv * spread) / (tv * spread)
+    weight_params = shard_rows * model.hidden_size
+    pos = model.max_position_embeddings * model.hidden_size
+    pos = pos if model.position_embedding == "learned_absolute" else 0
+    params, fwd, bwd, fixed, overlap = (np.zeros(pp) for _ in range(5))
     hidden = tokens * model.hidden_size * e  # one replica's [n, h]
     tp_gather = float(cm.comm.time_s("all_gather", hidden, cm.layout(tv, 1))) if tv > 1 else 0.0
     out_f, out_b = C.output_layer_compute_s(
@@ -95,13 +115,12 @@ def stage_extras(
     emb_f, emb_b = C.embedding_compute_s(
         model, cm.cluster, cm.compute, tokens=tokens, element_bytes=e
     )
-    inflight = inflight_microbatches(pp, num_microbatches, vocab)
-    last = pp - 1
     stats = (
         2 * float(cm.comm.time_s("all_reduce", tokens * 4.0, cm.layout(tv, 1))) if tv > 1 else 0.0
     )
     norm_in = e * tokens * model.hidden_size / tv  # final-norm input, [n/t_v, h]
     logits = tokens * shard_rows
+    last = pp - 1
     if vocab.mode == "tp":
         params[0] += weight_params + pos
         if not model.tied_embeddings or pp > 1:
@@ -110,7 +129,7 @@ def stage_extras(
         bwd[0] += emb_b + tp_gather
         fwd[last] += out_f + tp_gather + stats
         bwd[last] += out_b + tp_gather
-        if t.dropout:
+        if cm.training.dropout:
             fixed[0] += inflight[0] * tokens * model.hidden_size / tv
         fixed[last] += inflight[last] * 2 * norm_in + logits * (4 + e)
     else:
@@ -121,26 +140,7 @@ def stage_extras(
         overlap += _vocab_parallel_comm_s(cm, pp, width, tv, hidden)
         fixed += logits * (2 * 4 + e) + 2 * hidden
         fixed[last] += inflight[last] * norm_in
-    per_param = state_bytes_per_param(
-        min(vocab_zero, 1),
-        dpv,
-        half_precision=t.half_precision,
-        num_optimizer_states=t.num_optimizer_states,
-    )
-    fixed += params * per_param
-    sync, gather, opt = _vocab_data_parallel(cm, params, dpv, tv, vocab_zero, vocab, pp, width)
-    p2p = np.full(pp, cm.p2p_s(pp, micro_batch_size))
-    return StageExtras(
-        fixed_bytes=fixed,
-        forward_s=fwd,
-        backward_s=bwd,
-        overlap_comm_s=overlap,
-        grad_sync_s=sync,
-        param_gather_s=gather,
-        optimizer_s=opt,
-        p2p_s=p2p,
-        inflight=inflight,
-    )
+    return params, fwd, bwd, fixed, overlap
 
 
 def _vocab_parallel_comm_s(cm, pp: int, width: int, tv: int, hidden: float) -> float:
