@@ -2,9 +2,10 @@
 
 Outer loops: pipeline degree pp (divisors of the GPU count, <= layers) x micro-batch size B
 (divisors of the global batch). Each (pp, B) "combo" is scored in this order:
-  1. lower bound (m + pp - 1) / pp * L * min_s (forward + backward) of any 1F1B schedule; combos
-     are visited by increasing bound and the rest are skipped once the bound reaches the best
-     exact iteration time found (the uniform baseline seeds it), which cannot discard the optimum;
+  1. lower bound (bounds.py: a memory-aware LP relaxation of the layer choice, the output GEMM,
+     and 1F1B's (m + pp - 1) / pp); combos are visited by increasing bound and the rest are
+     skipped once the bound reaches the best exact iteration time found (the uniform baseline
+     seeds it), which cannot discard the optimum;
   2. candidate strategies (space.py, rules R1-R5) and dominance pruning (R6);
   3. one layerwise DP (dp.py) per distinct in-flight count, at the largest memory budget any
      vocabulary layout leaves; it answers every layer count and every smaller budget at once;
