@@ -175,6 +175,22 @@ def _score_cuts(desc: np.ndarray, cost: FlexSPCostModel, options: PlannerOptions
     return out
 
 
+def step_lower_bound(lengths: list[int] | np.ndarray, cost: FlexSPCostModel) -> float:
+    """A lower bound on any plan's step time: M_min fixed terms plus the batch's least
+    GPU-seconds over N (every sequence at its smallest feasible degree: no all-to-all a
+    larger degree would add), or one fixed term plus the longest sequence's fastest time."""
+    desc = np.sort(np.asarray(lengths, dtype=np.int64))[::-1]
+    cost.min_degree_for(int(desc[0]))
+    problem = make_problem(desc, cost)
+    rows = np.arange(desc.size)
+    work = float((problem.times[rows, problem.min_deg_idx]
+                  * problem.degrees[problem.min_deg_idx]).sum())
+    fastest = float(problem.times[0, problem.min_deg_idx[0]:].min())
+    m_min = max(1, math.ceil(desc.sum() / (cost.num_gpus * cost.capacity_tokens)))
+    beta = cost.fixed_s_per_microbatch
+    return max(m_min * beta + work / cost.num_gpus, beta + fastest)
+
+
 def _fixed_counts(cost: FlexSPCostModel, degree: int | None, longest: int) -> np.ndarray | None:
     if degree is None:
         return None
