@@ -189,3 +189,16 @@ def test_length_sampler_follows_the_quantile_table() -> None:
     assert (a == b).all()
     with pytest.raises(PlanError, match="--distribution"):
         sample_lengths("books", 4, max_length=100, rng=rng)
+
+
+def test_plan_ahead_yields_the_same_plans_in_order() -> None:
+    from megatron_ext.planner.flexsp.prefetch import plan_ahead
+
+    cost = _h100()
+    rng = np.random.default_rng(6)
+    batches = [sample_lengths("wikipedia", 64, max_length=65536, rng=rng) for _ in range(3)]
+    got = list(plan_ahead(batches, cost))
+    assert [list(lengths) for lengths, _ in got] == [list(b) for b in batches]
+    assert [plan for _, plan in got] == [plan_step(b, cost) for b in batches]
+    with pytest.raises(PlanError, match="sequence length"):
+        list(plan_ahead([[10**7]], cost))
