@@ -44,6 +44,7 @@ from megatron_ext.megatron_adapter.training.model_config import (
     optimizer_config,
     transformer_config,
 )
+from megatron_ext.megatron_adapter.training.report import reduce_loss
 from megatron_ext.plan import ParallelPlan
 
 logger = logging.getLogger(__name__)
@@ -65,14 +66,16 @@ class Backend:
     """Samples of one micro-batch on this rank."""
     needs_data: bool
     """True on the stages that read tokens or labels (first and last)."""
-    reports_loss: bool
-    """True on ranks whose summed loss, added over all such ranks, is the global loss."""
     dp_cp_group: Any
     """Group over which replicated state is sharded in checkpoints."""
-    forward_backward: Callable[..., list[dict[str, torch.Tensor]]]
-    """(data_iterator, num_microbatches, forward_only) -> per-micro-batch loss reports."""
+    forward_backward: Callable[..., float]
+    """(data_iterator, num_microbatches, forward_only) -> the step's global mean token loss,
+    the same on every rank (gradients are left finalized in the grad buffers)."""
     padded_vocab_size: int
     """Output-layer rows; part of the checkpoint's shape contract."""
+    model_format: str = "megatron"
+    """Checkpoint key layout: "megatron" (stock GPTModel, Megatron-LM compatible) or
+    "layerwise" (the heterogeneous runtime's per-layer keys)."""
 
     def sharded_state_dict(self, metadata: dict[str, Any]) -> dict[str, Any]:
         """Model state, keyed by global layer index so any plan can load it."""
@@ -205,36 +208,50 @@ def build_stock_backend(args: argparse.Namespace, plan: ParallelPlan, padded_voc
     step = partial(forward_step, parallel_state.get_context_parallel_group())
     schedule = get_forward_backward_func()
 
+    reports_loss = last and parallel_state.get_tensor_model_parallel_rank() == 0
+
     def forward_backward(data_iterator: Iterator | None, num_microbatches: int,
-                         forward_only: bool) -> list[dict[str, torch.Tensor]]:
-        return schedule(
+                         forward_only: bool) -> float:
+        reports = schedule(
             forward_step_func=step, data_iterator=data_iterator, model=[ddp],
             num_microbatches=num_microbatches, seq_length=plan.seq_length,
             micro_batch_size=mbs, forward_only=forward_only,
         )
+        return reduce_loss(reports, reports_loss)
 
     return Backend(
         model=[ddp], optimizer=optimizer, config=config,
         shard=DataShard(index=parallel_state.get_data_parallel_rank(), count=dp),
         micro_batch_size=mbs, needs_data=first or last,
-        reports_loss=last and parallel_state.get_tensor_model_parallel_rank() == 0,
         dp_cp_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
         forward_backward=forward_backward, padded_vocab_size=padded_vocab,
     )
 
 
-def build_backend(args: argparse.Namespace, plan: ParallelPlan, padded_vocab: int) -> Backend:
-    """The stock backend when megatron-core can express the plan, else the layerwise runtime."""
+def build_backend(args: argparse.Namespace, plan: ParallelPlan, padded_vocab: int, *,
+                  model_format: str | None = None) -> Backend:
+    """The stock backend when megatron-core can express the plan, else the layerwise runtime.
+
+    `model_format` is the format of the checkpoint to be loaded: a "layerwise" checkpoint is
+    resumed by the layerwise runtime even under a uniform plan; a "megatron" one cannot be
+    loaded by the runtime yet (the two key layouts differ).
+    """
     reason = stock_unsupported_reason(plan)
-    if reason is None:
+    if reason is None and model_format != "layerwise":
         return build_stock_backend(args, plan, padded_vocab)
+    if reason is not None and model_format == "megatron":
+        raise PlanError(f"--load holds a checkpoint of a uniform (stock megatron-core) plan, "
+                        f"but this plan needs the layerwise runtime ({reason}), whose checkpoint "
+                        "layout differs; start from a uniform plan, or convert is not supported "
+                        "yet")
+    reason = reason or "the checkpoint was written by the layerwise runtime"
     try:
         from megatron_ext.megatron_adapter.training.runtime_backend import (
             build_runtime_backend,
         )
-    except ModuleNotFoundError as err:
-        if "runtime_backend" not in str(err) and "megatron_adapter.runtime" not in str(err):
-            raise
-        raise PlanError(f"this plan needs the layerwise runtime ({reason}), which this install "
-                        "does not have yet; use a uniform plan") from None
+    except ModuleNotFoundError as err:  # a partial install without the layerwise runtime
+        raise PlanError(f"this plan needs the layerwise runtime ({reason}): {err}") from None
+    if plan.vocab.mode == "vocab_parallel" or plan.flexsp is not None:
+        raise PlanError(f"pretrain_gpt.py does not run this plan yet ({reason}); the "
+                        "vocabulary-parallel and FlexSP runtimes are not wired into it")
     return build_runtime_backend(args, plan, padded_vocab)

@@ -101,9 +101,11 @@ DISTOPT_SHARDING = "fully_reshardable"
 
 
 def _optimizer_format(optimizer: Any) -> str:
-    """'distributed' (ZeRO-1 state: per-parameter fp32 main copy + moments) or 'local'."""
-    distributed = getattr(optimizer.config, "use_distributed_optimizer", False)
-    return "distributed" if distributed else "local"
+    """'distributed' (ZeRO-1 state: per-parameter fp32 main copy + moments), 'local', or both
+    ('distributed+local') when a heterogeneous plan mixes ZeRO levels."""
+    kinds = {"distributed" if getattr(opt.config, "use_distributed_optimizer", False) else "local"
+             for opt in _inner_optimizers(optimizer)}
+    return "+".join(sorted(kinds))
 
 
 def _metadata(backend: Any, sharding: str = DISTOPT_SHARDING) -> dict[str, Any]:
@@ -126,7 +128,8 @@ def _state_dict(backend: Any, scheduler: Any, state: TrainState, plan: ParallelP
     sd["train_state"] = asdict(state)
     sd["megatron_ext"] = {"plan": plan.to_json(), "fingerprint": _plan_fingerprint(plan),
                           "padded_vocab_size": backend.padded_vocab_size,
-                          "optimizer_format": _optimizer_format(backend.optimizer)}
+                          "optimizer_format": _optimizer_format(backend.optimizer),
+                          "model_format": backend.model_format}
     if with_rng:
         rank, world = dist.get_rank(), dist.get_world_size()
         sd["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
@@ -187,13 +190,14 @@ def save_checkpoint(root: str | Path, backend: Any, scheduler: Any, state: Train
     return iteration_dir(root, state.iteration)
 
 
-def checkpoint_padded_vocab(root: str | Path) -> int | None:
-    """Padded vocabulary size of the latest checkpoint under `root`, or None without one."""
+def checkpoint_info(root: str | Path) -> dict[str, Any] | None:
+    """megatron_ext's record (plan, padded_vocab_size, model_format, ...) of the latest
+    checkpoint under `root`, or None when there is none."""
     iteration = read_tracker(root)
     if iteration is None:
         return None
     common = dist_checkpointing.load_common_state_dict(str(iteration_dir(root, iteration)))
-    return int(common["megatron_ext"]["padded_vocab_size"])
+    return dict(common["megatron_ext"])
 
 
 def _inner_optimizers(optimizer: Any) -> list[Any]:
@@ -291,7 +295,7 @@ def load_checkpoint(root: str | Path, backend: Any, scheduler: Any, plan: Parall
         # no_grad: distopt copies into views of leaf params (mcore_cpu.md 8.5)
         with torch.no_grad(), _tolerate_missing_step(backend.optimizer):
             backend.optimizer.load_state_dict(loaded["optimizer"])
-        if getattr(backend.optimizer.config, "use_distributed_optimizer", False):
+        if "distributed" in saved_format:
             _fix_adam_step(backend.optimizer, state.iteration - state.skipped_iterations)
         try:
             scheduler.load_state_dict(loaded["opt_param_scheduler"])

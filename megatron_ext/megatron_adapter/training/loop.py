@@ -22,7 +22,7 @@ from megatron_ext.megatron_adapter.training.checkpoint import (
     save_checkpoint,
 )
 from megatron_ext.megatron_adapter.training.data import MicroBatchIterator
-from megatron_ext.megatron_adapter.training.report import Reporter, reduce_loss
+from megatron_ext.megatron_adapter.training.report import Reporter
 from megatron_ext.plan import ParallelPlan
 
 logger = logging.getLogger(__name__)
@@ -68,11 +68,11 @@ def train_step(backend: Backend, scheduler: OptimizerParamScheduler, data: Any,
     for chunk in backend.model:
         chunk.zero_grad_buffer()
     backend.optimizer.zero_grad()
-    reports = backend.forward_backward(data, num_microbatches, False)
+    loss = backend.forward_backward(data, num_microbatches, False)
     ok, grad_norm, _ = backend.optimizer.step()
     if ok:
         scheduler.step(increment=global_batch_size)
-    return reduce_loss(reports, backend.reports_loss), grad_norm, ok
+    return loss, grad_norm, ok
 
 
 def evaluate(backend: Backend, data: Any, num_microbatches: int, eval_iters: int) -> float:
@@ -82,8 +82,7 @@ def evaluate(backend: Backend, data: Any, num_microbatches: int, eval_iters: int
     losses = []
     with torch.no_grad():
         for _ in range(eval_iters):
-            reports = backend.forward_backward(data, num_microbatches, True)
-            losses.append(reduce_loss(reports, backend.reports_loss))
+            losses.append(backend.forward_backward(data, num_microbatches, True))
     for chunk in backend.model:
         chunk.train()
     return sum(losses) / len(losses)

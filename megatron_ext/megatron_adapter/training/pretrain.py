@@ -23,7 +23,7 @@ from megatron_ext.errors import PlanError
 from megatron_ext.megatron_adapter.training.backend import build_backend
 from megatron_ext.megatron_adapter.training.checkpoint import (
     TrainState,
-    checkpoint_padded_vocab,
+    checkpoint_info,
     load_checkpoint,
     prewarm_checkpoint_writer,
 )
@@ -75,10 +75,11 @@ def _log_plan(plan: ParallelPlan) -> None:
     logger.info("\n".join(lines))
 
 
-def _padded_vocab(args: argparse.Namespace, plan: ParallelPlan, vocab_size: int) -> int:
+def _padded_vocab(args: argparse.Namespace, plan: ParallelPlan, vocab_size: int,
+                  info: dict[str, Any] | None) -> int:
     """Megatron's padding, unless a checkpoint being resumed fixed it and this plan can use it."""
     multiple = plan.vocab.tp * (plan.pp if plan.vocab.mode == "vocab_parallel" else 1)
-    saved = checkpoint_padded_vocab(args.load) if getattr(args, "load", None) else None
+    saved = int(info["padded_vocab_size"]) if info else None
     if saved is not None and saved >= vocab_size and saved % multiple == 0:
         return saved
     if saved is not None:
@@ -129,9 +130,14 @@ def tokenizer_from_args(args: argparse.Namespace) -> Any:
 def run(args: argparse.Namespace, plan: ParallelPlan, tokenizer: Any) -> TrainState:
     """Train under `plan`; the process group is initialised."""
     _log_plan(plan)
+    # With --strategy-config the plan carries the batch shape; the loop reads it from args.
+    args.global_batch_size = plan.global_batch_size
+    args.seq_length = plan.seq_length
     if getattr(args, "save", None):
         prewarm_checkpoint_writer()
-    backend = build_backend(args, plan, _padded_vocab(args, plan, tokenizer.vocab_size))
+    info = checkpoint_info(args.load) if getattr(args, "load", None) else None
+    backend = build_backend(args, plan, _padded_vocab(args, plan, tokenizer.vocab_size, info),
+                            model_format=info.get("model_format", "megatron") if info else None)
     scheduler = build_scheduler(args, backend.optimizer)
     state = TrainState()
     if getattr(args, "load", None):
