@@ -13,6 +13,8 @@ water-filling then places the short ones and refine.py polishes the result.
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 from megatron_ext.planner.flexsp.assign import Assignment, MicroBatchProblem, _fill
@@ -33,7 +35,7 @@ def _pack(problem: MicroBatchProblem, num_gpus: int, num_big: int, level: float,
     group_j: list[int] = []
     loads: list[float] = []
     tokens: list[int] = []
-    by_degree: list[list[int]] = [[] for _ in range(num_deg)]
+    by_load: list[list[tuple[float, int]]] = [[] for _ in range(num_deg)]  # sorted (load, g)
     seq_group = [-1] * num_big
     free = num_gpus
     for k in range(num_big):
@@ -43,24 +45,27 @@ def _pack(problem: MicroBatchProblem, num_gpus: int, num_big: int, level: float,
             t = row[j]
             if t + lat[j] > level:
                 continue
-            best_g, best_load = -1, -1.0
-            for g in by_degree[j]:  # best fit among open groups of this degree
-                new = loads[g] + t
-                if new <= level and tokens[g] + length <= cap * degrees[j] and new > best_load:
-                    best_g, best_load = g, new
-            if best_g < 0 and free >= degrees[j]:
-                best_g, best_load = len(group_j), t + lat[j]
+            keys, room = by_load[j], cap * degrees[j] - length
+            # best fit: the fullest open group of this degree still finishing by the level
+            idx = bisect.bisect_right(keys, (level - t, num_big)) - 1
+            while idx >= 0 and tokens[keys[idx][1]] > room:
+                idx -= 1
+            if idx >= 0:
+                g = keys.pop(idx)[1]
+                loads[g] += t
+            elif free >= degrees[j]:
+                g = len(group_j)
                 group_j.append(j)
-                loads.append(0.0)
+                loads.append(t + lat[j])
                 tokens.append(0)
-                by_degree[j].append(best_g)
                 free -= degrees[j]
-            if best_g >= 0:
-                loads[best_g] = best_load
-                tokens[best_g] += length
-                seq_group[k] = best_g
-                placed = True
-                break
+            else:
+                continue
+            bisect.insort(keys, (loads[g], g))
+            tokens[g] += length
+            seq_group[k] = g
+            placed = True
+            break
         if not placed:
             return None
     d0 = degrees[0]
@@ -81,7 +86,7 @@ def _pack(problem: MicroBatchProblem, num_gpus: int, num_big: int, level: float,
 
 def level_pack_search(
     problem: MicroBatchProblem, num_gpus: int, num_big: int, lo: float,
-    iters: int = 8, rel_tol: float = 0.005,
+    iters: int = 6, rel_tol: float = 0.01,
 ) -> tuple[Assignment, float] | None:
     """Smallest feasible level above the lower bound `lo`, found by growing an upper bound
     geometrically and bisecting to `rel_tol`; realised as an Assignment, with the level (the

@@ -60,7 +60,7 @@ class PlannerOptions:
     """Also run the level-packing search (level_pack.py) per micro-batch."""
     refine_top: int = 1
     """How many of the best-scored candidates of a micro-batch get local search (at least)."""
-    refine_budget: int = 128
+    refine_budget: int = 64
     """More refined candidates for small micro-batches: up to refine_budget / num_sequences."""
     refine_rounds: int = 200
     """Local-search rounds per refined assignment."""
