@@ -21,10 +21,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
 from megatron_ext.megatron_adapter.block import HeteroTransformerBlock, LayerBuild
 from megatron_ext.megatron_adapter.cross_entropy import (
@@ -83,6 +85,22 @@ class HeteroGPTModel(GPTModel):
         replaced."""
         metadata = {**(metadata or {}), "dp_cp_group": self.pg_collection.dp_cp}
         return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+
+    def tie_embeddings_and_output_weights_state_dict(
+        self, sharded_state_dict: dict, output_layer_weight_key: str,
+        first_stage_word_emb_key: str, metadata: dict | None = None,
+    ) -> None:
+        """LanguageModule's (language_module.py:311), with the replica id's dp rank taken from
+        `metadata['dp_cp_group']` instead of the global parallel_state."""
+        if not self.post_process or self.pre_process:
+            return  # no output layer here, or it is the embedding already
+        del sharded_state_dict[output_layer_weight_key]
+        group = (metadata or {})["dp_cp_group"]
+        sharded_state_dict[output_layer_weight_key] = make_tp_sharded_tensor_for_checkpoint(
+            tensor=self.shared_embedding_or_output_weight(), key=first_stage_word_emb_key,
+            replica_id=(1, 0, dist.get_rank(group)),  # a copy of the first stage's embedding
+            allow_shape_mismatch=True, tp_group=self.tp_group, dp_cp_group=group,
+        )
 
     def local_tokens(self, tokens: torch.Tensor, *, at_input: bool = False) -> torch.Tensor:
         """This rank's `[b_loc, s_loc]` part of full `[b, s]` ids / labels / loss mask: the
