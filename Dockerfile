@@ -1,0 +1,17 @@
+# megatron_ext on NGC PyTorch (CUDA torch, transformer-engine, apex, flash-attn included).
+# Every command below RUNs is in tools/docker_steps.sh, which CI also runs (without the base
+# image); keep install logic there, not here.
+#
+#   docker build -t megatron-ext .
+#   docker run --gpus all --ipc=host megatron-ext \
+#       torchrun --nproc_per_node 8 examples/pretrain_gpt.py <Megatron-LM flags> [--strategy-config plan.json]
+FROM nvcr.io/nvidia/pytorch:25.04-py3
+
+WORKDIR /opt/megatron_ext
+COPY . /opt/megatron_ext
+RUN bash tools/docker_steps.sh /opt/megatron_ext
+
+ENV PYTHONUNBUFFERED=1
+# NGC's entrypoint (driver/CUDA checks), then whatever command is given: torchrun, megatron-ext.
+ENTRYPOINT ["/opt/nvidia/nvidia_entrypoint.sh"]
+CMD ["bash"]
