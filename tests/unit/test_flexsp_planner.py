@@ -202,3 +202,21 @@ def test_plan_ahead_yields_the_same_plans_in_order() -> None:
     assert [plan for _, plan in got] == [plan_step(b, cost) for b in batches]
     with pytest.raises(PlanError, match="sequence length"):
         list(plan_ahead([[10**7]], cost))
+
+
+def test_cost_model_for_a_plan_file_uses_its_flexsp_section() -> None:
+    import dataclasses
+
+    from megatron_ext.plan import FlexSPConfig, LayerStrategy, ParallelPlan
+    from megatron_ext.planner.flexsp.cost import cost_model_for_plan
+
+    model = model_preset("llama2-7b")
+    plan = ParallelPlan(world_size=16, pp=1, stages=((0, model.num_layers),),
+                        layers=(LayerStrategy(dp=16),) * model.num_layers, model=model,
+                        micro_batch_size=16, global_batch_size=16, seq_length=4096,
+                        flexsp=FlexSPConfig(max_group_size=8, min_group_size=2),
+                        cluster=cluster_preset("dgx-h100", num_nodes=2))
+    cost = cost_model_for_plan(plan)
+    assert cost.num_gpus == 16 and cost.degrees == (2, 4, 8)
+    with pytest.raises(PlanError, match="flexsp section and a cluster"):
+        cost_model_for_plan(dataclasses.replace(plan, cluster=None))

@@ -34,6 +34,7 @@ import math
 from dataclasses import dataclass
 
 from megatron_ext.errors import PlanError
+from megatron_ext.plan import ParallelPlan
 from megatron_ext.specs import ClusterSpec, ModelSpec
 
 A2A_PER_LAYER = 8
@@ -302,3 +303,17 @@ def paper_gpt7b_a100(num_gpus: int = 64) -> FlexSPCostModel:
         model_state_bytes=6.7e9 * 16 / num_gpus,
         memory_budget_bytes=28 * 2**30,
     )
+
+
+def cost_model_for_plan(plan: ParallelPlan, **kwargs: float) -> FlexSPCostModel:
+    """The FlexSP cost model of a plan file with a `flexsp` section (its model, its cluster,
+    its world size, and its min/max group sizes); `kwargs` go to cost_model_from_specs."""
+    if plan.flexsp is None or plan.cluster is None:
+        raise PlanError(
+            "the plan needs both a flexsp section and a cluster to plan FlexSP steps; add "
+            '"flexsp": {"max_group_size": 8} and the cluster it runs on'
+        )
+    return cost_model_from_specs(
+        plan.model, plan.cluster, num_gpus=plan.world_size,
+        min_degree=plan.flexsp.min_group_size, max_degree=plan.flexsp.max_group_size,
+        **kwargs)  # type: ignore[arg-type]
