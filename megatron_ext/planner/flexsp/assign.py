@@ -4,7 +4,7 @@ Three phases, all on the FlexSP cost model (cost.py), sequences sorted by descen
 1. `_lpt`: the long ("big") sequences one by one to the group where they finish earliest
    (longest-processing-time first on uniform machines; one min-heap of groups per degree, so a
    step checks one candidate per degree), respecting min degree and group memory;
-2. `_fill`: the short sequences in bulk: water-fill the groups to a common finishing level with
+2. `water_fill`: the short sequences in bulk: water-fill the groups to a common finishing level with
    prefix sums + searchsorted (a run of consecutive short sequences per group), leftovers by (1);
 3. `refine`: local search on the slowest group: best single move, else best swap with any other
    group, until the slowest group cannot be improved. Vectorised over candidates with numpy.
@@ -87,7 +87,7 @@ def assign(problem: MicroBatchProblem, counts: np.ndarray, num_big: int) -> Assi
     )
     if not _lpt(problem, state, list(range(num_big))):
         return None
-    if not _fill(problem, state, num_big):
+    if not water_fill(problem, state, num_big):
         return None
     return state
 
@@ -149,7 +149,7 @@ def _water_level(loads: np.ndarray, weights: np.ndarray, work: float) -> float:
     return float(levels[i])
 
 
-def _fill(problem: MicroBatchProblem, state: Assignment, start: int) -> bool:
+def water_fill(problem: MicroBatchProblem, state: Assignment, start: int) -> bool:
     """Assign sequences [start, K) (short ones) by water-filling; leftovers by `_lpt`.
 
     All short sequences together raise the groups to a common level (each degree at its own

@@ -17,7 +17,7 @@ import bisect
 
 import numpy as np
 
-from megatron_ext.planner.flexsp.assign import Assignment, MicroBatchProblem, _fill
+from megatron_ext.planner.flexsp.assign import Assignment, MicroBatchProblem, water_fill
 
 GROWTH = 1.25
 GROWTH_STEPS = 12
@@ -126,6 +126,6 @@ def level_pack_search(
         tokens=np.asarray([tokens[g] for g in order], dtype=np.int64),
     )
     state.seq_group[:num_big] = [rank[g] for g in seq_group]
-    if not _fill(problem, state, num_big):
+    if not water_fill(problem, state, num_big):
         return None
     return state, level

@@ -24,6 +24,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
 from megatron_ext.errors import PlanError
+from megatron_ext.planner.flexsp.assign import MicroBatchProblem
 from megatron_ext.planner.flexsp.cost import FlexSPCostModel
 from megatron_ext.planner.flexsp.microbatch import make_problem
 
@@ -54,38 +55,9 @@ def solve_microbatch_milp(
     order = np.argsort(-lengths_arr, kind="stable")
     cost.min_degree_for(int(lengths_arr[order[0]]))
     problem = make_problem(lengths_arr[order], cost)
-    k, degrees = lengths_arr.size, problem.degrees.tolist()
-    groups = [(j, c) for j, d in enumerate(degrees) for c in range(min(cost.num_gpus // d, k))]
-    num_p = len(groups)
-    pairs = [(kk, p) for kk in range(k) for p, (j, _) in enumerate(groups)
-             if j >= problem.min_deg_idx[kk]]
-    num_x = len(pairs)
-    m_col = num_x  # columns: x pairs, then m[p], then C
-    c_col = num_x + num_p
-    builder = _Rows(num_cols=c_col + 1)
-    x_of_seq: list[list[int]] = [[] for _ in range(k)]
-    x_of_group: list[list[int]] = [[] for _ in range(num_p)]
-    for col, (kk, p) in enumerate(pairs):
-        x_of_seq[kk].append(col)
-        x_of_group[p].append(col)
-    for kk in range(k):
-        builder.add(x_of_seq[kk], [1.0] * len(x_of_seq[kk]), 1.0, 1.0)
-    load = [[(col, float(problem.times[pairs[col][0], groups[p][0]])) for col in x_of_group[p]]
-            for p in range(num_p)]
-    for p, (j, _) in enumerate(groups):
-        cols = [col for col, _ in load[p]]
-        builder.add(cols + [m_col + p, c_col], [t for _, t in load[p]]
-                    + [float(problem.latency_s[j]), -1.0], -np.inf, 0.0)
-        builder.add(cols + [m_col + p], [float(problem.lengths[pairs[col][0]]) for col in cols]
-                    + [-float(cost.capacity_tokens * degrees[j])], -np.inf, 0.0)
-    builder.add([m_col + p for p in range(num_p)], [float(degrees[j]) for j, _ in groups],
-                -np.inf, float(cost.num_gpus))
-    for p in range(num_p - 1):
-        if groups[p][0] == groups[p + 1][0]:  # consecutive copies of one degree
-            builder.add([m_col + p, m_col + p + 1], [1.0, -1.0], 0.0, np.inf)
-            cols = [col for col, _ in load[p]] + [col for col, _ in load[p + 1]]
-            vals = [t for _, t in load[p]] + [-t for _, t in load[p + 1]]
-            builder.add(cols, vals, 0.0, np.inf)
+    degrees = problem.degrees.tolist()
+    groups, pairs, builder = _build(problem, cost)
+    c_col = len(pairs) + len(groups)  # columns: x pairs, then m[p], then C
     objective = np.zeros(c_col + 1)
     objective[c_col] = 1.0
     integrality = np.ones(c_col + 1)
@@ -110,6 +82,42 @@ def solve_microbatch_milp(
     return MilpResult(time_s=beta + float(res.x[c_col]), optimal=optimal,
                       bound_s=beta + float(res.x[c_col]) if optimal else bound,
                       groups=used, solve_s=solve_s)
+
+
+def _build(problem: MicroBatchProblem, cost: FlexSPCostModel
+           ) -> tuple[list[tuple[int, int]], list[tuple[int, int]], _Rows]:
+    """Virtual groups (degree index, copy), x columns (sequence, group) and all rows."""
+    k, degrees = problem.lengths.size, problem.degrees.tolist()
+    groups = [(j, c) for j, d in enumerate(degrees) for c in range(min(cost.num_gpus // d, k))]
+    num_p = len(groups)
+    pairs = [(kk, p) for kk in range(k) for p, (j, _) in enumerate(groups)
+             if j >= problem.min_deg_idx[kk]]
+    m_col, c_col = len(pairs), len(pairs) + num_p
+    builder = _Rows(num_cols=c_col + 1)
+    x_of_seq: list[list[int]] = [[] for _ in range(k)]
+    x_of_group: list[list[int]] = [[] for _ in range(num_p)]
+    for col, (kk, p) in enumerate(pairs):
+        x_of_seq[kk].append(col)
+        x_of_group[p].append(col)
+    for kk in range(k):  # each sequence once
+        builder.add(x_of_seq[kk], [1.0] * len(x_of_seq[kk]), 1.0, 1.0)
+    load = [[(col, float(problem.times[pairs[col][0], groups[p][0]])) for col in x_of_group[p]]
+            for p in range(num_p)]
+    for p, (j, _) in enumerate(groups):  # time <= C, memory <= capacity * m
+        cols = [col for col, _ in load[p]]
+        builder.add(cols + [m_col + p, c_col], [t for _, t in load[p]]
+                    + [float(problem.latency_s[j]), -1.0], -np.inf, 0.0)
+        builder.add(cols + [m_col + p], [float(problem.lengths[pairs[col][0]]) for col in cols]
+                    + [-float(cost.capacity_tokens * degrees[j])], -np.inf, 0.0)
+    builder.add([m_col + p for p in range(num_p)], [float(degrees[j]) for j, _ in groups],
+                -np.inf, float(cost.num_gpus))
+    for p in range(num_p - 1):
+        if groups[p][0] == groups[p + 1][0]:  # consecutive copies of one degree: symmetry
+            builder.add([m_col + p, m_col + p + 1], [1.0, -1.0], 0.0, np.inf)
+            cols = [col for col, _ in load[p]] + [col for col, _ in load[p + 1]]
+            vals = [t for _, t in load[p]] + [-t for _, t in load[p + 1]]
+            builder.add(cols, vals, 0.0, np.inf)
+    return groups, pairs, builder
 
 
 class _Rows:
