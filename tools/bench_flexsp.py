@@ -32,6 +32,7 @@ import zlib
 
 import numpy as np
 
+from megatron_ext.errors import PlanError
 from megatron_ext.planner.flexsp import (
     DISTRIBUTIONS,
     PlannerOptions,
@@ -166,7 +167,11 @@ def main(argv: list[str] | None = None) -> int:
     for gpus in args.gpus:
         for dist in args.distributions:
             for max_len in args.max_lengths:
-                rows.append(_setting(args, gpus, dist, max_len))
+                try:
+                    rows.append(_setting(args, gpus, dist, max_len))
+                except PlanError as err:  # e.g. the maximum length fits no group
+                    print(f"{gpus:>4} {dist:13s} {max_len:>8} infeasible: {err}", flush=True)
+                    continue
                 print(_table(rows[-1:]).splitlines()[-1], flush=True)
     print(_table(rows))
     milp = _milp(args)
