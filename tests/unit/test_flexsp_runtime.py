@@ -5,12 +5,16 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from megatron_ext.errors import PlanError
+from megatron_ext.planner.flexsp import cost_model_from_specs, plan_step, sample_lengths
 from megatron_ext.planner.flexsp.step_plan import MicroBatchPlan, SPGroup, StepPlan, token_split
+from megatron_ext.presets import cluster_preset, model_preset
 from megatron_ext.runtime.flexsp import check_ulysses_degree, rank_microbatches, varlen_attention
+from megatron_ext.runtime.flexsp.dispatch import all_rank_microbatches
 from megatron_ext.runtime.flexsp.ulysses import kv_repeat_factor
 
 
@@ -88,3 +92,11 @@ def test_plan_check_rejects_groups_with_idle_ranks() -> None:
                 SPGroup(start_rank=0, degree=1, seq_ids=()),
                 SPGroup(start_rank=1, degree=2, seq_ids=(0,)),
                 SPGroup(start_rank=3, degree=1, seq_ids=()))),)).check()
+
+
+def test_all_rank_views_match_per_rank_views() -> None:
+    cost = cost_model_from_specs(model_preset("llama2-7b"), cluster_preset("dgx-h100",
+                                                                           num_nodes=2))
+    lengths = sample_lengths("wlb_llm_like", 64, max_length=65536, rng=np.random.default_rng(0))
+    plan = plan_step(lengths, cost)
+    assert all_rank_microbatches(plan) == [rank_microbatches(plan, r) for r in range(16)]

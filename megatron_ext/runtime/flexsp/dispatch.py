@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_ext.planner.flexsp.step_plan import StepPlan, token_split
+from megatron_ext.planner.flexsp.step_plan import SPGroup, StepPlan, token_split
 
-__all__ = ["RankMicroBatch", "dispatch_sequences", "position_ids", "rank_microbatches",
-           "round_robin_owners"]
+__all__ = ["RankMicroBatch", "all_rank_microbatches", "dispatch_sequences", "position_ids",
+           "rank_microbatches", "round_robin_owners"]
 
 Piece = tuple[int, int, int]
 """(sequence id, first token, end token): a slice of one sequence."""
@@ -52,27 +52,36 @@ class RankMicroBatch:
 
 def rank_microbatches(plan: StepPlan, rank: int) -> list[RankMicroBatch | None]:
     """Per micro-batch: this rank's work, or None when its group has no sequences."""
-    out: list[RankMicroBatch | None] = []
+    return [_view(plan, m, mb.group_of_rank(rank), rank)
+            for m, mb in enumerate(plan.microbatches)]
+
+
+def all_rank_microbatches(plan: StepPlan) -> list[list[RankMicroBatch | None]]:
+    """rank_microbatches for every rank at once: O(micro-batches x ranks)."""
+    out: list[list[RankMicroBatch | None]] = [[] for _ in range(plan.num_gpus)]
     for m, mb in enumerate(plan.microbatches):
-        group = mb.group_of_rank(rank)
-        if not group.seq_ids:
-            out.append(None)
-            continue
-        lengths = [plan.lengths[i] for i in group.seq_ids]
-        cu = [0]
-        for length in lengths:
-            cu.append(cu[-1] + length)
-        ranges = token_split(cu[-1], group.degree)
-        lo, hi = ranges[rank - group.start_rank]
-        pieces = tuple((seq, max(lo, a) - a, min(hi, b) - a)
-                       for seq, a, b in zip(group.seq_ids, cu[:-1], cu[1:])
-                       if max(lo, a) < min(hi, b))
-        out.append(RankMicroBatch(
-            microbatch=m, group_start=group.start_rank, degree=group.degree,
-            seq_ids=group.seq_ids, cu_seqlens=tuple(cu),
-            token_counts=tuple(b - a for a, b in ranges), pieces=pieces,
-            group_rank=rank - group.start_rank))
+        for group in mb.groups:
+            for rank in group.ranks:
+                out[rank].append(_view(plan, m, group, rank))
     return out
+
+
+def _view(plan: StepPlan, m: int, group: SPGroup, rank: int) -> RankMicroBatch | None:
+    if not group.seq_ids:
+        return None
+    cu = [0]
+    for seq in group.seq_ids:
+        cu.append(cu[-1] + plan.lengths[seq])
+    ranges = token_split(cu[-1], group.degree)
+    lo, hi = ranges[rank - group.start_rank]
+    pieces = tuple((seq, max(lo, a) - a, min(hi, b) - a)
+                   for seq, a, b in zip(group.seq_ids, cu[:-1], cu[1:])
+                   if max(lo, a) < min(hi, b))
+    return RankMicroBatch(
+        microbatch=m, group_start=group.start_rank, degree=group.degree,
+        seq_ids=group.seq_ids, cu_seqlens=tuple(cu),
+        token_counts=tuple(b - a for a, b in ranges), pieces=pieces,
+        group_rank=rank - group.start_rank)
 
 
 def round_robin_owners(num_sequences: int, world_size: int) -> list[int]:
@@ -100,7 +109,8 @@ def dispatch_sequences(
     """One all_to_all_single over `group` (default: world, whose rank `rank` is) delivers every
     micro-batch's rows; `columns`/`dtype`/`device` describe the rows (a rank may load nothing)."""
     world = dist.get_world_size(group)
-    views = [rank_microbatches(plan, r) for r in range(world)]
+    assert world == plan.num_gpus, "dispatch runs over the plan's ranks"
+    views = all_rank_microbatches(plan)
     send: list[torch.Tensor] = []
     send_sizes = [0] * world
     for dst in range(world):
