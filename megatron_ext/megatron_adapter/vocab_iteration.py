@@ -6,6 +6,7 @@ Helper of vocab_schedule.py (see its docstring for the contract); each method is
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +42,7 @@ class VocabIteration:
             raise ValueError("vocabulary-parallel 1F1B needs stage boundaries of [s, b, h]: "
                              "turn off sequence_parallel and context parallelism at boundaries")
         self.model, self.config, self.p2p, self.pgc = model, config, p2p, pgc
+        self.options = options
         self.shape, self.batches, self.m = shape, batches, len(batches)
         self.step_func, self.forward_only = forward_step_func, forward_only
         self.collect, self.first_val_step = collect_non_loss_data, first_val_step
@@ -78,8 +80,12 @@ class VocabIteration:
                     "SB": self._send_backward, "SBRF": self._send_backward_recv_forward,
                     "RB": self._recv_backward, "IF": self._input_forward, "S": self._output,
                     "L": self._loss, "T": self._output_backward, "IB": self._input_backward}
+        timer = self.options.pass_timer
         for op in self.order:
+            start = time.thread_time() if timer else 0.0
             dispatch[op.kind](op)
+            if timer:
+                timer(op, time.thread_time() - start)
 
     # ---- transformer passes and P2P (Megatron's calls) ----------------------------------------
 

@@ -24,7 +24,7 @@ from megatron.core.tensor_parallel.layers import (
 )
 
 from megatron_ext.plan import VocabStrategy
-from megatron_ext.runtime.vocab_parallel import VocabCommGroups, VocabPartition
+from megatron_ext.runtime.vocab_parallel import Op, VocabCommGroups, VocabPartition
 
 
 def num_barriers_for(vocab: VocabStrategy) -> int:
@@ -113,6 +113,8 @@ class VocabScheduleOptions:
     """FFN width for the placement costs; 0 = 4 x hidden."""
     thread_initializer: Callable[[], None] | None = None
     """Runs once in each communication worker thread (profilers)."""
+    pass_timer: Callable[[Op, float], None] | None = None
+    """Called after every pass / P2P call with its main-thread CPU seconds (benchmarks)."""
 
     def __post_init__(self) -> None:
         if self.num_barriers not in (1, 2):

@@ -36,18 +36,40 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-from megatron.core.pipeline_parallel.schedules import get_tensor_shapes
+from megatron.core.pipeline_parallel.schedules import (
+    get_forward_backward_func,
+    get_tensor_shapes,
+)
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_model_config
 
 from megatron_ext.megatron_adapter.vocab_iteration import VocabIteration
-from megatron_ext.megatron_adapter.vocab_layers import VocabScheduleOptions
-from megatron_ext.runtime.vocab_parallel import Op, plan_vocab_schedule
+from megatron_ext.megatron_adapter.vocab_layers import (
+    VocabScheduleOptions,
+    num_barriers_for,
+)
+from megatron_ext.plan import ParallelPlan
+from megatron_ext.runtime.vocab_parallel import Op, VocabCommGroups, plan_vocab_schedule
 
 
 def make_vocab_parallel_schedule(options: VocabScheduleOptions) -> Callable[..., list]:
     """A forward-backward function with Megatron's keyword signature (see module doc)."""
     return functools.partial(forward_backward_vocab_parallel, options=options)
+
+
+def schedule_for_plan(plan: ParallelPlan, groups: VocabCommGroups | None = None,
+                      **options: Any) -> Callable[..., list]:
+    """The plan's schedule: Megatron's 1F1B for vocab mode "tp", vocabulary-parallel 1F1B
+    (with the plan's algorithm and stage layer counts for placement) for "vocab_parallel"."""
+    if plan.vocab.mode != "vocab_parallel":
+        return get_forward_backward_func(pp_size=plan.pp)
+    if groups is None:
+        raise ValueError("vocab.mode=vocab_parallel needs the vocabulary groups: build them with "
+                         "new_vocab_comm_groups(vocab_rank_lists(stage ranks, vocab.tp), ...)")
+    return make_vocab_parallel_schedule(VocabScheduleOptions(
+        groups=groups, num_barriers=num_barriers_for(plan.vocab),
+        layers_per_stage=tuple(end - start for start, end in plan.stages),
+        ffn_hidden_size=plan.model.ffn_hidden_size, **options))
 
 
 def forward_backward_vocab_parallel(

@@ -18,6 +18,7 @@ from megatron_ext.runtime.vocab.comm import (
     GROUP_KINDS,
     VocabCommGroups,
     new_vocab_comm_groups,
+    vocab_rank_lists,
 )
 from megatron_ext.runtime.vocab.cost import (
     baseline_pass_costs,
@@ -55,5 +56,5 @@ __all__ = [
     "combine_stats", "embedding_backward_pass", "embedding_forward_pass",
     "finish_fused_input_grad", "layer_forward_flops", "new_vocab_comm_groups", "num_warmup",
     "output_forward_pass", "output_weight_grad_pass", "plan_vocab_schedule", "simulate",
-    "simulate_baseline", "skeleton_1f1b", "softmax_scale", "vocab_pass_costs",
+    "simulate_baseline", "skeleton_1f1b", "softmax_scale", "vocab_pass_costs", "vocab_rank_lists",
 ]

@@ -95,3 +95,12 @@ def test_vocabulary_work_is_balanced_across_stages() -> None:
     timeline = plan_vocab_schedule(4, 16, num_barriers=1, costs=costs)
     busy = [timeline.busy_s(r) for r in range(4)]
     assert max(busy) / min(busy) < 1.01
+
+
+def test_vocab_rank_lists_order_shards_by_stage_then_tp_rank() -> None:
+    from megatron_ext.runtime.vocab_parallel import vocab_rank_lists
+
+    # pp=2 stages of 4 ranks, vocabulary tp=2: two replicas, shard = stage * 2 + tp rank
+    assert vocab_rank_lists([[0, 1, 2, 3], [4, 5, 6, 7]], 2) == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    with pytest.raises(ValueError, match="must divide"):
+        vocab_rank_lists([[0, 1, 2], [3, 4, 5]], 2)

@@ -67,6 +67,17 @@ class VocabCommGroups:
                 raise ValueError(f"{name}={getattr(self, name)} is not a rank of the vocab group")
 
 
+def vocab_rank_lists(stage_ranks: list[list[int]], vocab_tp: int) -> list[list[int]]:
+    """Global ranks of every vocabulary group, ordered by shard: replica k takes ranks
+    [k*tp, (k+1)*tp) of each stage, stage by stage (shard = stage * tp + tp rank, as in the
+    reference implementation). `stage_ranks[r]` lists stage r's global ranks in order."""
+    width = len(stage_ranks[0])
+    if vocab_tp < 1 or width % vocab_tp or any(len(ranks) != width for ranks in stage_ranks):
+        raise ValueError(f"vocab tp={vocab_tp} must divide every stage's {width} ranks")
+    return [[rank for ranks in stage_ranks for rank in ranks[k * vocab_tp:(k + 1) * vocab_tp]]
+            for k in range(width // vocab_tp)]
+
+
 def new_vocab_comm_groups(
     rank_lists: list[list[int]], *, last_stage_root: int, first_stage_root: int
 ) -> VocabCommGroups:

@@ -120,9 +120,19 @@ class _Placer:
         """First candidate boundary in [lo, hi] whose nominal time is >= due_s, else the last
         candidate (else the last open one, else lo: a closed boundary costs time, not safety)."""
         hi = max(hi, lo)
-        candidates = ([i for i in range(lo, hi + 1) if self._slot(r, i)]
-                      or [i for i in range(lo, hi + 1) if self._open(r, i)] or [lo])
-        return next((i for i in candidates if self._time(r, i) >= due_s), candidates[-1])
+        for test in (self._slot, self._open):
+            if due_s == float("inf"):  # as late as possible
+                found = next((i for i in range(hi, lo - 1, -1) if test(r, i)), None)
+            else:
+                found = None
+                for i in range(lo, hi + 1):
+                    if test(r, i):
+                        found = i
+                        if self._time(r, i) >= due_s:
+                            break
+            if found is not None:
+                return found
+        return lo
 
     # ---- assignment ---------------------------------------------------------------------------
 

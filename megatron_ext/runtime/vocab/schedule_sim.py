@@ -12,6 +12,7 @@ whatever the real pass durations are; a cyclic one raises RuntimeError.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass
 
@@ -123,19 +124,21 @@ class _Engine:
     # ---- main loop ----------------------------------------------------------------------------
 
     def run(self) -> Timeline:
+        """Orders are fixed, so start times follow from dependencies alone: each stage runs
+        ahead until it blocks, and blocked stages are re-examined only when all are blocked."""
         while True:
-            self._resolve_pending()
-            free = [r for r in range(self.p) if self.pending[r] is None and not self._finished(r)]
-            if not free:
-                stuck = [f"stage {r}: {op}" for r, op in enumerate(self.pending) if op]
-                if stuck:
-                    raise RuntimeError("vocabulary schedule deadlocks: " + "; ".join(stuck))
-                return Timeline(stages=tuple(tuple(s) for s in self.out))
-            r = min(free, key=lambda q: (self.t[q], q))
-            self._commit(r, self.todo[r].popleft())
-
-    def _finished(self, r: int) -> bool:
-        return not self.todo[r]
+            progressed = False
+            for r in range(self.p):
+                while self.pending[r] is None and self.todo[r]:
+                    self._commit(r, self.todo[r].popleft())
+                    self._try_finish(r)
+                    progressed = True
+            if self._resolve_pending() or progressed:
+                continue
+            stuck = [f"stage {r}: {op}" for r, op in enumerate(self.pending) if op]
+            if stuck:
+                raise RuntimeError("vocabulary schedule deadlocks: " + "; ".join(stuck))
+            return Timeline(stages=tuple(tuple(s) for s in self.out))
 
     # ---- dependencies -------------------------------------------------------------------------
 
@@ -197,25 +200,31 @@ class _Engine:
                 self._post(key, side, self.t[r])
         self.pending[r] = op
 
-    def _resolve_pending(self) -> None:
-        progress = True
+    def _resolve_pending(self) -> bool:
+        """Finish every pending pass whose inputs became known; True if any did."""
+        any_progress, progress = False, True
         while progress:
             progress = False
-            for r, op in enumerate(self.pending):
-                if op is None:
-                    continue
-                if op.kind in _P2P:
-                    ends = [self._message_end(key) for key, _ in _messages(r, op)]
-                    if any(e is None for e in ends):
-                        continue
-                    self._finish(r, op, self.t[r], max([self.t[r], *ends]))  # type: ignore[list-item]
-                else:
-                    ready = self._ready_at(r, op)
-                    if ready is None:
-                        continue
-                    start = max(self.t[r], ready)
-                    self._finish(r, op, start, start + self._duration(r, op))
-                progress = True
+            for r in range(self.p):
+                if self.pending[r] is not None and self._try_finish(r):
+                    progress = any_progress = True
+        return any_progress
+
+    def _try_finish(self, r: int) -> bool:
+        op = self.pending[r]
+        assert op is not None
+        if op.kind in _P2P:
+            ends = [self._message_end(key) for key, _ in _messages(r, op)]
+            if any(e is None for e in ends):
+                return False
+            self._finish(r, op, self.t[r], max([self.t[r], *ends]))  # type: ignore[list-item]
+            return True
+        ready = self._ready_at(r, op)
+        if ready is None:
+            return False
+        start = max(self.t[r], ready)
+        self._finish(r, op, start, start + self._duration(r, op))
+        return True
 
     def _message_end(self, key: tuple) -> float | None:
         sides = self.posts.get(key, {})
@@ -246,7 +255,7 @@ _P2P = frozenset({"RF", "SF", "SFRB", "SBRF", "RB", "SB"})
 _BROADCASTS = frozenset({"hidden", "token_grad", "emb_bwd"})
 
 
-
+@functools.lru_cache(maxsize=1 << 16)
 def _messages(r: int, op: Op) -> list[tuple[tuple, str]]:
     """(message key, side) pairs of a P2P call; a message is (kind, mb, sender stage)."""
     out = []
