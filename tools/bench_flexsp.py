@@ -55,7 +55,8 @@ def _setting(args: argparse.Namespace, gpus: int, dist: str, max_len: int) -> di
     model = model_preset(args.model)
     cluster = cluster_preset(args.cluster, num_nodes=-(-gpus // 8))
     cost = (paper_gpt7b_a100(gpus) if args.paper_constants
-            else cost_model_from_specs(model, cluster, num_gpus=gpus))
+            else cost_model_from_specs(model, cluster, num_gpus=gpus,
+                                       a2a_inter_efficiency=args.a2a_efficiency))
     need = cost.min_degree_for(max_len)
     degrees = [d for d in cost.degrees if d >= need and gpus % d == 0]
     seed = zlib.crc32(f"{dist}/{max_len}/{gpus}".encode()) if args.seed is None else args.seed
@@ -157,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--milp-time-limit", type=float, default=10.0)
     p.add_argument("--paper-constants", action="store_true",
                    help="FlexSP's fitted GPT-7B/A100-40GB constants instead of model/cluster")
+    p.add_argument("--a2a-efficiency", type=float, default=1.0,
+                   help="share of inter-node bandwidth a multi-node all-to-all achieves")
     p.add_argument("--quick", action="store_true", help="2 batches, 64 GPUs, few MILPs")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -195,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         "summary_setting": f"{SUMMARY_GPUS} GPUs, max length {max(args.max_lengths)}, "
                            f"{args.num_sequences} sequences, " + (
                                "FlexSP's GPT-7B/A100 constants" if args.paper_constants
-                               else f"{args.model} on {args.cluster}"),
+                               else f"{args.model} on {args.cluster}, all-to-all at "
+                               f"{args.a2a_efficiency:g} of inter-node bandwidth"),
     }
     print(json.dumps(summary, indent=2))
     if args.json:

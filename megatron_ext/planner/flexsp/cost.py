@@ -225,6 +225,7 @@ def cost_model_from_specs(
     attention_mfu: float = 0.4,
     zero3_overlap: float = 0.75,
     memory_reserve_fraction: float = 0.1,
+    a2a_inter_efficiency: float = 1.0,
     min_degree: int = 1,
     max_degree: int = 0,
 ) -> FlexSPCostModel:
@@ -232,12 +233,17 @@ def cost_model_from_specs(
 
     `linear_mfu`/`attention_mfu`: achieved fraction of peak for matmuls and flash attention;
     `zero3_overlap`: fraction of the per-micro-batch ZeRO-3 traffic hidden behind compute;
-    `memory_reserve_fraction`: device memory kept free for the allocator, NCCL and workspaces.
+    `memory_reserve_fraction`: device memory kept free for the allocator, NCCL and workspaces;
+    `a2a_inter_efficiency`: fraction of the cluster's inter-node bandwidth an all-to-all across
+    nodes achieves (presets give all-reduce bus bandwidth; FlexSP measured 4.9-10 GB/s per GPU
+    for 16-64-GPU all-to-alls on 200 Gb/s HDR, i.e. 0.2-0.4 of line rate).
     Calibrate them by profiling; the defaults are typical H100/A100 bf16 values.
     """
     for name, value in (("linear_mfu", linear_mfu), ("attention_mfu", attention_mfu)):
         if not 0 < value <= 1:
             raise PlanError(f"{name}={value} must be in (0, 1]")
+    if not 0 < a2a_inter_efficiency <= 1:
+        raise PlanError(f"a2a_inter_efficiency={a2a_inter_efficiency} must be in (0, 1]")
     if not 0 <= zero3_overlap <= 1 or not 0 <= memory_reserve_fraction < 1:
         raise PlanError(
             f"zero3_overlap={zero3_overlap} must be in [0, 1] and "
@@ -270,7 +276,8 @@ def cost_model_from_specs(
         num_attention_heads=model.num_attention_heads,
         num_layers=model.num_layers,
         intra_bandwidth_bytes_per_s=cluster.intra_node.bandwidth_bytes_per_s,
-        inter_bandwidth_bytes_per_s=cluster.inter_node.bandwidth_bytes_per_s,
+        inter_bandwidth_bytes_per_s=cluster.inter_node.bandwidth_bytes_per_s
+        * a2a_inter_efficiency,
         intra_latency_s=cluster.intra_node.latency_s,
         inter_latency_s=cluster.inter_node.latency_s,
         act_bytes_per_token=act_bytes_per_token(model),
