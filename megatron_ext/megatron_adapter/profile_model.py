@@ -116,65 +116,88 @@ def _layer(w: _Worker, tp: int, sp: bool, recompute: str) -> torch.nn.Module:
     return layer.to(w.device)
 
 
-def _layer_sample(w: _Worker, layers: dict[str, torch.nn.Module], *, tp: int, sp: bool, b: int,
-                  s: int, repeats: int) -> LayerSample:
-    from megatron.core import tensor_parallel
+_KINDS = ("none", "full", "selective")
+"""No recomputation, full (tensor_parallel.checkpoint around the layer), selective (core
+attention, the layer's own config)."""
 
-    rope = None
-    if w.model.position_embedding == "rope":
-        from megatron.core.models.common.embeddings.rotary_pos_embedding import (
-            RotaryEmbedding,
-        )
 
-        rope = RotaryEmbedding(kv_channels=w.model.head_dim, rotary_percent=1.0)(s).to(w.device)
-    x = torch.randn(s // (tp if sp else 1), b, w.model.hidden_size, device=w.device,
-                    dtype=w.base.params_dtype, requires_grad=True)  # [s/tp if sp, b, h]
+class _LayerShape:
+    """One (tp, sp, b, s) shape: its input and a timed forward + backward of each kind."""
 
-    def run(layer: torch.nn.Module, inp: torch.Tensor) -> torch.Tensor:
-        return layer(hidden_states=inp, attention_mask=None, rotary_pos_emb=rope)[0]
+    def __init__(self, w: _Worker, layers: dict[str, torch.nn.Module], *, tp: int, sp: bool,
+                 b: int, s: int) -> None:
+        self.w, self.layers, self.key = w, layers, (tp, sp, b, s)
+        self.rope = None
+        if w.model.position_embedding == "rope":
+            from megatron.core.models.common.embeddings.rotary_pos_embedding import (
+                RotaryEmbedding,
+            )
 
-    def fwd_bwd(kind: str) -> tuple[float, float, float | None, float | None]:
-        layer = layers["selective" if kind == "selective" else "none"]
-        base = torch.cuda.memory_allocated(w.device) if w.device.type == "cuda" else 0
-        if w.device.type == "cuda":
+            rope = RotaryEmbedding(kv_channels=w.model.head_dim, rotary_percent=1.0)
+            self.rope = rope(s).to(w.device)  # [s, 1, 1, d]
+        self.x = torch.randn(s // (tp if sp else 1), b, w.model.hidden_size, device=w.device,
+                             dtype=w.base.params_dtype, requires_grad=True)  # [s/tp if sp, b, h]
+        self.runs: dict[str, list[tuple]] = {kind: [] for kind in _KINDS}
+
+    def _run(self, layer: torch.nn.Module, inp: torch.Tensor) -> torch.Tensor:
+        return layer(hidden_states=inp, attention_mask=None, rotary_pos_emb=self.rope)[0]
+
+    def measure(self, kind: str, keep: bool) -> None:
+        """(forward s, backward s, kept bytes, peak bytes) of one run, started in lockstep."""
+        from megatron.core import tensor_parallel
+
+        w, x = self.w, self.x
+        layer = self.layers["selective" if kind == "selective" else "none"]
+        cuda = w.device.type == "cuda"
+        base = torch.cuda.memory_allocated(w.device) if cuda else 0
+        if cuda:
             torch.cuda.reset_peak_memory_stats(w.device)
         w.sync()
         t0 = w.now()
         if kind == "full":
-            out = tensor_parallel.checkpoint(lambda inp: run(layer, inp), False, x)
+            out = tensor_parallel.checkpoint(lambda inp: self._run(layer, inp), False, x)
         else:
-            out = run(layer, x)
+            out = self._run(layer, x)
         t1 = w.now()
-        kept = None
-        if w.device.type == "cuda":
-            kept = torch.cuda.memory_allocated(w.device) - base - out.numel() * out.element_size()
+        kept = (torch.cuda.memory_allocated(w.device) - base - out.numel() * out.element_size()
+                if cuda else None)
         out.backward(torch.ones_like(out))
         t2 = w.now()
-        peak = (torch.cuda.max_memory_allocated(w.device) - base
-                if w.device.type == "cuda" else None)
+        peak = torch.cuda.max_memory_allocated(w.device) - base if cuda else None
         x.grad = None
         for p in layer.parameters():
             p.grad = None
-        return t1 - t0, t2 - t1, kept, peak
+        if keep:
+            self.runs[kind].append((t1 - t0, t2 - t1, kept, peak))
 
-    kinds = ("none", "full", "selective")
-    runs: dict[str, list] = {kind: [] for kind in kinds}
-    for i in range(repeats + 1):  # interleaved, so slow drift in load hits all kinds alike
-        for kind in kinds:
-            result = fwd_bwd(kind)
-            if i > 0:  # the first round warms up
-                runs[kind].append(result)
-    med = {kind: [min(r[i] for r in rs) for i in range(2)]
-           for kind, rs in runs.items()}
-    kept = runs["none"][-1][2]
-    peak = runs["none"][-1][3]
-    return LayerSample(
-        tp=tp, sp=sp, micro_batch_size=b, seq_length=s, forward_s=med["none"][0],
-        backward_s=med["none"][1], recompute_s=max(0.0, med["full"][1] - med["none"][1]),
-        selective_recompute_s=max(0.0, med["selective"][1] - med["none"][1]),
-        activation_bytes=None if kept is None else float(max(kept, 0)),
-        peak_bytes=None if peak is None else float(peak),
-    )
+    def sample(self) -> LayerSample:
+        tp, sp, b, s = self.key
+        best = {kind: [min(r[i] for r in rs) for i in range(2)] for kind, rs in self.runs.items()}
+        _, _, kept, peak = self.runs["none"][-1]
+        return LayerSample(
+            tp=tp, sp=sp, micro_batch_size=b, seq_length=s, forward_s=best["none"][0],
+            backward_s=best["none"][1],
+            recompute_s=max(0.0, best["full"][1] - best["none"][1]),
+            selective_recompute_s=max(0.0, best["selective"][1] - best["none"][1]),
+            activation_bytes=None if kept is None else float(max(kept, 0)),
+            peak_bytes=None if peak is None else float(peak),
+        )
+
+
+def _layer_samples(w: _Worker, grid: ProfileGrid) -> list[LayerSample]:
+    """Every shape, round-robin over `repeats + 1` rounds (the first warms up), so a change in
+    the machine's load during profiling hits all shapes alike; the fastest run is kept."""
+    shapes = []
+    for tp in grid.tps:
+        for sp in (False, True) if tp > 1 else (False,):
+            layers = {rc: _layer(w, tp, sp, rc) for rc in ("none", "selective")}
+            shapes += [_LayerShape(w, layers, tp=tp, sp=sp, b=b, s=s)
+                       for s in grid.seq_lengths for b in grid.micro_batch_sizes]
+    for round_idx in range(grid.repeats + 1):
+        for shape in shapes:
+            for kind in _KINDS:
+                shape.measure(kind, keep=round_idx > 0)
+    return [shape.sample() for shape in shapes]
 
 
 def _vocab_sample(w: _Worker, *, tp: int, b: int, s: int, repeats: int) -> VocabSample:
@@ -252,19 +275,13 @@ def _optimizer_sample(w: _Worker, params: list[torch.nn.Parameter], repeats: int
 
 def _measure(w: _Worker, grid: ProfileGrid, with_vocab: bool
              ) -> tuple[list[LayerSample], list[VocabSample], list[OptimizerSample]]:
-    layer_samples, vocab_samples, opt_samples = [], [], []
+    layer_samples = _layer_samples(w, grid)
+    vocab_samples, opt_samples = [], []
     for tp in grid.tps:
-        for sp in (False, True) if tp > 1 else (False,):
-            layers = {rc: _layer(w, tp, sp, rc) for rc in ("none", "selective")}
-            for s in grid.seq_lengths:
-                for b in grid.micro_batch_sizes:
-                    layer_samples.append(_layer_sample(w, layers, tp=tp, sp=sp, b=b, s=s,
-                                                       repeats=grid.repeats))
-            if not sp:
-                params = [p for _ in range(4) for p in _layer(w, tp, False, "none").parameters()]
-                n = len(params) // 4
-                for k in (1, 4):
-                    opt_samples.append(_optimizer_sample(w, params[: k * n], grid.repeats))
+        params = [p for _ in range(4) for p in _layer(w, tp, False, "none").parameters()]
+        n = len(params) // 4
+        for k in (1, 4):
+            opt_samples.append(_optimizer_sample(w, params[: k * n], grid.repeats))
         if with_vocab:
             for s in grid.seq_lengths:
                 for b in grid.micro_batch_sizes:
