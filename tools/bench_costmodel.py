@@ -38,6 +38,8 @@ from bench_costmodel_runs import (
     GLOBAL_BATCH,
     SEQ_LENGTH,
     bench_plans,
+    fastest_cluster,
+    fastest_model,
     measure_rank,
     profile_hardware_rank,
 )
@@ -51,30 +53,66 @@ from megatron_ext.profiles import ClusterProfile, ModelProfile
 from megatron_ext.runtime.testing import run_distributed
 
 
-def get_profiles(args: argparse.Namespace) -> tuple[ClusterProfile, ModelProfile, dict]:
-    timings = {}
+def run_round(args: argparse.Namespace, timings: dict
+              ) -> tuple[ClusterProfile | None, ModelProfile | None, list[dict] | None]:
+    """One round: hardware profile, model profile, every plan measured once (each step skipped
+    when its input was given)."""
+    cluster = model = runs = None
     t0 = time.perf_counter()
-    if args.cluster_profile:
-        cluster = ClusterProfile.load(args.cluster_profile)
-    else:
+    if not args.cluster_profile:
         out = run_distributed(profile_hardware_rank, world_size=args.world_size, timeout_s=1800,
-                              collective_timeout_s=600, min_bytes=2**12, max_bytes=2**24)
+                              collective_timeout_s=600, min_bytes=2**12, max_bytes=2**24,
+                              repeats=args.repeats)
         cluster = ClusterProfile.from_dict(out[0])
-        timings["profile_hardware_s"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    if args.model_profile:
-        model = ModelProfile.load(args.model_profile)
-    else:
-        grid = ProfileGrid(tps=(1, 2, 4), micro_batch_sizes=(1, 2, 4, 8),
+    t1 = time.perf_counter()
+    if not args.model_profile:
+        grid = ProfileGrid(tps=(1, 2, 4), micro_batch_sizes=(2, 4, 8),
                            seq_lengths=(SEQ_LENGTH // 2, SEQ_LENGTH), repeats=args.repeats)
         model = profile_model(BENCH_MODEL, precision="fp32", grid=grid,
                               concurrency=args.world_size, threads=1)
-        timings["profile_model_s"] = time.perf_counter() - t0
+    t2 = time.perf_counter()
+    if not args.reuse_measured:
+        runs = run_distributed(measure_rank, world_size=args.world_size, timeout_s=3600,
+                               collective_timeout_s=900,
+                               plans=[pl.to_dict() for _, pl in bench_plans()], rounds=1,
+                               steps=args.steps,
+                               overlap_grad_reduce=not args.no_overlap_grad_reduce)[0]
+    t3 = time.perf_counter()
+    timings.setdefault("load_avg_1m_per_round", []).append(os.getloadavg()[0])
+    for key, dt in (("profile_hardware_s", t1 - t0), ("profile_model_s", t2 - t1),
+                    ("measure_s", t3 - t2)):
+        timings[key] = timings.get(key, 0.0) + dt
+    return cluster, model, runs
+
+
+def collect(args: argparse.Namespace) -> tuple[ClusterProfile, ModelProfile, list[dict], dict]:
+    """`rounds` interleaved rounds of profiling and measuring, so both see the same spread of
+    load from other processes; per quantity the least disturbed (fastest) round is kept."""
+    timings: dict = {}
+    rounds = [run_round(args, timings) for _ in range(args.rounds)]
+    if args.cluster_profile:
+        cluster = ClusterProfile.load(args.cluster_profile)
+    else:
+        cluster = fastest_cluster([r[0] for r in rounds])
+    if args.model_profile:
+        model = ModelProfile.load(args.model_profile)
+    else:
+        model = fastest_model([r[1] for r in rounds])
+    if args.reuse_measured:
+        old = {r["plan"]: r for r in json.loads(Path(args.reuse_measured).read_text())["plans"]}
+        runs = [{k: old[name][k] for k in ("measured_s", "median_s", "max_s", "loss")}
+                for name, _ in bench_plans()]
+    else:
+        per_plan = list(zip(*(r[2] for r in rounds)))
+        runs = [{"measured_s": min(r["measured_s"] for r in rs),
+                 "median_s": statistics.median(r["median_s"] for r in rs),
+                 "max_s": max(r["max_s"] for r in rs), "loss": rs[-1]["loss"]}
+                for rs in per_plan]
     if args.save_profiles:
         Path(args.save_profiles).mkdir(parents=True, exist_ok=True)
         cluster.save(Path(args.save_profiles) / "cluster_profile.json")
         model.save(Path(args.save_profiles) / "model_profile.json")
-    return cluster, model, timings
+    return cluster, model, runs, timings
 
 
 def predict(plan: ParallelPlan, cm: CostModel) -> float:
@@ -95,32 +133,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cluster-profile", default=None, help="reuse this cluster profile")
     p.add_argument("--model-profile", default=None, help="reuse this model profile")
     p.add_argument("--save-profiles", default=None, help="directory to write both profiles to")
-    p.add_argument("--repeats", type=int, default=3, help="model profiler repeats per shape")
-    p.add_argument("--rounds", type=int, default=2, help="round-robin passes over the plans")
+    p.add_argument("--repeats", type=int, default=2, help="profiler repeats per point per round")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="interleaved rounds of profiling and measuring")
     p.add_argument("--steps", type=int, default=2, help="timed steps per plan per round")
     p.add_argument("--no-overlap-grad-reduce", action="store_true")
     p.add_argument("--reuse-measured", default=None,
                    help="take measured times from this earlier --json instead of running")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
-    cluster, model_prof, timings = get_profiles(args)
+    cluster, model_prof, runs, timings = collect(args)
     training = TrainingSpec(global_batch_size=GLOBAL_BATCH, seq_length=SEQ_LENGTH,
                             precision="fp32", dropout=False, flash_attention=False)
     profiled = ProfiledCostModel(BENCH_MODEL, cluster.cluster, training, comm=cluster,
                                  model_profile=model_prof)
     analytic = CostModel(BENCH_MODEL, cluster.cluster, training)
     plans = bench_plans()
-    t0 = time.perf_counter()
-    if args.reuse_measured:  # iterate on the cost model without re-running the plans
-        old = {r["plan"]: r for r in json.loads(Path(args.reuse_measured).read_text())["plans"]}
-        runs = [{k: old[name][k] for k in ("measured_s", "median_s", "max_s", "loss")}
-                for name, _ in plans]
-    else:
-        runs = run_distributed(measure_rank, world_size=args.world_size, timeout_s=3600,
-                               collective_timeout_s=900, plans=[pl.to_dict() for _, pl in plans],
-                               rounds=args.rounds, steps=args.steps,
-                               overlap_grad_reduce=not args.no_overlap_grad_reduce)[0]
-        timings["measure_s"] = time.perf_counter() - t0
     rows = []
     for (name, plan), run in zip(plans, runs):
         pred, base = predict(plan, profiled), predict(plan, analytic)
@@ -137,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps({
             "summary": summary, "analytic_summary": analytic_summary, "plans": rows,
             "overlap_slowdown": cluster.overlap_slowdown,
+            "compute_slots_per_node": cluster.compute_slots_per_node,
             "peak_flops_per_rank": cluster.cluster.peak_flops,
             "model_fit": {k: {"median_rel_error": a, "max_rel_error": b}
                           for k, (a, b) in model_prof.fit_report().items()},
@@ -153,7 +182,8 @@ def print_table(rows: list[dict], summary: dict, analytic: dict, cluster: Cluste
                 model: ModelProfile) -> None:
     print(f"{cluster.device}, {cluster.backend} x {cluster.cluster.gpus_per_node} ranks: peak "
           f"{cluster.cluster.peak_flops / 1e9:.1f} GFLOP/s per rank, overlap slowdown "
-          f"{cluster.overlap_slowdown:.2f}; model fit forward median error "
+          f"{cluster.overlap_slowdown:.2f}, {cluster.compute_slots_per_node} compute slots; "
+          f"model fit forward median error "
           f"{model.fit_report()['forward_s'][0]:.1%}")
     print(f"{'plan':<30}{'predicted s':>12}{'measured s':>12}{'error':>9}{'analytic s':>12}"
           f"{'error':>9}")

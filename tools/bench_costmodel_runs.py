@@ -5,6 +5,7 @@ Legend: b = micro-batch (all replicas), s = sequence.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from typing import Any
@@ -117,3 +118,44 @@ def profile_hardware_rank(rank: int, world_size: int, **kwargs: Any) -> dict[str
     profile = profile_hardware(world=dist.group.WORLD, device=torch.device("cpu"),
                                local_world_size=world_size, **kwargs)
     return profile.to_dict() if rank == 0 else None
+
+
+def fastest_cluster(profiles: list[Any]) -> Any:
+    """Merge cluster profiles of several rounds: per point the fastest time, the highest peak
+    and compute slots, the smallest overlap slowdown (each the least disturbed measurement)."""
+    from megatron_ext.profiles import fitted_link
+
+    first = profiles[0]
+    curves = tuple(dataclasses.replace(c, seconds=tuple(
+        min(p.collectives[i].seconds[j] for p in profiles) for j in range(len(c.seconds))))
+        for i, c in enumerate(first.collectives))
+    ar = [c for c in curves if c.collective == "all_reduce"]
+    intra = fitted_link([c for c in ar if not c.crosses_nodes]) or first.cluster.intra_node
+    inter = fitted_link([c for c in ar if c.crosses_nodes]) or intra
+    cluster = dataclasses.replace(first.cluster, intra_node=intra, inter_node=inter,
+                                  peak_flops=max(p.cluster.peak_flops for p in profiles))
+    return dataclasses.replace(
+        first, cluster=cluster, collectives=curves,
+        overlap_slowdown=min(p.overlap_slowdown for p in profiles),
+        compute_slots_per_node=max(p.compute_slots_per_node for p in profiles))
+
+
+def fastest_model(profiles: list[Any]) -> Any:
+    """Merge model profiles of several rounds: fastest time per field, except the recompute
+    terms (differences of two times), whose median is kept."""
+    def merge(samples: tuple) -> Any:
+        values = {}
+        for f in dataclasses.fields(samples[0]):
+            items = [getattr(s, f.name) for s in samples]
+            if not isinstance(items[0], float):
+                values[f.name] = items[0]
+            elif f.name in ("recompute_s", "selective_recompute_s"):
+                values[f.name] = float(statistics.median(items))
+            else:
+                values[f.name] = min(items)
+        return type(samples[0])(**values)
+
+    first = profiles[0]
+    return dataclasses.replace(first, **{
+        key: tuple(merge(group) for group in zip(*(getattr(p, key) for p in profiles)))
+        for key in ("layers", "vocab", "optimizer")})
