@@ -1,0 +1,223 @@
+"""Runtime overhead benchmark: a uniform plan through `build_model`/`train_step` against plain
+megatron-core (`initialize_model_parallel`, stock `GPTModel`, `DistributedDataParallel`,
+`get_megatron_optimizer`, `finalize_model_grads`, its own schedule) on the same gloo ranks, plus
+step times of heterogeneous plans.
+
+    python tools/bench_runtime.py [--world-size 4] [--steps 10] [--json bench_runtime.json]
+
+Both systems run in the same processes, steps interleaved in alternating order so machine load
+hits both alike. A step's time is the slowest rank's; each system's time is the median
+over steps (the minimum is reported too). `overhead_ratio_uniform` = ours / plain for the
+uniform plan (same model, data, per-token loss, AdamW, clip 1.0). Prints a table to stderr and
+writes JSON {summary: {overhead_ratio_uniform, ...}, plans: [...], setup: {...}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from megatron_ext.plan import LayerStrategy as L
+from megatron_ext.plan import ParallelPlan, VocabStrategy
+from megatron_ext.runtime.testing import run_distributed
+from megatron_ext.specs import ModelSpec
+
+BENCH_MODEL = ModelSpec(
+    name="bench-llama", num_layers=4, hidden_size=256, ffn_hidden_size=704,
+    num_attention_heads=8, num_query_groups=4, vocab_size=2048, max_position_embeddings=512,
+)
+SEQ, MBS, NUM_MB = 128, 8, 2
+UNIFORM = [L(tp=2, sp=True, dp=2)] * 4
+
+
+def make_plan(layers: list[L], *, world: int, pp: int = 1, stages=None, vtp: int = 2
+              ) -> ParallelPlan:
+    n = len(layers)
+    stages = stages or tuple((i * n // pp, (i + 1) * n // pp) for i in range(pp))
+    return ParallelPlan(world_size=world, pp=pp, stages=tuple(stages), layers=tuple(layers),
+                        model=BENCH_MODEL, micro_batch_size=MBS, global_batch_size=MBS * NUM_MB,
+                        seq_length=SEQ, precision="fp32", vocab=VocabStrategy(tp=vtp))
+
+
+def hetero_plans(world: int) -> dict[str, ParallelPlan]:
+    if world != 4:
+        return {}
+    return {
+        "tp1/dp4 <-> tp2/dp2 alternating": make_plan([L(dp=4), L(tp=2, dp=2)] * 2, world=4),
+        "tp4, tp2+sp, tp1": make_plan([L(tp=4), L(tp=2, sp=True, dp=2), L(dp=4), L(tp=4)],
+                                      world=4),
+        "mixed recompute": make_plan([L(tp=2, sp=True, dp=2, recompute=r) for r in
+                                      ("selective", "full", "none", "none")], world=4),
+        "zero-1 on half": make_plan([L(dp=4, zero=1)] * 2 + [L(tp=2, dp=2)] * 2, world=4),
+        "cp2 + ulysses2": make_plan([L(cp=2, dp=2), L(tp=2, dp=2), L(ulysses=2, dp=2),
+                                     L(tp=2, cp=2)], world=4),
+        "pp2 3+1, tp2 | dp2": make_plan([L(tp=2)] * 3 + [L(dp=2)], world=4, pp=2,
+                                        stages=[(0, 3), (3, 4)]),
+    }
+
+
+def batches(plan: ParallelPlan, seed: int = 0) -> list[dict]:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(plan.num_microbatches):
+        ids = torch.randint(0, plan.model.vocab_size, (plan.micro_batch_size,
+                                                       plan.seq_length + 1), generator=gen)
+        out.append({"tokens": ids[:, :-1], "labels": ids[:, 1:],
+                    "loss_mask": torch.ones(plan.micro_batch_size, plan.seq_length)})
+    return out
+
+
+def opt_config():
+    import torch
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.01, clip_grad=1.0,
+                           params_dtype=torch.float32)
+
+
+def plain_megatron(plan: ParallelPlan):
+    """Stock megatron-core for a uniform plan; returns a step function."""
+    import torch
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
+
+    from megatron_ext.megatron_adapter import cpu_compat
+    from megatron_ext.megatron_adapter.build import padded_vocab_size
+    from megatron_ext.megatron_adapter.layers import base_config
+    from megatron_ext.megatron_adapter.sp_norm import gpt_block_spec
+
+    strategy = plan.layers[0]
+    cpu_compat.apply()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=strategy.tp)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    config = base_config(plan.model, "fp32", tensor_model_parallel_size=strategy.tp,
+                         sequence_parallel=strategy.sp, calculate_per_token_loss=True)
+    model = GPTModel(config=config, transformer_layer_spec=gpt_block_spec(config, pp_rank=0),
+                     vocab_size=padded_vocab_size(plan.model.vocab_size, strategy.tp),
+                     max_sequence_length=plan.model.max_position_embeddings,
+                     position_embedding_type="rope")
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+    optimizer = get_megatron_optimizer(opt_config(), [ddp])
+    config.no_sync_func, config.finalize_model_grads_func = ddp.no_sync, finalize_model_grads
+    dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+
+    def forward_step(data_iterator, model):
+        batch = next(data_iterator)
+        part = slice(dp_rank * MBS // dp, (dp_rank + 1) * MBS // dp)  # this replica's samples
+        loss = model(batch["tokens"][part], None, None, labels=batch["labels"][part])
+
+        def loss_func(output):
+            mask = batch["loss_mask"][part]
+            total = (output * mask).sum()
+            return total, mask.sum().to(torch.int), {"lm loss": total.detach()}
+        return loss, loss_func
+
+    def step(micro: list[dict]) -> None:
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(micro),
+                                    model=[ddp], num_microbatches=len(micro), seq_length=SEQ,
+                                    micro_batch_size=MBS // dp)
+        optimizer.step()
+    return step
+
+
+def ours(plan: ParallelPlan):
+    from megatron_ext.megatron_adapter.build import build_model
+    from megatron_ext.megatron_adapter.optimizer import build_optimizer
+    from megatron_ext.megatron_adapter.train_step import train_step
+
+    chunks, groups = build_model(plan)
+    optimizer = build_optimizer(chunks, opt_config())
+    return lambda micro: train_step(chunks, optimizer, iter(micro), groups)
+
+
+def _timed(step, micro: list[dict]) -> float:
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    step(micro)
+    return time.perf_counter() - start
+
+
+def bench_rank(rank: int, world_size: int, *, steps: int, warmup: int) -> dict:
+    warnings.filterwarnings("ignore")
+    uniform = make_plan(UNIFORM, world=world_size)
+    runs = {"plain megatron-core (uniform)": plain_megatron(uniform),
+            "megatron_ext (uniform)": ours(uniform)}
+    runs.update({name: ours(plan) for name, plan in hetero_plans(world_size).items()})
+    micro = batches(uniform)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    order = list(runs)
+    for i in range(warmup + steps):
+        for name in order if i % 2 else order[::-1]:  # interleaved, alternating order
+            elapsed = _timed(runs[name], micro)
+            if i >= warmup:
+                times[name].append(elapsed)
+    return times
+
+
+def summarize(per_rank: list[dict], world: int, steps: int) -> dict:
+    plans = []
+    for name in per_rank[0]:
+        slowest = [max(rank[name][i] for rank in per_rank) for i in range(steps)]
+        plans.append({"name": name, "step_ms_median": 1e3 * statistics.median(slowest),
+                      "step_ms_min": 1e3 * min(slowest)})
+    by_name = {p["name"]: p for p in plans}
+    base = by_name["plain megatron-core (uniform)"]
+    mine = by_name["megatron_ext (uniform)"]
+    return {
+        "summary": {
+            "overhead_ratio_uniform": mine["step_ms_median"] / base["step_ms_median"],
+            "overhead_ratio_uniform_min": mine["step_ms_min"] / base["step_ms_min"],
+            "uniform_plan": "tp2+sp dp2 x 4 layers",
+        },
+        "plans": plans,
+        "setup": {"world_size": world, "steps": steps, "model": BENCH_MODEL.to_dict(),
+                  "seq_length": SEQ, "micro_batch_size": MBS, "num_microbatches": NUM_MB,
+                  "host": platform.node(), "processor": platform.processor()},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    per_rank = run_distributed(bench_rank, world_size=args.world_size, timeout_s=3600,
+                               steps=args.steps, warmup=args.warmup)
+    report = summarize(per_rank, args.world_size, args.steps)
+    print(f"{'plan':42s} {'median ms':>10s} {'min ms':>10s}", file=sys.stderr)
+    for p in report["plans"]:
+        print(f"{p['name']:42s} {p['step_ms_median']:10.1f} {p['step_ms_min']:10.1f}",
+              file=sys.stderr)
+    s = report["summary"]
+    print(f"overhead_ratio_uniform {s['overhead_ratio_uniform']:.3f} (median), "
+          f"{s['overhead_ratio_uniform_min']:.3f} (min)", file=sys.stderr)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
