@@ -166,6 +166,8 @@ def build_model(
     if not wrap_ddp:
         return [model], groups
     chunk = HeteroDDP(model, ddp_config or DistributedDataParallelConfig())
+    if init == "megatron":  # megatron's TP-rng init differs between replicas of a shard
+        chunk.broadcast_params()
     model.config.no_sync_func = chunk.no_sync
     model.config.finalize_model_grads_func = finalize_grads
     return [chunk], groups
