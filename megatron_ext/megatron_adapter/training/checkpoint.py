@@ -148,9 +148,12 @@ def prewarm_checkpoint_writer() -> threading.Thread:
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     def warm() -> None:
-        queue = filesystem_async._get_write_results_queue()
-        queue.put(torch.Size([0]))
-        queue.get()
+        try:
+            queue = filesystem_async._get_write_results_queue()
+            queue.put(torch.Size([0]))
+            queue.get()
+        except (EOFError, OSError):  # best effort: the process may be exiting already
+            pass
 
     thread = threading.Thread(target=warm, name="megatron_ext-ckpt-prewarm", daemon=True)
     thread.start()

@@ -177,6 +177,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PlanError as err:
         return _error(str(err))
     init_distributed(args)
+    if dist.get_rank() != 0:  # megatron-core's INFO lines (DDP buckets, ...) once, not per rank
+        logging.getLogger("megatron.core").setLevel(logging.WARNING)
     try:
         tokenizer = tokenizer_from_args(args)
         plan = plan_from_megatron_args(args, dist.get_world_size(),
