@@ -275,7 +275,8 @@ def load_checkpoint(root: str | Path, backend: Any, scheduler: Any, plan: Parall
     """Restore the latest checkpoint under `root`; None (and nothing changed) when there is none."""
     iteration = read_tracker(root)
     if iteration is None:
-        logger.warning("no %s under --load=%s; starting from scratch", TRACKER_FILE, root)
+        if dist.get_rank() == 0:
+            logger.warning("no %s under --load=%s; starting from scratch", TRACKER_FILE, root)
         return None
     ckpt_dir = str(iteration_dir(root, iteration))
     common = dist_checkpointing.load_common_state_dict(ckpt_dir)
