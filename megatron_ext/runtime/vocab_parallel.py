@@ -26,8 +26,10 @@ from megatron_ext.runtime.vocab.cost import (
     vocab_pass_costs,
 )
 from megatron_ext.runtime.vocab.input_layer import (
-    embedding_backward_pass,
+    EmbeddingLookup,
+    accumulate_embedding_grad,
     embedding_forward_pass,
+    flush_embedding_grad,
 )
 from megatron_ext.runtime.vocab.output_layer import (
     OutputShardState,
@@ -51,10 +53,33 @@ from megatron_ext.runtime.vocab.schedule_sim import (
 )
 
 __all__ = [
-    "GROUP_KINDS", "Op", "OutputShardState", "PassCosts", "TimedOp", "Timeline", "TokenStats",
-    "VocabCommGroups", "VocabPartition", "VocabPassRunner", "baseline_pass_costs",
-    "combine_stats", "embedding_backward_pass", "embedding_forward_pass",
-    "finish_fused_input_grad", "layer_forward_flops", "new_vocab_comm_groups", "num_warmup",
-    "output_forward_pass", "output_weight_grad_pass", "plan_vocab_schedule", "simulate",
-    "simulate_baseline", "skeleton_1f1b", "softmax_scale", "vocab_pass_costs", "vocab_rank_lists",
+    "GROUP_KINDS",
+    "EmbeddingLookup",
+    "Op",
+    "OutputShardState",
+    "PassCosts",
+    "TimedOp",
+    "Timeline",
+    "TokenStats",
+    "VocabCommGroups",
+    "VocabPartition",
+    "VocabPassRunner",
+    "accumulate_embedding_grad",
+    "baseline_pass_costs",
+    "combine_stats",
+    "embedding_forward_pass",
+    "finish_fused_input_grad",
+    "flush_embedding_grad",
+    "layer_forward_flops",
+    "new_vocab_comm_groups",
+    "num_warmup",
+    "output_forward_pass",
+    "output_weight_grad_pass",
+    "plan_vocab_schedule",
+    "simulate",
+    "simulate_baseline",
+    "skeleton_1f1b",
+    "softmax_scale",
+    "vocab_pass_costs",
+    "vocab_rank_lists",
 ]

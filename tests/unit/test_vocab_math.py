@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from megatron_ext.runtime.vocab.input_layer import (
-    embedding_backward_pass,
+    accumulate_embedding_grad,
     embedding_forward_pass,
+    flush_embedding_grad,
 )
 from megatron_ext.runtime.vocab.output_layer import (
     combine_stats,
@@ -90,14 +91,19 @@ def test_input_embedding_matches_lookup() -> None:
     part = VocabPartition.create(23, 4)
     w_full = torch.randn(part.padded_vocab_size, 6, dtype=torch.float64)
     tokens = torch.randint(0, 23, (7, 2))  # [s, b]
-    grad = torch.randn(7, 2, 6, dtype=torch.float64)
+    grads = [torch.randn(7, 2, 6, dtype=torch.float64) for _ in range(2)]  # two micro-batches
     shards = [w_full[k * part.shard_size:(k + 1) * part.shard_size].clone().requires_grad_()
               for k in range(4)]
-    partials = [embedding_forward_pass(tokens, shards[k], vocab_start=part.shard_start(k),
-                                       num_valid=part.num_valid(k)) for k in range(4)]
-    torch.testing.assert_close(sum(p.detach() for p in partials), w_full[tokens], **TOL)
-    for k, partial in enumerate(partials):
-        partial.data = torch.empty(1, dtype=partial.dtype)  # pseudo-freed, as the runtime does
-        embedding_backward_pass(partial, grad)
-    ref = torch.zeros_like(w_full).index_add_(0, tokens.reshape(-1), grad.reshape(-1, 6))
-    torch.testing.assert_close(torch.cat([w.grad for w in shards]), ref, **TOL)
+    looked_up = [embedding_forward_pass(tokens, shards[k], vocab_start=part.shard_start(k),
+                                        num_valid=part.num_valid(k)) for k in range(4)]
+    torch.testing.assert_close(sum(partial for partial, _ in looked_up), w_full[tokens], **TOL)
+    for k, (_, lookup) in enumerate(looked_up):
+        buffer = torch.zeros_like(shards[k])
+        for grad in grads:
+            accumulate_embedding_grad(buffer, lookup, grad)
+        shards[k].grad = torch.ones_like(shards[k])  # flushing accumulates, like autograd
+        flush_embedding_grad(shards[k], buffer)
+    ref = torch.zeros_like(w_full)
+    for grad in grads:
+        ref.index_add_(0, tokens.reshape(-1), grad.reshape(-1, 6))
+    torch.testing.assert_close(torch.cat([w.grad for w in shards]), ref + 1, **TOL)

@@ -29,8 +29,10 @@ import torch.distributed as dist
 from megatron_ext.runtime.vocab import output_layer as out
 from megatron_ext.runtime.vocab.comm import CommStreams, VocabCommGroups
 from megatron_ext.runtime.vocab.input_layer import (
-    embedding_backward_pass,
+    EmbeddingLookup,
+    accumulate_embedding_grad,
     embedding_forward_pass,
+    flush_embedding_grad,
 )
 from megatron_ext.runtime.vocab.partition import VocabPartition
 
@@ -65,9 +67,14 @@ class VocabPassRunner:
         self.shape, self.dtype = hidden_shape, dtype
         self.n = hidden_shape[0] * hidden_shape[1]
         self.device = output_weight.device
+        if self.device.type != "cpu":  # see the report: worker threads need side streams there
+            raise NotImplementedError(
+                f"vocabulary-parallel passes run on CPU/gloo only for now (weights on "
+                f"{self.device}); accelerators need per-worker streams with event fences")
         self.streams = CommStreams(groups, thread_initializer=thread_initializer)
         self._fire: list[Future] = []  # jobs nobody waits for (roots' sends): checked at close
-        self._emb: dict[int, tuple[torch.Tensor, Future | None]] = {}
+        self._emb: dict[int, tuple[EmbeddingLookup, Future | None]] = {}
+        self._emb_grad: torch.Tensor | None = None  # [v, h], flushed into w_in at close
         self._out: dict[int, out.OutputShardState] = {}
         self._stats: dict[int, Future] = {}
         self._xgrad: dict[int, Future] = {}
@@ -100,42 +107,42 @@ class VocabPassRunner:
 
     def input_forward(self, i: int, tokens: torch.Tensor) -> None:  # tokens: [s, b]
         """IF: partial lookup, summed over the group in the background (in place)."""
-        partial = embedding_forward_pass(tokens, self.w_in, vocab_start=self.start,
-                                         num_valid=self.num_valid)  # [s, b, h]
-        job = self.streams.submit("emb_fwd", _all_reduce_job, partial.detach())
-        self._emb[i] = (partial, job)
-        if not self.is_first_stage:  # the sums only feed stage 0: free the finished ones
+        partial, lookup = embedding_forward_pass(tokens, self.w_in, vocab_start=self.start,
+                                                 num_valid=self.num_valid)  # [s, b, h]
+        self._emb[i] = (lookup, self.streams.submit("emb_fwd", _all_reduce_job, partial))
+        if not self.is_first_stage:  # the sums only feed stage 0: drop the finished ones
             for j, (old, done) in list(self._emb.items()):
                 if done is not None and done.done():
                     done.result()
-                    out._pseudo_free(old)
                     self._emb[j] = (old, None)
             if self.forward_only:  # no IB will come for them
                 self._emb = {j: v for j, v in self._emb.items() if v[1] is not None}
 
     def take_embedding(self, i: int) -> torch.Tensor:
         """First stage: wait for the summed embedding [s, b, h]; a leaf that retains its grad."""
-        partial, job = self._emb.pop(i) if self.forward_only else self._emb[i]
+        lookup, job = self._emb.pop(i) if self.forward_only else self._emb[i]
         assert job is not None, f"embedding {i} taken twice"
-        summed = job.result()  # [s, b, h], shares the partial's storage
+        summed = job.result()  # [s, b, h]
         if self.forward_only:
             return summed
-        out._pseudo_free(partial)  # the partial's graph stays for IB; its data lives on in summed
-        self._emb[i] = (partial, None)
+        self._emb[i] = (lookup, None)
         return summed.requires_grad_()
 
     def input_backward(self, i: int, grad: torch.Tensor | None = None) -> None:
         """IB: the first stage's root passes dL/d(embedding) [s, b, h] and broadcasts it."""
-        partial, job = self._emb.pop(i)
-        if job is not None:  # other ranks: the sum only fed stage 0; drop it
+        lookup, job = self._emb.pop(i)
+        if job is not None:  # other ranks: the sum only fed stage 0
             job.result()
-            out._pseudo_free(partial)
         if self.is_embedding_root:
             assert grad is not None, "the first stage's root must pass its embedding gradient"
             self._fire.append(self.streams.submit("emb_bwd", _broadcast_job, grad, self.rank))
         else:
             grad = self._recv["emb_bwd"].pop(i).result()
-        embedding_backward_pass(partial, grad)
+        if self._emb_grad is None:
+            dtype = self.w_in.dtype if self.w_in.dtype in (torch.float32, torch.float64) else (
+                torch.float32)
+            self._emb_grad = torch.zeros(self.w_in.shape, dtype=dtype, device=self.device)
+        accumulate_embedding_grad(self._emb_grad, lookup, grad)
 
     # ---- output layer -------------------------------------------------------------------------
 
@@ -224,13 +231,16 @@ class VocabPassRunner:
         if self.forward_only:  # ranks off the last stage never read their losses
             for i in list(self._stats):
                 self.drop_output(i)
-            for partial, job in self._emb.values():
+            for _, job in self._emb.values():
                 if job is not None:
                     job.result()
             self._emb.clear()
         for job in self._fire:
             job.result()
         self.streams.close()
+        if self._emb_grad is not None:
+            flush_embedding_grad(self.w_in, self._emb_grad)
+            self._emb_grad = None
         leftovers = {k: v for k, v in (
             ("emb", self._emb), ("out", self._out), ("stats", self._stats), ("g", self._g),
             ("xgrad", self._xgrad), *self._recv.items()) if v}
