@@ -26,7 +26,7 @@ MAX_MULTISETS = 4096
 """At most this many multisets per micro-batch (large N): caps shrink until they fit."""
 PAIR_SLACK = 4
 """Groups of a degree beyond those its ideal sequences need (see _count_caps)."""
-HOMOGENEOUS_TRIES = 8
+HOMOGENEOUS_TRIES = 3
 """Homogeneous multisets (best bounds first, while below the best found) every finished
 micro-batch also tries: the static special case is then never missed."""
 

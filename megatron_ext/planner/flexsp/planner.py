@@ -37,15 +37,18 @@ MAX_EVALS = 16
 """Cap on multisets assigned per micro-batch (per-call overhead dominates tiny micro-batches)."""
 MAX_REFINED = 4
 """Cap on refined candidates per micro-batch."""
+SCORE_SLACK = 0.05
+"""A cut is scored unless its lower bound exceeds the best score by this much (scores are
+estimates; local search lands a few percent off them either way)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlannerOptions:
     """Search effort knobs of the fast planner."""
 
-    extra_microbatches: int = 0
-    """Micro-batch counts tried beyond the first feasible one (FlexSP tries 4-5; on our cost
-    model more micro-batches never paid off in the benchmark batches, see the report)."""
+    extra_microbatches: int = 1
+    """Micro-batch counts tried beyond the first feasible one (FlexSP tries 4-5); one more
+    helps when the first feasible count packs memory tightly."""
     max_microbatches: int = 64
     """Give up (PlanError) when no count up to this one is feasible."""
     cuts: tuple[str, ...] = ("consecutive", "balanced")
@@ -64,6 +67,8 @@ class PlannerOptions:
     """More refined candidates for small micro-batches: up to refine_budget / num_sequences."""
     refine_rounds: int = 200
     """Local-search rounds per refined assignment."""
+    finish_every_count: bool = True
+    """Finish the best-scored cut of every micro-batch count (else only the best overall)."""
     finish_slack: float = 0.0
     """A further cut is finished (local search) while its score is below (1 + slack) x the
     best finished plan's time (scores are unrefined estimates)."""
@@ -113,13 +118,16 @@ _Planned = tuple[float, list[tuple[np.ndarray, Assignment]]]
 
 def _search_cuts(desc: np.ndarray, cost: FlexSPCostModel, options: PlannerOptions,
                  fixed: np.ndarray | None) -> _Planned | None:
-    """Score every micro-batch cut worth trying, then finish them in score order; keep the
-    fastest. A cut is finished only while its score beats the best finished plan's time."""
-    scored = _score_cuts(desc, cost, options, fixed)
+    """Score every micro-batch cut worth trying, then finish them; keep the fastest. The
+    best-scored cut of every micro-batch count is finished (scores are unrefined estimates and
+    compare poorly across counts); other cuts only while their score beats the best time."""
+    scored = sorted(_score_cuts(desc, cost, options, fixed), key=lambda item: item[0])
+    leaders = {min(i for i, c in enumerate(scored) if len(c[1]) == n)  # sorted: first is best
+               for n in {len(c[1]) for c in scored}} if options.finish_every_count else {0}
     best: _Planned | None = None
-    for score, runs, cands in sorted(scored, key=lambda item: item[0]):
-        if best is not None and score >= best[0] * (1 + options.finish_slack):
-            break
+    for i, (score, runs, cands) in enumerate(scored):
+        if best is not None and i not in leaders and score >= best[0] * (1 + options.finish_slack):
+            continue
         total, done = 0.0, []
         for run, c in zip(runs, cands):
             result = finish(c, extra_evals=min(MAX_EVALS, max(1, options.eval_budget // run.size)),
@@ -138,7 +146,8 @@ def _score_cuts(desc: np.ndarray, cost: FlexSPCostModel, options: PlannerOptions
     """(score, runs, candidates) of each cut: its micro-batches' first candidates, unrefined.
 
     A cut is skipped when its lower bound (each micro-batch: fixed term + its least GPU-seconds
-    over N, or its longest sequence's fastest time) or its partial score reaches the best score.
+    over N, or its longest sequence's fastest time) or its partial score exceeds the best score
+    by SCORE_SLACK.
     """
     whole = make_problem(desc, cost)
     rows = np.arange(desc.size)
@@ -157,7 +166,8 @@ def _score_cuts(desc: np.ndarray, cost: FlexSPCostModel, options: PlannerOptions
             runs = [r for r in runs if r.size]
             bound = sum(beta + max(min_gpu_s[r].sum() / cost.num_gpus, fastest[r].max())
                         for r in runs)
-            if bound >= best:
+            limit = best * (1 + SCORE_SLACK)
+            if bound >= limit:
                 continue
             score, cands = 0.0, []
             for run in runs:
@@ -166,11 +176,11 @@ def _score_cuts(desc: np.ndarray, cost: FlexSPCostModel, options: PlannerOptions
                     big_fraction=options.big_fraction, level_pack=options.level_pack,
                     fixed_counts=fixed)
                 score += beta + c.score
-                if score >= best:
+                if score >= limit:
                     break
                 cands.append(c)
-            if score < best:
-                best = score
+            if score < limit:
+                best = min(best, score)
                 out.append((score, runs, cands))
         if out and first_feasible is None:
             first_feasible = num_mb
