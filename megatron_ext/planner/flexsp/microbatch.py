@@ -1,11 +1,12 @@
 """Plan one micro-batch: candidate group multisets and assignments, then local search.
 
-`microbatch_candidates` builds up to `max_evals + 1` complete assignments without local search:
-the multisets with the smallest lower bounds (multisets.py), each filled by earliest-finish-time
-+ water-filling (assign.py), and the level-packing search (level_pack.py). Each candidate has a
-score (its makespan, or for level packing the fluid level it reached, a closer predictor of the
-makespan after local search). `finish` refines the best-scored ones (refine.py) and keeps the
-fastest. The planner ranks whole micro-batch cuts by score and only finishes the promising ones.
+`microbatch_candidates` gives the first candidate(s) without local search: the level-packing
+search (level_pack.py), whose score is the fluid level it reached (a close predictor of the
+makespan after local search); only if that finds nothing, the multisets with the smallest lower
+bounds (multisets.py, each filled by earliest-finish-time + water-filling, assign.py) and then
+the homogeneous ones. The planner scores whole micro-batch cuts with these. `finish` then, for
+the cuts worth it, assigns more multisets in bound order and the best homogeneous ones, refines
+the best candidates (refine.py) and keeps the fastest.
 """
 
 from __future__ import annotations
