@@ -25,8 +25,10 @@ from megatron_ext.runtime.vocab.schedule_ops import Op, num_warmup, skeleton_1f1
 from megatron_ext.runtime.vocab.schedule_sim import PassCosts, Timeline, simulate
 
 _MODES = ("slots", "open")
-"""Candidate boundaries: "slots" = one per step (before F; the last stage: before B), "open" =
-every boundary off the critical chains. Both are tried; the faster simulated plan wins."""
+"""Candidate boundaries: "slots" = one per step (before F; the last stage: before B) plus those
+before a P2P call that waits anyway (nominally), "open" = every boundary off the critical
+chains. Both are tried; the faster simulated plan wins."""
+_P2P_CALLS = frozenset({"RF", "SF", "SFRB", "SBRF", "RB", "SB"})
 _PRIORITY = {"IF": 0, "S": 1, "L": 2, "T": 3, "IB": 4}
 _CLOSED = frozenset({("F", "SF"), ("B", "SB"), ("B", "SBRF"), ("SFRB", "B"), ("RB", "B")})
 """(previous, next) skeleton pairs that should have no vocabulary pass in between: the F chain
@@ -47,19 +49,22 @@ def plan_vocab_schedule(
     nominal = simulate(skel, _relaxed(costs, forward_only), vocab=False)
     best: Timeline | None = None
     failures = []
-    for mode in _MODES:
-        current = nominal
-        for _ in range(iterations):
-            placer = _Placer(skel, current, costs, num_barriers, forward_only, mode)
-            try:
-                timeline = simulate(placer.orders(), costs,
-                                    num_barriers=num_barriers, forward_only=forward_only)
-            except RuntimeError as err:  # this variant could deadlock: never used
-                failures.append(f"{mode}: {err}")
-                break
-            if best is None or timeline.makespan_s < best.makespan_s:
-                best = timeline
-            current = timeline
+    for early_t in (True, False):  # the memory-lean T placement first; the safe one if needed
+        for mode in _MODES:
+            current = nominal
+            for _ in range(iterations):
+                placer = _Placer(skel, current, costs, num_barriers, forward_only, mode, early_t)
+                try:
+                    timeline = simulate(placer.orders(), costs,
+                                        num_barriers=num_barriers, forward_only=forward_only)
+                except RuntimeError as err:  # this variant could deadlock: never used
+                    failures.append(f"{mode}: {err}")
+                    break
+                if best is None or timeline.makespan_s < best.makespan_s:
+                    best = timeline
+                current = timeline
+        if best is not None:
+            break
     if best is None:
         raise RuntimeError(f"no deadlock-free vocabulary schedule for pp={p}, "
                            f"micro-batches={m}, barriers={num_barriers}: {failures[0]}")
@@ -78,25 +83,28 @@ def _relaxed(costs: PassCosts, forward_only: bool) -> PassCosts:
 
 
 class _Placer:
-    """Assigns vocabulary passes to slots (skeleton boundaries; boundary i = before op i).
+    """Assigns vocabulary passes to skeleton boundaries (boundary i = before skeleton op i).
 
-    Slots of a stage: before each F j (the last stage: before each B k), then in cool-down
-    before each gradient receive, then the end. Every pass gets a range of slots that is safe
-    by construction (derivations inline) and, inside it, the first slot at or after its
-    nominal due time. Ranges use "virtual F indices": F j for j < m, then cool-down steps.
+    Every pass gets a boundary range from its dependencies (derivations inline) and, inside it,
+    the first candidate boundary (see _MODES) at or after its nominal due time. With one
+    barrier (and forward-only) the ranges alone rule out cycles; with two, T's placement also
+    leans on the simulation check in plan_vocab_schedule, which discards unsafe variants.
     """
 
     def __init__(self, skel: list[list[Op]], nominal: Timeline, costs: PassCosts,
-                 barriers: int, forward_only: bool, mode: str) -> None:
+                 barriers: int, forward_only: bool, mode: str, early_t: bool) -> None:
         self.skel, self.c, self.fwd_only, self.mode = skel, costs, forward_only, mode
+        self.early_t = early_t
         self.barriers = 0 if forward_only else barriers
         self.p, self.m = len(skel), sum(op.kind == "F" for op in skel[0])
         self.ends: dict[tuple[int, str, int], float] = {}
         self.starts: dict[tuple[int, Op], float] = {}
+        self.finishes: dict[tuple[int, Op], float] = {}
         for r, stage in enumerate(nominal.stages):
             for t in stage:
                 self.ends[(r, t.op.kind, t.op.mb)] = t.end_s
                 self.starts[(r, t.op)] = t.start_s
+                self.finishes[(r, t.op)] = t.end_s
         self.stage_end = [s[-1].end_s if s else 0.0 for s in nominal.stages]
 
     def _time(self, r: int, i: int) -> float:
@@ -114,25 +122,53 @@ class _Placer:
         if self.mode == "open" or i == len(ops):
             return self._open(r, i)
         key = "B" if r == self.p - 1 and not self.fwd_only else "F"
-        return ops[i].kind == key or (ops[i].kind == "RB" and ops[i - 1].kind != "F")
+        if ops[i].kind == key or (ops[i].kind == "RB" and ops[i - 1].kind != "F"):
+            return True
+        # before a P2P call that waited in the nominal timeline: the wait absorbs the pass
+        waited = self.finishes.get((r, ops[i]), 0.0) - self._time(r, i)
+        return ops[i].kind in _P2P_CALLS and waited > self.c.output_forward_s and self._open(r, i)
 
-    def _choose(self, r: int, lo: int, hi: int, due_s: float) -> int:
-        """First candidate boundary in [lo, hi] whose nominal time is >= due_s, else the last
-        candidate (else the last open one, else lo: a closed boundary costs time, not safety)."""
+    def _choose(self, r: int, lo: int, hi: int, due_s: float, need_s: float, cost_s: float
+                ) -> int:
+        """The candidate boundary in [lo, hi] that best fits a pass of `cost_s` whose inputs
+        are due at due_s and whose result is needed by need_s (nominal times): least idle
+        (waiting for inputs; free before a P2P call that waits anyway) plus lateness past
+        need_s, earliest on ties. due_s = inf: the last candidate. Falls back to open
+        boundaries, then to lo (a closed boundary costs time, not safety)."""
         hi = max(hi, lo)
         for test in (self._slot, self._open):
             if due_s == float("inf"):  # as late as possible
                 found = next((i for i in range(hi, lo - 1, -1) if test(r, i)), None)
             else:
-                found = None
+                found, best = None, float("inf")
                 for i in range(lo, hi + 1):
-                    if test(r, i):
-                        found = i
-                        if self._time(r, i) >= due_s:
-                            break
+                    if not test(r, i):
+                        continue
+                    time_s = self._time(r, i)
+                    start_s = max(time_s, due_s)
+                    cost = self._idle_s(r, i, due_s) + max(0.0, start_s + cost_s - need_s)
+                    if cost < best - 1e-12:
+                        found, best = i, cost
+                    if time_s >= due_s and start_s + cost_s >= need_s:
+                        break  # later boundaries are only later
             if found is not None:
                 return found
         return lo
+
+    def _idle_s(self, r: int, i: int, due_s: float) -> float:
+        """Idle a pass at boundary i causes by waiting for inputs due at due_s."""
+        time_s = self._time(r, i)
+        if time_s >= due_s:
+            return 0.0
+        ops = self.skel[r]
+        absorbed = 0.0
+        if i < len(ops) and ops[i].kind in _P2P_CALLS:
+            absorbed = self.finishes.get((r, ops[i]), time_s) - time_s
+        return max(0.0, due_s - time_s - absorbed)
+
+    def _last_boundary_s(self, index: int) -> float:
+        """Nominal time of boundary `index` of the last stage."""
+        return self._time(self.p - 1, index)
 
     # ---- assignment ---------------------------------------------------------------------------
 
@@ -169,11 +205,13 @@ class _Placer:
             out += ops[i:i + 1]
         return out
 
-    def _put(self, r: int, kind: str, k: int, lo: int, hi: int, due_s: float) -> float:
+    def _put(self, r: int, kind: str, k: int, lo: int, hi: int, due_s: float,
+             need_s: float = float("inf")) -> float:
         """Place a pass; returns its nominal end (start = max(boundary time, due))."""
         lo = max(lo, self.at.get((r, kind, k - 1), 0))
-        self.at[(r, kind, k)] = i = self._choose(r, lo, hi, due_s)
-        return max(self._time(r, i), due_s) + self._cost(kind)
+        cost = self._cost(kind)
+        self.at[(r, kind, k)] = i = self._choose(r, lo, hi, due_s, need_s, cost)
+        return max(self._time(r, i), due_s) + cost
 
     def _cost(self, kind: str) -> float:
         c = self.c
@@ -196,7 +234,11 @@ class _Placer:
             return self._put(r, "S", k, pos.f(k) + 1, pos.f(k) + 1, 0.0)
         hi = pos.recv_act(k + 1 + self.p) if self.fwd_only else pos.recv_grad(k - e + 1)
         del m
-        return self._put(r, "S", k, pos.sent_act(k), hi, due)
+        # needed by the last stage's L k (B k with 1 barrier, F k+1 with 2) after the gather
+        last = self.pos[-1]
+        need = (last.b(k) if e == 1 else last.f(k + 1)) if not self.fwd_only else last.end
+        need_s = self._last_boundary_s(need) - self.c.all_gather_s
+        return self._put(r, "S", k, pos.sent_act(k), hi, due, need_s)
 
     def _place_l(self, k: int, due_s: float) -> float:
         """L k on the last stage. 1 barrier: right before B k, which waits for the same
@@ -218,6 +260,9 @@ class _Placer:
         if last:  # 1 barrier: off B k's chain; 2 barriers: before B k
             lo, hi = ((pos.b(k) + 1, pos.b(k + 1)) if self.barriers == 1
                       else (self.at[(r, "L", k)], pos.b(k)))
+        elif self.barriers == 1 and self.early_t:  # once g k is due, not before anything
+            # L k needs (_t_floor): keeps ~1 micro-batch of S state alive instead of ~p - r
+            lo, hi = self._t_floor(r, k), pos.recv_grad(k + 1)
         elif self.barriers == 1:  # after receiving gradient k: the last stage has run L k
             lo, hi = pos.recv_grad(k) + 1, pos.recv_grad(k + 1)
         else:  # right before S k+1: g k was broadcast before X k+1 (see _place_l), but not
@@ -227,7 +272,10 @@ class _Placer:
             hi = pos.recv_grad(k)
             if k + 1 < m:
                 lo = hi = max(lo, self.at[(r, "S", k + 1)])
-        self._put(r, "T", k, lo, hi, due_s)
+        need_s = float("inf")  # 1 barrier: nobody waits for T
+        if self.barriers == 2:  # the last stage's B k waits for the input-gradient reduction
+            need_s = self._last_boundary_s(self.pos[-1].b(k)) - self.c.all_reduce_s
+        self._put(r, "T", k, lo, hi, due_s, need_s)
 
     def _t_floor(self, r: int, k: int) -> int:
         """2 barriers: the first boundary where T k may wait on stage r for L k's token gradients:

@@ -76,6 +76,15 @@ class Timeline:
         """Compute time of a stage (P2P calls excluded)."""
         return sum(t.end_s - t.start_s for t in self.stages[stage] if t.op.kind in _COMPUTE)
 
+    def peak_output_states(self, stage: int) -> int:
+        """Most micro-batches whose output-layer S state ([n, v] softmax) a stage holds at once
+        (S done, T not yet): the vocabulary passes' activation memory."""
+        live = peak = 0
+        for t in self.stages[stage]:
+            live += (t.op.kind == "S") - (t.op.kind == "T")
+            peak = max(peak, live)
+        return peak
+
     def peak_in_flight(self, stage: int) -> int:
         """Most micro-batches whose activations a stage holds at once (forwards minus backwards)."""
         live = peak = 0
