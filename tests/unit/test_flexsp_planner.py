@@ -220,3 +220,25 @@ def test_cost_model_for_a_plan_file_uses_its_flexsp_section() -> None:
     assert cost.num_gpus == 16 and cost.degrees == (2, 4, 8)
     with pytest.raises(PlanError, match="flexsp section and a cluster"):
         cost_model_for_plan(dataclasses.replace(plan, cluster=None))
+
+
+def test_cli_plans_and_reports_bad_input_in_one_line(tmp_path, capsys) -> None:
+    import json
+
+    from megatron_ext.cli import main
+    from megatron_ext.planner.flexsp import StepPlan
+
+    out = tmp_path / "plan.json"
+    assert main(["flexsp", "plan", "--distribution", "wlb_llm_like", "--gpus", "16",
+                 "--num-sequences", "64", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "micro-batches, predicted" in err and "vs best static" in err
+    plan = StepPlan.from_dict(json.loads(out.read_text()))
+    assert plan.num_gpus == 16 and len(plan.lengths) == 64
+    assert main(["flexsp", "plan", "--distribution", "books"]) == 2
+    too_long = tmp_path / "lengths.txt"
+    too_long.write_text("100 2000\n900000\n")
+    assert main(["flexsp", "plan", "--lengths", str(too_long), "--no-static"]) == 2
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("megatron-ext")]
+    assert len(lines) == 2 and "--distribution='books'" in lines[0]
+    assert "sequence length 900000" in lines[1]
