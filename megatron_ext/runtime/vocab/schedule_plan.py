@@ -6,14 +6,15 @@ b at run time instead, section 6.1 of the reference notes):
 
 1. Simulate the 1F1B skeleton with each stage's per-micro-batch vocabulary work folded into its
    forward: this gives nominal times of every pass boundary, for uneven stages too.
-2. Put each vocabulary pass at the first "good" boundary after its inputs are due (S after X
-   arrives, L/T after the stats reduction, IB after the embedding gradient), but never after its
-   deadline: the boundary before a wait that transitively needs it (S_k and, with 2 barriers,
-   T_k before the stage receives gradient k; IF early enough to keep stage 0 supplied).
-   Good boundaries avoid the pipeline's critical chains: nothing between F and its send in
-   warm-up, nothing between receiving a gradient and B, nothing between B and its send.
+2. Give every vocabulary pass a boundary range from its dependencies (after the calls its
+   inputs need, before any wait that needs its result: S_k before the stage receives the
+   gradient whose B follows L_k; IF early enough to keep stage 0 supplied; ...) and pick, inside
+   it, the boundary that best fits its nominal due time and the time its result is needed
+   (idle + lateness; idle before a P2P call that waits anyway is free). Candidates avoid the
+   pipeline's critical chains: nothing between F and its send in warm-up, nothing between
+   receiving a gradient and B, nothing between B and its send.
 3. Replay the orders with the real costs (schedule_sim), which raises if they could deadlock;
-   re-derive the due times from that replay and repeat, keeping the fastest plan.
+   re-derive the times from that replay and repeat, keeping the fastest plan.
 """
 
 from __future__ import annotations
