@@ -17,7 +17,7 @@ setup(
         "scipy>=1.9",  # HiGHS MILP for the exact FlexSP planner
         "einops",  # megatron-core's HyperCommGrid needs it but does not declare it
         "psutil",  # megatron-core's torch_dist checkpoint writer needs it but does not declare it
-        "tokenizers>=0.20",  # offline GPT-2 BPE and tokenizer.json (megatron-core's path needs transformers + hub)
+        "tokenizers>=0.20",  # offline GPT-2 BPE / tokenizer.json without transformers or a hub
     ],
     extras_require={
         "gpu": ["transformer-engine[pytorch]", "flash-attn"],

@@ -3,13 +3,16 @@ megatron-core (`initialize_model_parallel`, stock `GPTModel`, `DistributedDataPa
 `get_megatron_optimizer`, `finalize_model_grads`, its own schedule) on the same gloo ranks, plus
 step times of heterogeneous plans.
 
-    python tools/bench_runtime.py [--world-size 4] [--steps 10] [--json bench_runtime.json]
+    python tools/bench_runtime.py [--world-size 4] [--steps 10] [--uniform-only]
+        [--json bench_runtime.json]
 
 Both systems run in the same processes, steps interleaved in alternating order so machine load
 hits both alike. A step's time is the slowest rank's; each system's time is the median
 over steps (the minimum is reported too). `overhead_ratio_uniform` = median over rounds of
 ours / plain for the uniform plan, each ratio from two adjacent steps (same model, data,
-per-token loss, AdamW, clip 1.0); the ratio of the two medians is reported beside it. Prints a table to stderr and
+per-token loss, AdamW, clip 1.0); beside it the ratio of the two medians and the ratio of CPU
+time summed over ranks (`overhead_ratio_uniform_cpu`), which waiting on a loaded machine does
+not inflate. "CPU ms" is that sum. Prints a table to stderr and
 writes JSON {summary: {overhead_ratio_uniform, ...}, plans: [...], setup: {...}}.
 """
 
@@ -150,23 +153,25 @@ def ours(plan: ParallelPlan):
     return lambda micro: train_step(chunks, optimizer, iter(micro), groups)
 
 
-def _timed(step, micro: list[dict]) -> float:
+def _timed(step, micro: list[dict]) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of one step."""
     import torch.distributed as dist
 
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     step(micro)
-    return time.perf_counter() - start
+    return time.perf_counter() - start, time.process_time() - cpu
 
 
-def bench_rank(rank: int, world_size: int, *, steps: int, warmup: int) -> dict:
+def bench_rank(rank: int, world_size: int, *, steps: int, warmup: int, hetero: bool) -> dict:
     warnings.filterwarnings("ignore")
     uniform = make_plan(UNIFORM, world=world_size)
     runs = {"plain megatron-core (uniform)": plain_megatron(uniform),
             "megatron_ext (uniform)": ours(uniform)}
-    runs.update({name: ours(plan) for name, plan in hetero_plans(world_size).items()})
+    if hetero:
+        runs.update({name: ours(plan) for name, plan in hetero_plans(world_size).items()})
     micro = batches(uniform)
-    times: dict[str, list[float]] = {name: [] for name in runs}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
     order = list(runs)
     for i in range(warmup + steps):
         for name in order if i % 2 else order[::-1]:  # interleaved, alternating order
@@ -177,20 +182,29 @@ def bench_rank(rank: int, world_size: int, *, steps: int, warmup: int) -> dict:
 
 
 def summarize(per_rank: list[dict], world: int, steps: int) -> dict:
+    def wall(name: str, i: int) -> float:  # a step's time is the slowest rank's
+        return max(rank[name][i][0] for rank in per_rank)
+
+    def cpu(name: str, i: int) -> float:  # CPU seconds of all ranks: insensitive to waiting
+        return sum(rank[name][i][1] for rank in per_rank)
+
     plans = []
     for name in per_rank[0]:
-        slowest = [max(rank[name][i] for rank in per_rank) for i in range(steps)]
-        plans.append({"name": name, "step_ms_median": 1e3 * statistics.median(slowest),
-                      "step_ms_min": 1e3 * min(slowest)})
+        walls = [wall(name, i) for i in range(steps)]
+        plans.append({"name": name, "step_ms_median": 1e3 * statistics.median(walls),
+                      "step_ms_min": 1e3 * min(walls),
+                      "cpu_ms_median": 1e3 * statistics.median(cpu(name, i)
+                                                               for i in range(steps))})
     by_name = {p["name"]: p for p in plans}
-    base = by_name["plain megatron-core (uniform)"]
-    mine = by_name["megatron_ext (uniform)"]
-    paired = [max(r["megatron_ext (uniform)"][i] for r in per_rank)
-              / max(r["plain megatron-core (uniform)"][i] for r in per_rank) for i in range(steps)]
+    base, mine = "plain megatron-core (uniform)", "megatron_ext (uniform)"
+    paired = [wall(mine, i) / wall(base, i) for i in range(steps)]
+    paired_cpu = [cpu(mine, i) / cpu(base, i) for i in range(steps)]
     return {
         "summary": {
             "overhead_ratio_uniform": statistics.median(paired),
-            "overhead_ratio_uniform_of_medians": mine["step_ms_median"] / base["step_ms_median"],
+            "overhead_ratio_uniform_of_medians": (by_name[mine]["step_ms_median"]
+                                                  / by_name[base]["step_ms_median"]),
+            "overhead_ratio_uniform_cpu": statistics.median(paired_cpu),
             "uniform_plan": "tp2+sp dp2 x 4 layers",
         },
         "plans": plans,
@@ -206,18 +220,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--uniform-only", action="store_true",
+                        help="only the overhead pair (more steps in the same time)")
     args = parser.parse_args(argv)
     per_rank = run_distributed(bench_rank, world_size=args.world_size, timeout_s=3600,
-                               steps=args.steps, warmup=args.warmup)
+                               steps=args.steps, warmup=args.warmup, hetero=not args.uniform_only)
     report = summarize(per_rank, args.world_size, args.steps)
-    print(f"{'plan':42s} {'median ms':>10s} {'min ms':>10s}", file=sys.stderr)
+    print(f"{'plan':42s} {'median ms':>10s} {'min ms':>10s} {'CPU ms':>10s}", file=sys.stderr)
     for p in report["plans"]:
-        print(f"{p['name']:42s} {p['step_ms_median']:10.1f} {p['step_ms_min']:10.1f}",
-              file=sys.stderr)
+        print(f"{p['name']:42s} {p['step_ms_median']:10.1f} {p['step_ms_min']:10.1f} "
+              f"{p['cpu_ms_median']:10.1f}", file=sys.stderr)
     s = report["summary"]
     print(f"overhead_ratio_uniform {s['overhead_ratio_uniform']:.3f} (median of per-round "
-          f"ratios), {s['overhead_ratio_uniform_of_medians']:.3f} (ratio of medians)",
-          file=sys.stderr)
+          f"wall ratios), {s['overhead_ratio_uniform_of_medians']:.3f} (ratio of medians), "
+          f"{s['overhead_ratio_uniform_cpu']:.3f} (CPU time)", file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0
