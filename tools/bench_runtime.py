@@ -130,15 +130,20 @@ def plain_megatron(plan: ParallelPlan):
         def loss_func(output):
             mask = batch["loss_mask"][part]
             total = (output * mask).sum()
-            return total, mask.sum().to(torch.int), {"lm loss": total.detach()}
+            count = mask.sum()
+            return total, count.to(torch.int), {"lm loss": torch.stack([total, count]).detach()}
         return loss, loss_func
 
     def step(micro: list[dict]) -> None:
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(micro),
-                                    model=[ddp], num_microbatches=len(micro), seq_length=SEQ,
-                                    micro_batch_size=MBS // dp)
+        reports = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(micro), model=[ddp],
+            num_microbatches=len(micro), seq_length=SEQ, micro_batch_size=MBS // dp)
+        # Megatron-LM's train_step reduces the reported loss over dp_cp every step; so do we.
+        totals = torch.stack([r["lm loss"] for r in reports]).sum(0)
+        torch.distributed.all_reduce(totals, group=parallel_state.get_data_parallel_group(
+            with_context_parallel=True))
         optimizer.step()
     return step
 

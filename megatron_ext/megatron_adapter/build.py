@@ -61,6 +61,9 @@ def check_runtime_support(plan: ParallelPlan, *, embedding: bool, output_layer: 
                 f"layers[{start}:{end}].zero=3 is not supported by the layerwise runtime yet; "
                 "use zero 0 (DDP) or 1 (distributed optimizer)"
             )
+    if plan.precision == "fp16":
+        raise PlanError("precision='fp16' is not supported by the layerwise runtime (its loss-scale "
+                        "check is one collective per optimizer class); use bf16 or fp32")
     if plan.flexsp is not None:
         raise PlanError("plan.flexsp is set: FlexSP plans run on the FlexSP runtime, not "
                         "build_model; remove flexsp or use the FlexSP trainer")

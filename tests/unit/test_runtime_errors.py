@@ -34,6 +34,14 @@ def test_zero3_is_a_plan_error() -> None:
     assert "layers[2:4].zero=3 is not supported" in _one_line(err)
 
 
+def test_fp16_is_a_plan_error() -> None:
+    from megatron_ext.megatron_adapter.build import build_model
+
+    plan = dataclasses.replace(_plan([LayerStrategy(dp=4)] * 4), precision="fp16")
+    with pytest.raises(PlanError, match="precision='fp16' is not supported"):
+        build_model(plan)
+
+
 def test_flexsp_plan_is_a_plan_error() -> None:
     from megatron_ext.megatron_adapter.build import build_model
 
