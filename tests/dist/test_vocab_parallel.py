@@ -5,7 +5,7 @@ vocabulary that does not divide the 4 vocabulary-parallel ranks (so the last sha
 Baseline: Megatron's own layout (`TpVocabStage`: embedding on the first stage, output layer and
 `vocab_parallel_cross_entropy` on the last) under Megatron's 1F1B schedule. Vocabulary
 parallelism: the same body modules (same weights), the vocabulary split over pp x tp, under
-`forward_backward_vocab_parallel`. Compared: every micro-batch's loss report, every body
+the schedule `schedule_for_plan` picks for a vocab_parallel plan of that layout. Compared: every micro-batch's loss report, every body
 gradient, and the full embedding / output-layer gradients (gathered; tied: the sum of both).
 One spawn runs both layouts (pp=4; pp=2 x tp=2), each with 4 variants (untied/tied x 1/2
 barriers; per-token loss averaging on for the tied runs, Megatron's per-micro-batch mean
@@ -15,6 +15,7 @@ otherwise), fewer micro-batches than p + barriers, and a forward-only (evaluatio
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any
 
 import pytest
@@ -47,7 +48,10 @@ def _setup(tp: int, pp: int, vocab: int, layers: tuple[int, ...]) -> dict[str, A
 
     from megatron_ext.megatron_adapter import cpu_compat
     from megatron_ext.megatron_adapter.vocab_baseline import build_stage_body
-    from megatron_ext.runtime.vocab_parallel import new_vocab_comm_groups
+    from megatron_ext.runtime.vocab_parallel import (
+        new_vocab_comm_groups,
+        vocab_rank_lists,
+    )
 
     cpu_compat.apply()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
@@ -61,9 +65,9 @@ def _setup(tp: int, pp: int, vocab: int, layers: tuple[int, ...]) -> dict[str, A
         use_cpu_initialization=True, deallocate_pipeline_outputs=True)
     stage = parallel_state.get_pipeline_model_parallel_rank()
     body = build_stage_body(config, layers[stage], is_last=stage == pp - 1)
-    world = dist.get_world_size()  # dp = 1: the vocabulary group is every rank, shard-ordered
-    groups = new_vocab_comm_groups([list(range(world))], last_stage_root=(pp - 1) * tp,
-                                   first_stage_root=0)
+    stage_ranks = [[r * tp + t for t in range(tp)] for r in range(pp)]  # dp = 1
+    groups = new_vocab_comm_groups(vocab_rank_lists(stage_ranks, tp),
+                                   last_stage_root=(pp - 1) * tp, first_stage_root=0)
     gen = torch.Generator().manual_seed(SEED)
     data = [{"tokens": torch.randint(0, vocab, (MBS, SEQ), generator=gen),
              "labels": torch.randint(0, vocab, (MBS, SEQ), generator=gen),
@@ -121,11 +125,8 @@ def _run_vocab_parallel(env: dict[str, Any], tied: bool, barriers: int) -> dict[
     from megatron_ext.megatron_adapter.vocab_layers import (
         VocabParallelLayers,
         VocabParallelStage,
-        VocabScheduleOptions,
     )
-    from megatron_ext.megatron_adapter.vocab_schedule import (
-        make_vocab_parallel_schedule,
-    )
+    from megatron_ext.megatron_adapter.vocab_schedule import schedule_for_plan
 
     groups, w = env["groups"], env["weights"]
     layers = VocabParallelLayers(config=env["config"], vocab_size=env["vocab"],
@@ -139,8 +140,7 @@ def _run_vocab_parallel(env: dict[str, Any], tied: bool, barriers: int) -> dict[
         if not (tied and name == "out"):
             param.data.copy_(padded[rows])
     model = VocabParallelStage(env["body"], layers)
-    schedule = make_vocab_parallel_schedule(VocabScheduleOptions(
-        groups=groups, num_barriers=barriers, layers_per_stage=env["layers"]))
+    schedule = schedule_for_plan(_plan(env, barriers), groups)  # plan.vocab picks the schedule
     losses = schedule(forward_step_func=block_forward_step, data_iterator=iter(env["data"]),
                       model=[model], num_microbatches=env["num_microbatches"], seq_length=SEQ,
                       micro_batch_size=MBS, forward_only=env["forward_only"])
@@ -153,6 +153,23 @@ def _run_vocab_parallel(env: dict[str, Any], tied: bool, barriers: int) -> dict[
         dist.all_reduce(grad)
         full[name] = grad
     return {"losses": losses, "vocab_grads": full, "body_grads": _take_body_grads(env["body"])}
+
+
+def _plan(env: dict[str, Any], barriers: int) -> Any:
+    """The layout as a plan file would give it (plan algorithm = number of barriers)."""
+    from megatron_ext.plan import LayerStrategy, ParallelPlan, VocabStrategy
+    from megatron_ext.specs import ModelSpec
+
+    tp, layers = env["tp"], env["layers"]
+    bounds = [sum(layers[:k]) for k in range(len(layers) + 1)]
+    model = ModelSpec(num_layers=sum(layers), hidden_size=HIDDEN, ffn_hidden_size=4 * HIDDEN,
+                      num_attention_heads=HEADS, num_query_groups=HEADS, vocab_size=env["vocab"],
+                      activation="gelu", normalization="LayerNorm", max_position_embeddings=SEQ)
+    return ParallelPlan(
+        world_size=4, pp=env["pp"], stages=tuple(itertools.pairwise(bounds)),
+        layers=(LayerStrategy(tp=tp, dp=1),) * sum(layers), model=model,
+        micro_batch_size=MBS, global_batch_size=MBS * env["num_microbatches"], seq_length=SEQ,
+        vocab=VocabStrategy(mode="vocab_parallel", tp=tp, algorithm=barriers), precision="fp32")
 
 
 def _take_body_grads(body: torch.nn.Module) -> dict[str, torch.Tensor]:
