@@ -118,8 +118,9 @@ class VocabStrategy:
     tp: int = 1
     """Tensor-parallel degree of the vocabulary layers (mode tp); divides world_size / pp."""
     algorithm: Literal[1, 2] = 1
-    """vocab_parallel only: 1 = one communication barrier (activations for p+1 micro-batches),
-    2 = two barriers (p+2)."""
+    """vocab_parallel only: the number of communication barriers. 1 = one barrier (activations
+    for p+1 micro-batches), 2 = two barriers (p+2). Note the paper numbers them the other way
+    round: its "Algorithm 1" (Vocab-1) is our 2, its "Algorithm 2" (Vocab-2) our 1."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("tp", "vocab_parallel"):
