@@ -151,9 +151,9 @@ def finalize_grads(
     """`finalize_model_grads_func` for heterogeneous plans (megatron-core's, per gradient class).
 
     DP reduction per class; SP layernorm grads over each class's tp group; tied embedding grads
-    over the first/last-stage embedding group; grads divided by the global token count (the
-    count on the last stage, summed over the world and divided by vocab.tp, the replication of
-    each loss token).
+    over the first/last-stage embedding group; grads divided by the global token count.
+    `num_tokens` is the step's global loss-token count, as `train_step.loss_func` reports it on
+    the last stage (each rank holds the full loss mask); it is broadcast along the pipeline.
     """
     chunk = model[0]
     chunk.finish_grad_sync(force_all_reduce=force_all_reduce)
@@ -162,10 +162,11 @@ def finalize_grads(
     inner: HeteroGPTModel = chunk.module
     if inner.groups.embd is not None:
         _allreduce_word_embedding_grads(model, inner.config, inner.groups.embd, inner.groups.pp)
-    if num_tokens is not None:
+    if num_tokens is not None:  # the step's global loss-token count, known on the last stage
         total = num_tokens.detach().to(torch.float64).reshape(1)
-        dist.all_reduce(total)  # world: only last-stage ranks contribute
-        total = total / inner.plan.vocab.tp
+        if inner.plan.pp > 1:
+            last = dist.get_global_rank(inner.groups.pp, inner.plan.pp - 1)
+            dist.broadcast(total, src=last, group=inner.groups.pp)
         if total.item() > 0:
             for c in model:
                 c.scale_gradients(1.0 / total.item())

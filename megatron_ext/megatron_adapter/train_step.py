@@ -35,13 +35,18 @@ __all__ = ["forward_backward", "forward_step", "loss_func", "stage_shapes", "tra
 Batch = dict[str, torch.Tensor]
 
 
-def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor
+def loss_func(loss_mask: torch.Tensor, batch_tokens: torch.Tensor, per_token_loss: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """(sum of masked loss, token count, report) over this rank's `[b_loc, s_loc]` tokens."""
+    """(sum of masked loss over this rank's `[b_loc, s_loc]` tokens, loss tokens of the whole
+    micro-batch, report [local loss sum, local tokens]).
+
+    The second value is the micro-batch's global count (every rank holds the full loss mask),
+    so `finalize_grads` normalises without an all-reduce over data-parallel ranks.
+    """
     mask = loss_mask.to(per_token_loss.dtype)
     total = (per_token_loss * mask).sum()
-    count = mask.sum()
-    return total, count.to(torch.int), {"lm loss": torch.stack([total.detach(), count.detach()])}
+    report = torch.stack([total.detach(), mask.sum().detach()])
+    return total, batch_tokens.to(torch.int), {"lm loss": report}
 
 
 def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module
@@ -52,8 +57,10 @@ def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module
     output = model(input_ids=batch["tokens"] if inner.pre_process else None,
                    position_ids=batch.get("position_ids"),
                    labels=batch["labels"] if inner.post_process else None)
-    mask = inner.local_tokens(batch["loss_mask"]) if inner.post_process else None
-    return output, partial(loss_func, mask)
+    if not inner.post_process:
+        return output, partial(loss_func, None, None)
+    mask = inner.local_tokens(batch["loss_mask"])  # [b_loc, s_loc]
+    return output, partial(loss_func, mask, batch["loss_mask"].sum())
 
 
 def stage_shapes(plan: ParallelPlan, stage: int, hidden: int) -> tuple[list, list]:
@@ -94,11 +101,23 @@ def forward_backward(
         micro_batch_size=plan.micro_batch_size, forward_only=forward_only,
         pg_collection=inner.pg_collection, **kwargs,
     )
+    return _global_loss(inner, groups, reports)
+
+
+def _global_loss(inner: HeteroGPTModel, groups: PlanGroups, reports: list[dict]
+                 ) -> dict[str, float]:
+    """Per-token loss of the step on every rank: summed over the last stage's distinct token
+    blocks (its vocabulary dp_cp group), then broadcast along the pipeline."""
     totals = torch.zeros(2, dtype=torch.float64)  # [loss sum, tokens] over this rank's tokens
     for report in reports:
         totals += report["lm loss"].detach().to(torch.float64)
-    dist.all_reduce(totals)  # only last-stage ranks contribute; each token vocab.tp times
-    return {"loss": float(totals[0] / totals[1]), "num_tokens": float(totals[1]) / plan.vocab.tp}
+    plan = groups.plan
+    if groups.stage == plan.pp - 1:
+        dist.all_reduce(totals, group=inner.decoder.pg_collection.dp_cp)
+    if plan.pp > 1:
+        last = dist.get_global_rank(groups.pp, plan.pp - 1)
+        dist.broadcast(totals, src=last, group=groups.pp)
+    return {"loss": float(totals[0] / totals[1]), "num_tokens": float(totals[1])}
 
 
 def train_step(
