@@ -125,14 +125,23 @@ class ProfiledCostModel(CostModel):
         return 1.0 / max(1.0, concurrency / slots)
 
     def iteration_s(self, evaluation: Evaluation, pp: int) -> float:
-        """Iteration time of `evaluation` (a layout with `pp` stages) under shared compute."""
+        """Iteration time of `evaluation` (a layout with `pp` stages) under shared compute.
+
+        Only compute shares the slots: exposed communication (measured with every rank
+        communicating) is excluded from the core-seconds and added once, at the busiest stage's
+        amount; other stages are taken to spend the same fraction of their busy time in it."""
         slots = getattr(self.comm, "compute_slots_per_node", None)
         if slots is None:
             return evaluation.iteration_s
         scale = self.uncontended_scale()
         width = self.cluster.num_gpus // pp
-        core_s = scale * width * sum(evaluation.stage_busy_s)
-        return max(evaluation.iteration_s * scale, core_s / (slots * self.cluster.num_nodes))
+        busy = np.asarray(evaluation.stage_busy_s)  # [pp]
+        parts = evaluation.breakdown
+        comm = parts.get("exposed_comm_s", 0.0) + parts.get("p2p_s", 0.0)
+        comm_share = min(1.0, comm / max(float(busy.max()), 1e-30))
+        core_s = scale * width * float(busy.sum()) * (1.0 - comm_share)
+        work_s = core_s / (slots * self.cluster.num_nodes) + comm
+        return max(evaluation.iteration_s * scale, work_s)
 
 
 def predict_iteration_s(cm: CostModel, *, pp: int, stages: tuple[tuple[int, int], ...],

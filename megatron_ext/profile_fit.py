@@ -1,12 +1,14 @@
 """Fits behind the profiles (pure numpy/scipy): collective curves and linear cost models.
 
-Collective curves (CurveFit): between measured sizes, log-log interpolation (piecewise power
+Collective curves (CurveFit): times are first made non-decreasing from above (a smaller message
+measured slower than a larger one was disturbed: it takes the larger one's time); between sizes, log-log interpolation (piecewise power
 law: latency-bound and bandwidth-bound regions both stay straight); below the smallest size,
 alpha-beta down to the latency; above the largest, alpha-beta at the bandwidth of the largest
 sizes.
 
 Compute costs (LinearFit): t = sum_i c_i x_i with c_i >= 0 (scipy NNLS), each row weighted by
-1/t so the fit minimises relative error. Features of one transformer layer shard (legend:
+1/t so the fit minimises relative error; samples far above the fit (disturbed by other work)
+are dropped from a second fit. Features of one transformer layer shard (legend:
 b micro-batch, s sequence, k = cp * ulysses sequence shards, m = b s / k tokens, P = layer GEMM
 weights, q = heads * head_dim, h hidden, t = tp):
   1                 launch and framework overhead per call
@@ -36,6 +38,8 @@ LAYER_PHASES: tuple[str, ...] = ("forward_s", "backward_s", "recompute_s", "sele
 VOCAB_PHASES: tuple[str, ...] = (
     "embedding_forward_s", "embedding_backward_s", "output_forward_s", "output_backward_s",
 )
+OUTLIER_RATIO = 1.3
+"""A sample this much slower than the first fit is taken as disturbed and left out."""
 _TAIL_POINTS = 3
 """Largest sizes whose slope sets the extrapolated bandwidth."""
 
@@ -67,7 +71,9 @@ class CurveFit:
 
 def fit_curve(num_bytes: np.ndarray, seconds: np.ndarray) -> CurveFit:
     """CurveFit through (num_bytes, seconds); sizes strictly increasing, times positive."""
-    seconds = np.maximum.accumulate(seconds)  # a larger message never takes less time
+    # A smaller message never takes longer than a larger one, and noise from other work only adds
+    # time: where a smaller size measured slower, the larger size's time bounds it.
+    seconds = np.minimum.accumulate(seconds[::-1])[::-1]
     rows = np.stack([np.ones_like(num_bytes), num_bytes], axis=1) / seconds[:, None]
     (alpha, _), _ = nnls(rows, np.ones_like(seconds))
     tail = slice(max(0, len(seconds) - _TAIL_POINTS), None)
@@ -94,12 +100,17 @@ class LinearFit:
 
 
 def fit_linear(features: np.ndarray, target: np.ndarray) -> LinearFit:
-    """NNLS of `target` [n] on `features` [n, k], relative-error weights."""
+    """NNLS of `target` [n] on `features` [n, k], relative-error weights. Noise from other work
+    on the machine only adds time, so samples more than OUTLIER_RATIO above the first fit are
+    left out of a second fit (if enough remain); the errors cover every sample."""
     scale = np.maximum(np.abs(features).max(axis=0), 1e-30)  # [k]
     x = features / scale
     floor = max(0.1 * float(np.median(np.abs(target))), 1e-12)
     weight = 1.0 / np.maximum(target, floor)  # [n]
     coef, _ = nnls(x * weight[:, None], target * weight)
+    keep = target <= OUTLIER_RATIO * np.maximum(x @ coef, floor)  # [n]
+    if keep.sum() >= min(len(target), 2 * x.shape[1]) and not keep.all():
+        coef, _ = nnls((x * weight[:, None])[keep], (target * weight)[keep])
     rel = np.abs(x @ coef - target) / np.maximum(target, floor)
     return LinearFit(coef=coef, scale=scale, median_rel_error=float(np.median(rel)),
                      max_rel_error=float(rel.max()))

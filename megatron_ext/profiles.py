@@ -150,6 +150,10 @@ class ClusterProfile:
     compute_slots_per_node: float | None = None
     """Ranks of one node that compute at full speed at once: gpus_per_node with a device per
     rank, fewer when ranks share CPU cores (None: not measured, a device per rank)."""
+    compute_burst_s: float = 0.0
+    """Seconds of compute every rank ran right before each timed collective (subtracted from the
+    times): > 0 when ranks share compute, so the curves include waiting for ranks the scheduler
+    left behind, as in training; 0 = collectives timed alone."""
     collectives: tuple[CollectiveCurve, ...] = ()
     """Measured curves."""
     _index: dict = field(init=False, repr=False, compare=False)
@@ -158,6 +162,8 @@ class ClusterProfile:
         if not self.overlap_slowdown >= 1.0:
             raise PlanError(f"overlap_slowdown={self.overlap_slowdown} must be >= 1 (1 = "
                             "perfect overlap)")
+        if not self.compute_burst_s >= 0:
+            raise PlanError(f"compute_burst_s={self.compute_burst_s} must be >= 0")
         slots = self.compute_slots_per_node
         if slots is not None and not 1.0 <= slots <= self.cluster.gpus_per_node:
             raise PlanError(f"compute_slots_per_node={slots} must be in [1, gpus_per_node="
@@ -211,6 +217,7 @@ class ClusterProfile:
                 "backend": self.backend, "device": self.device,
                 "overlap_slowdown": self.overlap_slowdown,
                 "compute_slots_per_node": self.compute_slots_per_node,
+                "compute_burst_s": self.compute_burst_s,
                 "cluster": self.cluster.to_dict(),
                 "collectives": [c.to_dict() for c in self.collectives]}
 
@@ -218,7 +225,8 @@ class ClusterProfile:
     def from_dict(cls, data: Any) -> ClusterProfile:
         data = expect_object(data, "cluster profile")
         reject_unknown(data, {"schema_version", "kind", "backend", "device", "overlap_slowdown",
-                              "compute_slots_per_node", "cluster", "collectives"}, "")
+                              "compute_slots_per_node", "compute_burst_s", "cluster",
+                              "collectives"}, "")
         _check_version(data, "cluster profile")
         _check_kind(data, "cluster_profile")
         items = expect_list(data.get("collectives", []), "collectives")
@@ -227,6 +235,7 @@ class ClusterProfile:
             backend=get_str(data, "backend", ""), device=get_str(data, "device", ""),
             overlap_slowdown=get_float(data, "overlap_slowdown", "", default=1.0),
             compute_slots_per_node=_optional_float(data, "compute_slots_per_node", ""),
+            compute_burst_s=get_float(data, "compute_burst_s", "", default=0.0),
             collectives=tuple(CollectiveCurve.from_dict(c, f"collectives[{i}]")
                               for i, c in enumerate(items)),
         )

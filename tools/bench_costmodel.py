@@ -3,9 +3,10 @@
     python tools/bench_costmodel.py [--json bench_costmodel.json] [--world-size 4]
         [--cluster-profile F --model-profile F]  # reuse profiles instead of measuring
 
-1. Profile the hardware (collective curves and overlap of `world_size` gloo ranks) and a small
-   GPT (its megatron-core layer at tp 1/2/4, with `world_size` processes computing at once, as
-   the ranks of a run do on a shared CPU).
+1. Profile the hardware (collective curves, overlap, compute slots of `world_size` gloo ranks)
+   and a small GPT (its megatron-core layer at tp 1/2/4, vocabulary layers, optimizer).
+   Model profile: one process (a rank computing alone); the cluster profile's measured compute
+   slots (about the cores) turn that into the speed of 4 ranks sharing them.
 2. Predict the iteration time of each plan in `bench_costmodel_runs.bench_plans()` with the
    profile-fed cost model (`ProfiledCostModel`) and, for comparison, with the analytic cost model
    on the profile's ClusterSpec (measured peak and fitted links, formulas for everything else).
@@ -69,7 +70,7 @@ def run_round(args: argparse.Namespace, timings: dict
         grid = ProfileGrid(tps=(1, 2, 4), micro_batch_sizes=(2, 4, 8),
                            seq_lengths=(SEQ_LENGTH // 2, SEQ_LENGTH), repeats=args.repeats)
         model = profile_model(BENCH_MODEL, precision="fp32", grid=grid,
-                              concurrency=args.world_size, threads=1)
+                              concurrency=args.profile_concurrency, threads=1)
     t2 = time.perf_counter()
     if not args.reuse_measured:
         runs = run_distributed(measure_rank, world_size=args.world_size, timeout_s=3600,
@@ -137,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2,
                    help="interleaved rounds of profiling and measuring")
     p.add_argument("--steps", type=int, default=2, help="timed steps per plan per round")
+    p.add_argument("--profile-concurrency", type=int, default=1,
+                   help="model-profiler processes at once (1: a rank alone; the cluster "
+                   "profile's compute slots then model the sharing)")
     p.add_argument("--no-overlap-grad-reduce", action="store_true")
     p.add_argument("--reuse-measured", default=None,
                    help="take measured times from this earlier --json instead of running")

@@ -9,12 +9,17 @@ g and each placement, adjacent ([0..g), [g..2g), ...) and strided (members W/g a
 spread over the nodes), all W/g disjoint groups run the collective at once, as data-parallel and
 tensor-parallel groups do in training; one sample is the slowest rank's time. Timing: CUDA events
 on GPU, wall clock after a barrier on CPU; the fastest of `repeats` samples after `warmup`
-(the one least disturbed by other work on a shared machine).
+(the one least disturbed by other work on a shared machine). The peak is one rank's matmul rate
+alone; compute slots say how many ranks of a node compute at that rate at once. When ranks share
+compute (slots < ranks per node: CPU cores), every collective is timed right after a burst of
+compute on every rank, minus the burst, so the curves include what training pays: waiting for
+the ranks the scheduler has not run yet.
 Groups are passed explicitly and the device is taken from the tensors.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable
@@ -29,6 +34,10 @@ __all__ = ["measure_seconds", "message_sizes", "placement", "profile_collective"
            "profile_overlap", "profile_peak_flops"]
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+BURST_S = 0.01
+"""Compute each rank runs before a timed collective when ranks share compute (seconds alone)."""
+_MIN_SECONDS = 1e-7
+"""Floor of a collective's time after subtracting the burst (noise can make it negative)."""
 
 
 def measure_seconds(fn: Callable[[], object], *, world: dist.ProcessGroup, device: torch.device,
@@ -108,9 +117,13 @@ def _ping_pong_fn(members: list[int], num_bytes: int, group: dist.ProcessGroup,
 
 def profile_collective(op: str, groups: list[list[int]], handles: list[dist.ProcessGroup], *,
                        sizes: list[int], local_world_size: int, world: dist.ProcessGroup,
-                       device: torch.device, dtype: torch.dtype, repeats: int
+                       device: torch.device, dtype: torch.dtype, repeats: int,
+                       burst: Callable[[], object] | None = None, burst_s: float = 0.0
                        ) -> CollectiveCurve:
-    """One curve: every group of the placement runs `op` at once, for each size."""
+    """One curve: every group of the placement runs `op` at once, for each size. With `burst`
+    (ranks sharing compute), every rank first runs it and the collective's time is the pair's
+    minus `burst_s`: as in training, the collective then also waits for the ranks the scheduler
+    left behind."""
     rank = dist.get_rank()
     mine = next(i for i, members in enumerate(groups) if rank in members)
     seconds = []
@@ -119,7 +132,9 @@ def profile_collective(op: str, groups: list[list[int]], handles: list[dist.Proc
             fn = _ping_pong_fn(groups[mine], num_bytes, handles[mine], device, dtype)
         else:
             fn = _collective_fn(op, num_bytes, handles[mine], device, dtype)
-        t = measure_seconds(fn, world=world, device=device, repeats=repeats)
+        timed = fn if burst is None else (lambda f=fn: (burst(), f()))
+        t = measure_seconds(timed, world=world, device=device, repeats=repeats) - burst_s
+        t = max(t, _MIN_SECONDS)
         seconds.append(t / 2 if op == "p2p" else t)
     g = len(groups[0])
     stride = groups[0][1] - groups[0][0]
@@ -140,19 +155,28 @@ def _matmul_fn(dim: int, count: int, device: torch.device, dtype: torch.dtype
 
 
 def profile_peak_flops(*, world: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
-                       dim: int, repeats: int, local_world_size: int) -> tuple[float, float]:
-    """(matmul FLOP/s of one rank while every rank multiplies at once, compute slots per node).
+                       dim: int, repeats: int, local_world_size: int,
+                       min_duration_s: float = 0.2) -> tuple[float, float]:
+    """(matmul FLOP/s of one rank computing alone, compute slots per node).
 
     Slots = L * T(first rank of each node alone) / T(all L at once), in [1, L]: how many ranks
-    of a node compute at full speed together (L with one GPU per rank; the cores' worth when
-    ranks share a CPU)."""
-    busy = _matmul_fn(dim, 4, device, dtype)
+    of a node compute at full speed together (L with one GPU per rank; about the cores when
+    ranks share a CPU, never more than the cores this process may run on). Each timed run
+    lasts >= min_duration_s, so the ranks' start skew after the barrier does not count."""
+    one = measure_seconds(_matmul_fn(dim, 1, device, dtype), world=world, device=device,
+                          repeats=repeats)
+    count = torch.tensor([max(1, math.ceil(min_duration_s / one))], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=world)  # same work on every rank
+    busy = _matmul_fn(dim, int(count), device, dtype)
     t_all = measure_seconds(busy, world=world, device=device, repeats=repeats)
     alone = dist.get_rank() % local_world_size == 0
     t_one = measure_seconds(busy if alone else (lambda: None), world=world, device=device,
                             repeats=repeats)
-    slots = min(float(local_world_size), max(1.0, local_world_size * t_one / t_all))
-    return 4 * 2.0 * dim**3 / t_all, slots
+    cap = local_world_size
+    if device.type == "cpu" and hasattr(os, "sched_getaffinity"):
+        cap = min(cap, len(os.sched_getaffinity(0)))
+    slots = min(float(cap), max(1.0, local_world_size * t_one / t_all))
+    return int(count) * 2.0 * dim**3 / t_one, slots
 
 
 def profile_overlap(*, world: dist.ProcessGroup, device: torch.device, dtype: torch.dtype,
@@ -219,11 +243,16 @@ def profile_hardware(*, world: dist.ProcessGroup, device: torch.device,
     if repeats < 1 or local < 1 or world_size % local:
         raise ValueError(f"need repeats >= 1 (got {repeats}) and a world size ({world_size}) "
                          f"that is a multiple of the ranks per node ({local})")
-    curves = _all_curves(sizes, world_size, local, world=world, device=device, dtype=dtype,
-                         repeats=repeats, progress=progress)
     mm_dim = 4096 if gpu else 256
     peak, slots = profile_peak_flops(world=world, device=device, dtype=dtype, dim=mm_dim,
                                      repeats=repeats, local_world_size=local)
+    burst, burst_s = None, 0.0
+    if slots < local:  # ranks share compute: time collectives as training meets them
+        count = max(1, math.ceil(BURST_S * peak / (2.0 * mm_dim**3)))
+        burst = _matmul_fn(mm_dim, count, device, dtype)
+        burst_s = measure_seconds(burst, world=world, device=device, repeats=repeats)
+    curves = _all_curves(sizes, world_size, local, world=world, device=device, dtype=dtype,
+                         repeats=repeats, progress=progress, burst=burst, burst_s=burst_s)
     slowdown, _ = profile_overlap(world=world, device=device, dtype=dtype, num_bytes=sizes[-1],
                                   dim=mm_dim, repeats=repeats)
     ar = [c for c in curves if c.collective == "all_reduce"]
@@ -235,12 +264,14 @@ def profile_hardware(*, world: dist.ProcessGroup, device: torch.device,
                                               if intra is not None else {}))
     return ClusterProfile(cluster=cluster, backend=str(dist.get_backend(world)),
                           device=_device_name(device), overlap_slowdown=slowdown,
-                          compute_slots_per_node=round(slots, 3), collectives=tuple(curves))
+                          compute_slots_per_node=round(slots, 3), compute_burst_s=burst_s,
+                          collectives=tuple(curves))
 
 
 def _all_curves(sizes: list[int], world_size: int, local: int, *, world: dist.ProcessGroup,
                 device: torch.device, dtype: torch.dtype, repeats: int,
-                progress: Callable[[str], None] | None) -> list[CollectiveCurve]:
+                progress: Callable[[str], None] | None, burst: Callable[[], object] | None,
+                burst_s: float) -> list[CollectiveCurve]:
     curves = []
     g = 2
     while g <= world_size:
@@ -257,6 +288,7 @@ def _all_curves(sizes: list[int], world_size: int, local: int, *, world: dist.Pr
                     progress(f"{op} g={g} {'strided' if strided else 'adjacent'}")
                 curves.append(profile_collective(op, groups, handles, sizes=sizes,
                                                  local_world_size=local, world=world,
-                                                 device=device, dtype=dtype, repeats=repeats))
+                                                 device=device, dtype=dtype, repeats=repeats,
+                                                 burst=burst, burst_s=burst_s))
         g *= 2
     return curves

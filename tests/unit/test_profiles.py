@@ -121,6 +121,7 @@ def _model_json() -> dict:
     (lambda d: d["cluster"].update(num_nodes=0), "cluster.num_nodes=0 must be >= 1"),
     (lambda d: d.update(compute_slots_per_node=3), "compute_slots_per_node=3.0 must be in"),
     (lambda d: d.update(compute_slots_per_node="2"), "compute_slots_per_node='2'"),
+    (lambda d: d.update(compute_burst_s=-0.1), "compute_burst_s=-0.1 must be >= 0"),
 ])
 def test_cluster_profile_errors_are_one_line_and_name_the_field(tmp_path, mutate, needle):
     data = _cluster_json()
@@ -277,3 +278,32 @@ def test_shared_compute_iteration_time():
     assert cm.iteration_s(ev(10.0, (8.0,) * 4), pp=4) == pytest.approx(8.0)  # work-bound
     dedicated = ProfiledCostModel(MODEL, cluster, training, comm=cluster_profile())
     assert dedicated.iteration_s(ev(10.0, (4.0,) * 4), pp=4) == 10.0
+
+
+def test_disturbed_samples_do_not_bend_the_fits():
+    """Other processes only add time: a small message measured slower than a larger one takes
+    the larger one's time, and a layer sample far above the fit is left out of it."""
+    curve = CollectiveCurve(collective="all_gather", group_size=2, stride=1, ranks_per_node=2,
+                            num_bytes=SIZES, seconds=(5e-4, 1e-4, 2e-4, 1e-3))
+    assert curve.time_s(SIZES[0]) == pytest.approx(1e-4)
+    assert curve.time_s(SIZES[-1]) == pytest.approx(1e-3)
+    clean = model_profile()
+    layers = list(clean.layers)
+    layers[5] = dataclasses.replace(layers[5], forward_s=3 * layers[5].forward_s)
+    noisy = dataclasses.replace(clean, layers=tuple(layers))
+    kw = {"tp": 2, "sp": True, "micro_batch_size": 3, "seq_length": 48}
+    assert noisy.layer_time_s("forward_s", **kw) == pytest.approx(
+        clean.layer_time_s("forward_s", **kw), rel=1e-6)
+    assert noisy.fit_report()["forward_s"][1] == pytest.approx(2 / 3, rel=1e-3)
+
+
+def test_shared_compute_keeps_communication_out_of_the_core_seconds():
+    cp = dataclasses.replace(cluster_profile(), compute_slots_per_node=2.0)
+    cluster = dataclasses.replace(cp.cluster, num_nodes=1, gpus_per_node=4)
+    cp = dataclasses.replace(cp, cluster=cluster)
+    training = TrainingSpec(global_batch_size=8, seq_length=64, precision="fp32")
+    cm = ProfiledCostModel(MODEL, cluster, training, comm=cp, model_profile=model_profile())
+    ev = Evaluation(iteration_s=10.0, tokens_per_s=1.0, mfu=0.0, stage_peak_bytes=(0.0,),
+                    stage_busy_s=(10.0,), feasible=True, breakdown={"exposed_comm_s": 2.0})
+    # compute 8 s at 4 ranks on 2 slots, measured with 4 at once: 0.5 * 4 * 8 / 2 = 8; + 2 comm
+    assert cm.iteration_s(ev, pp=1) == pytest.approx(10.0)
