@@ -47,6 +47,8 @@ def plans_4() -> dict:
                 L(dp=4, recompute="full"), L(tp=2, dp=2)]),
         "zero-1 on some layers": make_plan(llama, [
             L(tp=2, dp=2, zero=1), L(dp=4), L(dp=4, zero=1), L(tp=2, dp=2)]),
+        "zero-1 + overlapped grad reduce / param gather, small buckets": make_plan(llama, [
+            L(tp=2, dp=2, zero=1), L(dp=4), L(dp=4, zero=1), L(tp=2, sp=True, dp=2)]),
         "cp2 on some layers": make_plan(llama, [
             L(cp=2, dp=2), L(tp=2, dp=2), L(tp=2, cp=2), L(dp=4)]),
         "ulysses2 on some layers": make_plan(llama, [
@@ -90,7 +92,8 @@ def _run_plans(rank: int, world_size: int) -> dict:
         key = (plan.model, plan.micro_batch_size, plan.num_microbatches, plan.seq_length)
         if key not in refs:
             refs[key] = reference_run(plan, make_batches(plan, 5), seed=11)
-        result = run_plan(plan, ref=refs[key], seed=11, **TOLERANCES)
+        result = run_plan(plan, ref=refs[key], seed=11, overlap="overlap" in name,
+                          **TOLERANCES)
         out[name] = {**result, "seconds": time.perf_counter() - start}
     if world_size == 4:
         _check_interfaces(plans)
