@@ -223,7 +223,10 @@ def check_sharded_state_dict(plan: ParallelPlan, seed: int = 11) -> int:
     """Every ShardedTensor of the plan's model has its global key, global shape and offset such
     that its data equals that slice of the single-process tensor; each shard has exactly one
     main replica across all ranks. Returns the number of shards checked on this rank."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.dist_checkpointing.mapping import (
+        ShardedTensor,
+        ShardedTensorFactory,
+    )
 
     from megatron_ext.megatron_adapter.build import build_model
 
