@@ -29,8 +29,10 @@ class TrainingSpec:
     """May use Ulysses sequence parallelism (not expressible with stock Megatron-LM flags)."""
     allow_cp: bool = True
     """May use context parallelism."""
-    allow_zero3: bool = True
-    """May fully shard parameters (ZeRO-3) on some layers."""
+    allow_zero3: bool = False
+    """May fully shard parameters (ZeRO-3) on some layers. Off by default: the layerwise runtime
+    rejects zero=3 (one-line PlanError), so the search only emits it when asked
+    (`megatron-ext search --allow-zero3`, planning for a runtime that has it)."""
     allow_flexsp: bool = False
     """Recorded for the FlexSP planner; the layerwise search itself never emits a FlexSP plan."""
     flash_attention: bool = True
