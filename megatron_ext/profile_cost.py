@@ -11,13 +11,13 @@
   (forward, backward, full and selective recomputation) with the model profile's fitted times and
   keeps every communication term of the base model.
 - Shared compute (`ProfiledCostModel.iteration_s`): the planner's pipeline formula assumes a
-  device per rank. When the cluster profile says fewer ranks than a node holds compute at full
-  speed (ranks sharing CPU cores), a pipeline bubble or a wait frees compute for the other
-  ranks. With S compute slots per node, model-profile times measured with c ranks at once are
-  max(1, c/S) slower than a rank computing alone, and one iteration takes at least
-    max(critical path at the uncontended speed,
-        total core-seconds of all ranks / (S * nodes)).
-  With a device per rank (S = ranks per node, c = 1) this is the planner's iteration time.
+  device per rank. When ranks share compute (CPU cores), a pipeline bubble or a wait frees
+  compute for the other ranks. Model-profile times are of a rank alone; with S ranks per node
+  computing at that speed at once (measured on the model: concurrency / sharing_slowdown), one
+  iteration takes at least
+    max(critical path at the solo speed, compute core-seconds of all ranks / (S * nodes)
+        + exposed communication).
+  With a device per rank (no sharing measured) this is the planner's iteration time.
 """
 
 from __future__ import annotations
@@ -116,32 +116,33 @@ class ProfiledCostModel(CostModel):
                                                    costs.activation_bytes)
         return dataclasses.replace(costs, **changes)
 
-    def uncontended_scale(self) -> float:
-        """Time of a rank computing alone over the model profile's time (<= 1)."""
-        slots = getattr(self.comm, "compute_slots_per_node", None)
-        if slots is None:
-            return 1.0
-        concurrency = self.model_profile.concurrency if self.model_profile is not None else 1
-        return 1.0 / max(1.0, concurrency / slots)
+    def compute_slots_per_node(self) -> float | None:
+        """Ranks of a node that compute at full speed at once: measured on the model itself when
+        the model profile was taken with ranks sharing the device (concurrency / slowdown), else
+        the cluster profile's matmul measurement, else None (a device per rank)."""
+        prof = self.model_profile
+        if prof is not None and prof.concurrency > 1:
+            return prof.concurrency / prof.sharing_slowdown
+        return getattr(self.comm, "compute_slots_per_node", None)
 
     def iteration_s(self, evaluation: Evaluation, pp: int) -> float:
         """Iteration time of `evaluation` (a layout with `pp` stages) under shared compute.
 
-        Only compute shares the slots: exposed communication (measured with every rank
-        communicating) is excluded from the core-seconds and added once, at the busiest stage's
-        amount; other stages are taken to spend the same fraction of their busy time in it."""
-        slots = getattr(self.comm, "compute_slots_per_node", None)
+        Layer times are of a rank alone; S ranks per node compute at that speed at once. Only
+        compute shares the slots: exposed communication (measured with every rank communicating)
+        is excluded from the core-seconds and added once, at the busiest stage's amount; other
+        stages are taken to spend the same fraction of their busy time in it."""
+        slots = self.compute_slots_per_node()
         if slots is None:
             return evaluation.iteration_s
-        scale = self.uncontended_scale()
         width = self.cluster.num_gpus // pp
         busy = np.asarray(evaluation.stage_busy_s)  # [pp]
         parts = evaluation.breakdown
         comm = parts.get("exposed_comm_s", 0.0) + parts.get("p2p_s", 0.0)
         comm_share = min(1.0, comm / max(float(busy.max()), 1e-30))
-        core_s = scale * width * float(busy.sum()) * (1.0 - comm_share)
+        core_s = width * float(busy.sum()) * (1.0 - comm_share)
         work_s = core_s / (slots * self.cluster.num_nodes) + comm
-        return max(evaluation.iteration_s * scale, work_s)
+        return max(evaluation.iteration_s, work_s)
 
 
 def predict_iteration_s(cm: CostModel, *, pp: int, stages: tuple[tuple[int, int], ...],

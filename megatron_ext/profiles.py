@@ -365,7 +365,11 @@ class ModelProfile:
     device: str
     """What ran the measurement."""
     concurrency: int = 1
-    """Processes that shared the device while measuring (ranks per CPU socket; 1 on GPUs)."""
+    """Ranks that will share one device (ranks per CPU node; 1 on GPUs). Layer, vocabulary and
+    optimizer times are of one rank alone."""
+    sharing_slowdown: float = 1.0
+    """How much slower each rank computes when `concurrency` ranks compute at once (measured with
+    one layer run back to back); 1 with a device per rank."""
     layers: tuple[LayerSample, ...]
     """Transformer layer shapes measured; at least one."""
     vocab: tuple[VocabSample, ...] = ()
@@ -379,6 +383,8 @@ class ModelProfile:
             raise PlanError(f"precision={self.precision!r} must be bf16, fp16 or fp32")
         if self.concurrency < 1:
             raise PlanError(f"concurrency={self.concurrency} must be >= 1")
+        if not self.sharing_slowdown >= 1.0:
+            raise PlanError(f"sharing_slowdown={self.sharing_slowdown} must be >= 1")
         if not self.layers:
             raise PlanError("layers is empty; a model profile needs at least one layer sample")
         for i, s in enumerate(self.layers):
@@ -449,6 +455,7 @@ class ModelProfile:
         return {"schema_version": SCHEMA_VERSION, "kind": "model_profile",
                 "model": self.model.to_dict(), "precision": self.precision,
                 "device": self.device, "concurrency": self.concurrency,
+                "sharing_slowdown": self.sharing_slowdown,
                 "layers": [s.to_dict() for s in self.layers],
                 "vocab": [s.to_dict() for s in self.vocab],
                 "optimizer": [dataclasses.asdict(s) for s in self.optimizer]}
@@ -457,7 +464,8 @@ class ModelProfile:
     def from_dict(cls, data: Any) -> ModelProfile:
         data = expect_object(data, "model profile")
         reject_unknown(data, {"schema_version", "kind", "model", "precision", "device",
-                              "concurrency", "layers", "vocab", "optimizer"}, "")
+                              "concurrency", "sharing_slowdown", "layers", "vocab", "optimizer"},
+                       "")
         _check_version(data, "model profile")
         _check_kind(data, "model_profile")
 
@@ -469,6 +477,7 @@ class ModelProfile:
                    precision=get_str(data, "precision", "", choices=("bf16", "fp16", "fp32")),
                    device=get_str(data, "device", ""),
                    concurrency=get_int(data, "concurrency", "", default=1, minimum=1),
+                   sharing_slowdown=get_float(data, "sharing_slowdown", "", default=1.0),
                    layers=items("layers", LayerSample.from_dict),
                    vocab=items("vocab", VocabSample.from_dict),
                    optimizer=items("optimizer", OptimizerSample.from_dict))

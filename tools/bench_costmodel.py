@@ -5,8 +5,8 @@
 
 1. Profile the hardware (collective curves, overlap, compute slots of `world_size` gloo ranks)
    and a small GPT (its megatron-core layer at tp 1/2/4, vocabulary layers, optimizer).
-   Model profile: one process (a rank computing alone); the cluster profile's measured compute
-   slots (about the cores) turn that into the speed of 4 ranks sharing them.
+   Model profile: every shape by one process alone, then the slowdown of `world_size`
+   processes running the layer at once (the ranks share 2 cores).
 2. Predict the iteration time of each plan in `bench_costmodel_runs.bench_plans()` with the
    profile-fed cost model (`ProfiledCostModel`) and, for comparison, with the analytic cost model
    on the profile's ClusterSpec (measured peak and fitted links, formulas for everything else).
@@ -67,10 +67,11 @@ def run_round(args: argparse.Namespace, timings: dict
         cluster = ClusterProfile.from_dict(out[0])
     t1 = time.perf_counter()
     if not args.model_profile:
-        grid = ProfileGrid(tps=(1, 2, 4), micro_batch_sizes=(2, 4, 8),
+        grid = ProfileGrid(tps=(1, 2, 4), micro_batch_sizes=(1, 2, 4, 8, 16),
                            seq_lengths=(SEQ_LENGTH // 2, SEQ_LENGTH), repeats=args.repeats)
         model = profile_model(BENCH_MODEL, precision="fp32", grid=grid,
-                              concurrency=args.profile_concurrency, threads=1)
+                              concurrency=args.profile_concurrency or args.world_size,
+                              threads=1)
     t2 = time.perf_counter()
     if not args.reuse_measured:
         runs = run_distributed(measure_rank, world_size=args.world_size, timeout_s=3600,
@@ -138,9 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2,
                    help="interleaved rounds of profiling and measuring")
     p.add_argument("--steps", type=int, default=2, help="timed steps per plan per round")
-    p.add_argument("--profile-concurrency", type=int, default=1,
-                   help="model-profiler processes at once (1: a rank alone; the cluster "
-                   "profile's compute slots then model the sharing)")
+    p.add_argument("--profile-concurrency", type=int, default=None,
+                   help="ranks sharing the CPU for the model profiler's sharing measurement "
+                   "(default: --world-size)")
     p.add_argument("--no-overlap-grad-reduce", action="store_true")
     p.add_argument("--reuse-measured", default=None,
                    help="take measured times from this earlier --json instead of running")
@@ -170,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             "summary": summary, "analytic_summary": analytic_summary, "plans": rows,
             "overlap_slowdown": cluster.overlap_slowdown,
             "compute_slots_per_node": cluster.compute_slots_per_node,
+            "sharing_slowdown": model_prof.sharing_slowdown,
             "peak_flops_per_rank": cluster.cluster.peak_flops,
             "model_fit": {k: {"median_rel_error": a, "max_rel_error": b}
                           for k, (a, b) in model_prof.fit_report().items()},
@@ -186,7 +188,8 @@ def print_table(rows: list[dict], summary: dict, analytic: dict, cluster: Cluste
                 model: ModelProfile) -> None:
     print(f"{cluster.device}, {cluster.backend} x {cluster.cluster.gpus_per_node} ranks: peak "
           f"{cluster.cluster.peak_flops / 1e9:.1f} GFLOP/s per rank, overlap slowdown "
-          f"{cluster.overlap_slowdown:.2f}, {cluster.compute_slots_per_node} compute slots; "
+          f"{cluster.overlap_slowdown:.2f}, {cluster.compute_slots_per_node} matmul slots; "
+          f"model sharing slowdown {model.sharing_slowdown:.2f} x{model.concurrency}; "
           f"model fit forward median error "
           f"{model.fit_report()['forward_s'][0]:.1%}")
     print(f"{'plan':<30}{'predicted s':>12}{'measured s':>12}{'error':>9}{'analytic s':>12}"

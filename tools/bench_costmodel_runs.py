@@ -30,30 +30,35 @@ GLOBAL_BATCH = 32
 
 def _plan(name: str, layers: list[LayerStrategy], *, pp: int = 1,
           stages: list[tuple[int, int]] | None = None, vocab_tp: int = 1,
-          world: int = 4) -> tuple[str, ParallelPlan]:
+          world: int = 4, micro_batch: int = MICRO_BATCH) -> tuple[str, ParallelPlan]:
     stages = stages or [(i * len(layers) // pp, (i + 1) * len(layers) // pp) for i in range(pp)]
     return name, ParallelPlan(
         world_size=world, pp=pp, stages=tuple(stages), layers=tuple(layers), model=BENCH_MODEL,
-        micro_batch_size=MICRO_BATCH, global_batch_size=GLOBAL_BATCH, seq_length=SEQ_LENGTH,
+        micro_batch_size=micro_batch, global_batch_size=GLOBAL_BATCH, seq_length=SEQ_LENGTH,
         vocab=VocabStrategy(tp=vocab_tp), precision="fp32")
 
 
 def bench_plans() -> list[tuple[str, ParallelPlan]]:
     """Uniform and heterogeneous plans on 4 ranks, with and without pipeline, recomputation
-    and ZeRO-1 (the runtime does not run ZeRO-3)."""
+    and ZeRO-1 (the runtime does not run ZeRO-3), and a few micro-batch sizes, so that step
+    times spread widely enough for a rank correlation to mean something."""
     n = BENCH_MODEL.num_layers
     L = LayerStrategy
     return [
         _plan("dp4", [L(dp=4)] * n),
         _plan("dp4 zero1", [L(dp=4, zero=1)] * n),
         _plan("dp4 full-rc", [L(dp=4, recompute="full")] * n),
+        _plan("dp4 mb4 (8 micro-batches)", [L(dp=4)] * n, micro_batch=4),
         _plan("tp2 dp2", [L(tp=2, dp=2)] * n, vocab_tp=2),
         _plan("tp4 sp", [L(tp=4, sp=True, dp=1)] * n, vocab_tp=4),
+        _plan("tp4 sp full-rc", [L(tp=4, sp=True, dp=1, recompute="full")] * n, vocab_tp=4),
         _plan("tp2sp dp2 z1 sel-rc", [L(tp=2, sp=True, dp=2, zero=1, recompute="selective")] * n,
               vocab_tp=2),
         _plan("pp2 dp2", [L(dp=2)] * n, pp=2),
         _plan("pp2 tp2", [L(tp=2, dp=1)] * n, pp=2, vocab_tp=2),
         _plan("pp4", [L(dp=1)] * n, pp=4),
+        _plan("pp4 mb32 (1 micro-batch)", [L(dp=1)] * n, pp=4, micro_batch=32),
+        _plan("pp2 dp2 mb16 (2 micro-batches)", [L(dp=2)] * n, pp=2, micro_batch=16),
         _plan("het tp2dp2|dp4", [L(tp=2, dp=2)] * 2 + [L(dp=4)] * 2),
         _plan("het dp4 rc 2/4", [L(dp=4, recompute="full")] * 2 + [L(dp=4)] * 2),
         _plan("het pp2 1|3 tp2-rc|dp2-z1", [L(tp=2, dp=1, recompute="full")]
@@ -142,7 +147,7 @@ def fastest_cluster(profiles: list[Any]) -> Any:
 
 def fastest_model(profiles: list[Any]) -> Any:
     """Merge model profiles of several rounds: fastest time per field, except the recompute
-    terms (differences of two times), whose median is kept."""
+    terms (differences of two times) and the sharing slowdown (a ratio), whose median is kept."""
     def merge(samples: tuple) -> Any:
         values = {}
         for f in dataclasses.fields(samples[0]):
@@ -156,6 +161,7 @@ def fastest_model(profiles: list[Any]) -> Any:
         return type(samples[0])(**values)
 
     first = profiles[0]
-    return dataclasses.replace(first, **{
-        key: tuple(merge(group) for group in zip(*(getattr(p, key) for p in profiles)))
-        for key in ("layers", "vocab", "optimizer")})
+    return dataclasses.replace(
+        first, sharing_slowdown=float(statistics.median(p.sharing_slowdown for p in profiles)),
+        **{key: tuple(merge(group) for group in zip(*(getattr(p, key) for p in profiles)))
+           for key in ("layers", "vocab", "optimizer")})

@@ -6,10 +6,12 @@ Legend: s = sequence, b = micro-batch of one replica, h = hidden, v = padded voc
 Each shape is built exactly as the runtime builds it (`layers.layer_config` / `layer_spec`, the
 same TP/SP modules) inside a process whose default group is torch's `fake` backend of size
 max(tp): the TP collectives are no-ops, so the times are the shard's compute alone (the cost
-model adds communication from the cluster profile). `concurrency` workers measure in lockstep:
-on a CPU shared by several ranks, every rank computes at once, so the profile sees the
-contention a real run sees; on GPUs use 1. GPU memory comes from the CUDA allocator; on CPU only
-time is measured and the cost model keeps its analytic memory.
+model adds communication from the cluster profile). Every shape is measured by one process alone.
+With `concurrency` > 1 (ranks that will share this device, e.g. the 4 ranks of a 2-core CPU),
+that many processes then run one representative layer back to back at once, and the ratio of
+their time per step to the solo time is the profile's `sharing_slowdown` (time-slicing, caches
+and memory bandwidth included); on GPUs use 1. GPU memory comes from the CUDA allocator; on CPU
+only time is measured and the cost model keeps its analytic memory.
 """
 
 from __future__ import annotations
@@ -141,6 +143,12 @@ class _LayerShape:
 
     def _run(self, layer: torch.nn.Module, inp: torch.Tensor) -> torch.Tensor:
         return layer(hidden_states=inp, attention_mask=None, rotary_pos_emb=self.rope)[0]
+
+    def step(self) -> None:
+        """One untimed forward + backward without recomputation."""
+        out = self._run(self.layers["none"], self.x)
+        out.backward(torch.ones_like(out))
+        self.x.grad = None
 
     def measure(self, kind: str, keep: bool) -> None:
         """(forward s, backward s, kept bytes, peak bytes) of one run, started in lockstep."""
@@ -289,40 +297,48 @@ def _measure(w: _Worker, grid: ProfileGrid, with_vocab: bool
     return layer_samples, vocab_samples, opt_samples
 
 
+SHARING_SECONDS = 1.5
+"""Wall time of each back-to-back loop that measures the sharing slowdown."""
+
+
+def _steady_step_s(w: _Worker, shape: _LayerShape) -> float:
+    """Seconds per forward + backward of `shape`, run back to back for SHARING_SECONDS."""
+    shape.step()
+    count, t0 = 0, w.now()
+    while w.now() - t0 < SHARING_SECONDS:
+        shape.step()
+        count += 1
+    return (w.now() - t0) / count
+
+
 def _worker_main(idx: int, model: ModelSpec, precision: str, grid: ProfileGrid, device: str,
                  threads: int | None, with_vocab: bool, barrier: Any, results: Any) -> None:
+    """Worker 0 measures every shape alone (the others wait), then all run one shape at once."""
     import traceback
 
     try:
         if threads:
             torch.set_num_threads(threads)
         torch.set_flush_denormal(True)  # fake collectives leave garbage that may be subnormal
-        w = _Worker(model, precision, torch.device(device), barrier.wait, max(grid.tps))
-        results.put((idx, "ok", _measure(w, grid, with_vocab)))
+        w = _Worker(model, precision, torch.device(device), lambda: None, max(grid.tps))
+        samples = _measure(w, grid, with_vocab) if idx == 0 else None
+        tp = grid.tps[0]
+        shape = _LayerShape(w, {"none": _layer(w, tp, False, "none")}, tp=tp, sp=False,
+                            b=sorted(grid.micro_batch_sizes)[len(grid.micro_batch_sizes) // 2],
+                            s=max(grid.seq_lengths))
+        alone = _steady_step_s(w, shape) if idx == 0 else None
+        barrier.wait()
+        shared = _steady_step_s(w, shape)
+        results.put((idx, "ok", (samples, alone, shared)))
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises
         barrier.abort()
         results.put((idx, "error", traceback.format_exc()))
 
 
-def _median_samples(per_worker: list[list[Any]]) -> list[Any]:
-    """Field-wise median over workers of samples measured in the same order."""
-    out = []
-    for group in zip(*per_worker):
-        values = {}
-        for f in dataclasses.fields(group[0]):
-            items = [getattr(s, f.name) for s in group]
-            if isinstance(items[0], float):
-                values[f.name] = float(statistics.median(items))
-            else:
-                values[f.name] = items[0]
-        out.append(type(group[0])(**values))
-    return out
-
-
 def profile_model(model: ModelSpec, *, precision: str = "fp32", grid: ProfileGrid | None = None,
                   concurrency: int = 1, threads: int | None = None, device: str | None = None,
                   with_vocab: bool = True, timeout_s: float = 3600.0) -> ModelProfile:
-    """Measure `model` on `concurrency` lockstep worker processes; see the module docstring."""
+    """Measure `model` (see the module docstring); `concurrency` processes share the device."""
     grid = grid or ProfileGrid()
     for tp in grid.tps:
         if model.num_attention_heads % tp or model.num_query_groups % tp:
@@ -358,8 +374,9 @@ def profile_model(model: ModelSpec, *, precision: str = "fp32", grid: ProfileGri
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    layers, vocab, opt = (_median_samples([got[i][k] for i in range(concurrency)])
-                          for k in range(3))
+    (layers, vocab, opt), alone, _ = got[0]
+    slowdown = max(1.0, statistics.median(got[i][2] for i in range(concurrency)) / alone)
     name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
     return ModelProfile(model=model, precision=precision, device=name, concurrency=concurrency,
+                        sharing_slowdown=round(slowdown, 4) if concurrency > 1 else 1.0,
                         layers=tuple(layers), vocab=tuple(vocab), optimizer=tuple(opt))

@@ -21,6 +21,7 @@ def test_profile_model_cli_measures_every_shape(tmp_path, capsys):
     assert code == 0
     profile = ModelProfile.load(out)
     assert profile.model == model_preset("tiny-gpt") and profile.concurrency == 2
+    assert profile.sharing_slowdown >= 1.0
     shapes = {(s.tp, s.sp, s.micro_batch_size, s.seq_length) for s in profile.layers}
     assert shapes == {(tp, sp, b, s) for tp, sp in ((1, False), (2, False), (2, True))
                       for b in (1, 2) for s in (16, 32)}

@@ -142,6 +142,7 @@ def test_cluster_profile_errors_are_one_line_and_name_the_field(tmp_path, mutate
     (lambda d: d["vocab"][0].update(tokens=1.5), "vocab[0].tokens=1.5 must be an integer"),
     (lambda d: d["optimizer"][0].update(step_s="fast"), "optimizer[0].step_s='fast'"),
     (lambda d: d.update(precision="fp8"), "precision='fp8' must be one of"),
+    (lambda d: d.update(sharing_slowdown=0.5), "sharing_slowdown=0.5 must be >= 1"),
     (lambda d: d["model"].update(hidden_size=-1), "model.hidden_size=-1"),
     (lambda d: d.update(kind="cluster_profile"), "kind='cluster_profile'"),
 ])
@@ -260,24 +261,34 @@ def test_fitted_compute_profile_reproduces_measured_rates():
 
 
 def test_shared_compute_iteration_time():
-    """4 ranks on 2 compute slots, model profiled with 4 at once: a rank alone is 2x faster.
-    Iteration = max(critical path at that speed, all busy core-seconds / 2 slots)."""
-    cp = dataclasses.replace(cluster_profile(), compute_slots_per_node=2.0)
-    cluster = dataclasses.replace(cp.cluster, num_nodes=1, gpus_per_node=4)
-    cp = dataclasses.replace(cp, cluster=cluster)
+    """4 ranks per node, each 2x slower when all 4 compute (2 slots): layer times are of a rank
+    alone, so iteration = max(critical path, compute core-seconds / 2 slots + exposed comm)."""
+    cluster = dataclasses.replace(cluster_profile().cluster, num_nodes=1, gpus_per_node=4)
     training = TrainingSpec(global_batch_size=8, seq_length=64, precision="fp32")
-    cm = ProfiledCostModel(MODEL, cluster, training, comm=cp, model_profile=model_profile())
-    assert cm.uncontended_scale() == 0.5
+    shared = dataclasses.replace(model_profile(), concurrency=4, sharing_slowdown=2.0)
+    cm = ProfiledCostModel(MODEL, cluster, training, comm=None, model_profile=shared)
+    assert cm.compute_slots_per_node() == 2.0
 
-    def ev(iteration_s, busy):
+    def ev(iteration_s, busy, comm_s=0.0):
         return Evaluation(iteration_s=iteration_s, tokens_per_s=1.0, mfu=0.0,
-                          stage_peak_bytes=(0.0,) * len(busy), stage_busy_s=busy, feasible=True)
+                          stage_peak_bytes=(0.0,) * len(busy), stage_busy_s=busy, feasible=True,
+                          breakdown={"exposed_comm_s": comm_s})
 
-    assert cm.iteration_s(ev(10.0, (10.0,)), pp=1) == pytest.approx(10.0)  # 4 ranks busy
-    assert cm.iteration_s(ev(10.0, (4.0,) * 4), pp=4) == pytest.approx(5.0)  # path-bound
-    assert cm.iteration_s(ev(10.0, (8.0,) * 4), pp=4) == pytest.approx(8.0)  # work-bound
-    dedicated = ProfiledCostModel(MODEL, cluster, training, comm=cluster_profile())
-    assert dedicated.iteration_s(ev(10.0, (4.0,) * 4), pp=4) == 10.0
+    assert cm.iteration_s(ev(10.0, (10.0,)), pp=1) == pytest.approx(20.0)  # 4 ranks on 2 slots
+    assert cm.iteration_s(ev(10.0, (4.0,) * 4), pp=4) == pytest.approx(10.0)  # path-bound
+    assert cm.iteration_s(ev(10.0, (8.0,) * 4), pp=4) == pytest.approx(16.0)  # work-bound
+    # communication is not shared: 8 s compute -> 4 * 8 / 2 = 16, plus 2 s of comm
+    assert cm.iteration_s(ev(10.0, (10.0,), comm_s=2.0), pp=1) == pytest.approx(18.0)
+    # no sharing measured anywhere: the planner's time
+    alone = ProfiledCostModel(MODEL, cluster, training, comm=cluster_profile(),
+                              model_profile=dataclasses.replace(model_profile(), concurrency=1))
+    assert alone.compute_slots_per_node() is None
+    assert alone.iteration_s(ev(10.0, (4.0,) * 4), pp=4) == 10.0
+    # the cluster profile's slots apply when the model profile measured no sharing
+    with_slots = dataclasses.replace(cluster_profile(), compute_slots_per_node=2.0)
+    cm2 = ProfiledCostModel(MODEL, cluster, training, comm=with_slots,
+                            model_profile=dataclasses.replace(model_profile(), concurrency=1))
+    assert cm2.iteration_s(ev(10.0, (10.0,)), pp=1) == pytest.approx(20.0)
 
 
 def test_disturbed_samples_do_not_bend_the_fits():
@@ -295,15 +306,3 @@ def test_disturbed_samples_do_not_bend_the_fits():
     assert noisy.layer_time_s("forward_s", **kw) == pytest.approx(
         clean.layer_time_s("forward_s", **kw), rel=1e-6)
     assert noisy.fit_report()["forward_s"][1] == pytest.approx(2 / 3, rel=1e-3)
-
-
-def test_shared_compute_keeps_communication_out_of_the_core_seconds():
-    cp = dataclasses.replace(cluster_profile(), compute_slots_per_node=2.0)
-    cluster = dataclasses.replace(cp.cluster, num_nodes=1, gpus_per_node=4)
-    cp = dataclasses.replace(cp, cluster=cluster)
-    training = TrainingSpec(global_batch_size=8, seq_length=64, precision="fp32")
-    cm = ProfiledCostModel(MODEL, cluster, training, comm=cp, model_profile=model_profile())
-    ev = Evaluation(iteration_s=10.0, tokens_per_s=1.0, mfu=0.0, stage_peak_bytes=(0.0,),
-                    stage_busy_s=(10.0,), feasible=True, breakdown={"exposed_comm_s": 2.0})
-    # compute 8 s at 4 ranks on 2 slots, measured with 4 at once: 0.5 * 4 * 8 / 2 = 8; + 2 comm
-    assert cm.iteration_s(ev, pp=1) == pytest.approx(10.0)
