@@ -369,7 +369,7 @@ class ModelProfile:
     optimizer times are of one rank alone."""
     sharing_slowdown: float = 1.0
     """How much slower each rank computes when `concurrency` ranks compute at once (measured with
-    one layer run back to back); 1 with a device per rank."""
+    a stack of the model's layers run back to back); 1 with a device per rank."""
     layers: tuple[LayerSample, ...]
     """Transformer layer shapes measured; at least one."""
     vocab: tuple[VocabSample, ...] = ()

@@ -8,9 +8,9 @@ same TP/SP modules) inside a process whose default group is torch's `fake` backe
 max(tp): the TP collectives are no-ops, so the times are the shard's compute alone (the cost
 model adds communication from the cluster profile). Every shape is measured by one process alone.
 With `concurrency` > 1 (ranks that will share this device, e.g. the 4 ranks of a 2-core CPU),
-that many processes then run one representative layer back to back at once, and the ratio of
-their time per step to the solo time is the profile's `sharing_slowdown` (time-slicing, caches
-and memory bandwidth included); on GPUs use 1. GPU memory comes from the CUDA allocator; on CPU
+that many processes then run a stack of the model's layers (up to 8, one shape) back to back at
+once, and the ratio of their time per step to the solo time is the profile's `sharing_slowdown`
+(time-slicing, caches and memory bandwidth included); on GPUs use 1. GPU memory comes from the CUDA allocator; on CPU
 only time is measured and the cost model keeps its analytic memory.
 """
 
@@ -301,12 +301,18 @@ SHARING_SECONDS = 1.5
 """Wall time of each back-to-back loop that measures the sharing slowdown."""
 
 
-def _steady_step_s(w: _Worker, shape: _LayerShape) -> float:
-    """Seconds per forward + backward of `shape`, run back to back for SHARING_SECONDS."""
-    shape.step()
+def _steady_step_s(w: _Worker, shapes: list[_LayerShape]) -> float:
+    """Seconds per forward + backward of the model's layer stack (one shape per layer, each with
+    its own weights: the working set of a training step), run back to back for
+    SHARING_SECONDS."""
+    def step() -> None:
+        for shape in shapes:
+            shape.step()
+
+    step()
     count, t0 = 0, w.now()
     while w.now() - t0 < SHARING_SECONDS:
-        shape.step()
+        step()
         count += 1
     return (w.now() - t0) / count
 
@@ -322,13 +328,12 @@ def _worker_main(idx: int, model: ModelSpec, precision: str, grid: ProfileGrid, 
         torch.set_flush_denormal(True)  # fake collectives leave garbage that may be subnormal
         w = _Worker(model, precision, torch.device(device), lambda: None, max(grid.tps))
         samples = _measure(w, grid, with_vocab) if idx == 0 else None
-        tp = grid.tps[0]
-        shape = _LayerShape(w, {"none": _layer(w, tp, False, "none")}, tp=tp, sp=False,
-                            b=sorted(grid.micro_batch_sizes)[len(grid.micro_batch_sizes) // 2],
-                            s=max(grid.seq_lengths))
-        alone = _steady_step_s(w, shape) if idx == 0 else None
+        tp, b = grid.tps[0], sorted(grid.micro_batch_sizes)[len(grid.micro_batch_sizes) // 2]
+        stack = [_LayerShape(w, {"none": _layer(w, tp, False, "none")}, tp=tp, sp=False, b=b,
+                             s=max(grid.seq_lengths)) for _ in range(min(model.num_layers, 8))]
+        alone = _steady_step_s(w, stack) if idx == 0 else None
         barrier.wait()
-        shared = _steady_step_s(w, shape)
+        shared = _steady_step_s(w, stack)
         results.put((idx, "ok", (samples, alone, shared)))
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises
         barrier.abort()
