@@ -53,8 +53,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     mdl.add_argument("--seq-lengths", type=_int_list, default=None,
                      help="default: max_position_embeddings / 4 and / 2")
     mdl.add_argument("--repeats", type=int, default=3)
-    mdl.add_argument("--concurrency", type=int, default=1, help="processes measuring at once: "
-                     "ranks that will share this CPU (1 on GPUs)")
+    mdl.add_argument("--concurrency", type=int, default=1, help="ranks that will share this "
+                     "device (e.g. 4 gloo ranks on one CPU); their slowdown is measured (1 on GPUs)")
     mdl.add_argument("--threads", type=int, default=None,
                      help="torch threads per process (default: OMP_NUM_THREADS or torch's)")
     mdl.set_defaults(run=run_model)
@@ -136,9 +136,11 @@ def run_model(args: argparse.Namespace) -> int:
 
 
 def model_summary(profile: ModelProfile) -> str:
-    lines = [(f"{profile.model.name} on {profile.device} ({profile.precision}, "
-             f"{profile.concurrency} concurrent): {len(profile.layers)} layer shapes, "
-             f"{len(profile.vocab)} vocabulary shapes, {len(profile.optimizer)} optimizer sizes"),
+    lines = [(f"{profile.model.name} on {profile.device} ({profile.precision}): "
+             f"{len(profile.layers)} layer shapes, {len(profile.vocab)} vocabulary shapes, "
+             f"{len(profile.optimizer)} optimizer sizes, times of one rank alone; "
+             f"{profile.concurrency} ranks sharing the device compute "
+             f"{profile.sharing_slowdown:.2f}x slower"),
              (f"{'tp':>3}{'sp':>4}{'b':>4}{'s':>6}{'fwd ms':>9}{'bwd ms':>9}{'rc ms':>8}"
              f"{'sel ms':>8}")]
     for s in profile.layers:
