@@ -29,7 +29,7 @@ import numpy as np
 from megatron_ext.errors import InfeasiblePlanError
 from megatron_ext.plan import ParallelPlan, VocabStrategy
 from megatron_ext.planner.bounds import combo_bound
-from megatron_ext.planner.cost.evaluate import Evaluation, evaluate
+from megatron_ext.planner.cost.evaluate import Evaluation
 from megatron_ext.planner.cost.model import CostModel, LayerCosts
 from megatron_ext.planner.cost.vocab import StageExtras, stage_extras
 from megatron_ext.planner.dp import MaxSwitch, StageDP, layer_dp
@@ -157,14 +157,7 @@ def _layerwise(
             stats["combos_pruned"] = len(combos) - i
             break
         for layout in _solve_combo(cm, combo, options, best_s, stats):
-            ev = evaluate(
-                cm,
-                pp=layout.pp,
-                stages=layout.stages,
-                layers=layout.layers,
-                vocab=layout.vocab,
-                micro_batch_size=layout.micro_batch_size,
-            )
+            ev = layout.evaluate(cm)
             stats["exact_evaluations"] += 1
             if ev.feasible and ev.iteration_s < best_s:
                 best, best_s = (layout, ev), ev.iteration_s

@@ -17,6 +17,7 @@ import numpy as np
 
 from megatron_ext.plan import LayerStrategy, VocabStrategy
 from megatron_ext.planner.cost.evaluate import Evaluation, evaluate
+from megatron_ext.planner.cost.model import CostModel
 from megatron_ext.planner.cost.pipeline import one_f_one_b, pipeline_lower_bound_s
 from megatron_ext.planner.cost.vocab import stage_extras
 from megatron_ext.planner.space import divisors, layer_strategies
@@ -36,6 +37,11 @@ class Layout:
     """One strategy per layer."""
     vocab: VocabStrategy
     """Vocabulary layers."""
+
+    def evaluate(self, cm: CostModel) -> Evaluation:
+        """The exact cost-model evaluation of this layout."""
+        return evaluate(cm, pp=self.pp, stages=self.stages, layers=self.layers, vocab=self.vocab,
+                        micro_batch_size=self.micro_batch_size)
 
 
 def megatron_partitions(num_layers: int, pp: int) -> np.ndarray:  # [P, pp] layer counts
@@ -160,13 +166,6 @@ def search_uniform(
     if best is None:
         return None
     layout = best[1]
-    ev = evaluate(
-        cm,
-        pp=layout.pp,
-        stages=layout.stages,
-        layers=layout.layers,
-        vocab=layout.vocab,
-        micro_batch_size=layout.micro_batch_size,
-    )
+    ev = layout.evaluate(cm)
     assert abs(ev.iteration_s - best[0]) <= 1e-9 * best[0], (ev.iteration_s, best[0])
     return layout, ev
