@@ -13,6 +13,7 @@ from megatron_ext.schema import (
     expect_object,
     get_bool,
     get_float,
+    get_float_list,
     get_int,
     get_str,
     reject_unknown,
@@ -164,8 +165,16 @@ class ClusterSpec:
         default_factory=lambda: LinkSpec(bandwidth_bytes_per_s=45e9, latency_s=1e-5)
     )
     """Network between nodes, bandwidth per GPU."""
+    all_to_all_inter_efficiency: tuple[float, ...] = (0.83, 0.71, 0.68)
+    """Share of inter_node bandwidth an all-to-all spanning 2, 4, 8 (the last value: and more)
+    nodes achieves. Default: FlexSP's measured all-to-all on 8 x 8 A100, 400 Gb/s IB per node
+    (planner/flexsp/cost.py derives it). Only the FlexSP cost model reads it."""
 
     def __post_init__(self) -> None:
+        eff = self.all_to_all_inter_efficiency
+        if not eff or not all(0 < e <= 1 for e in eff):
+            raise PlanError(f"cluster all_to_all_inter_efficiency={list(eff)} must be a non-empty "
+                            "list of shares in (0, 1]; e.g. [0.83, 0.71, 0.68]")
         if self.num_nodes < 1 or self.gpus_per_node < 1:
             raise PlanError(
                 f"cluster num_nodes={self.num_nodes} and gpus_per_node={self.gpus_per_node} "
@@ -197,4 +206,6 @@ class ClusterSpec:
             peak_flops=get_float(data, "peak_flops", path, positive=True),
             intra_node=LinkSpec.from_dict(data["intra_node"], f"{path}.intra_node"),
             inter_node=LinkSpec.from_dict(data["inter_node"], f"{path}.inter_node"),
+            all_to_all_inter_efficiency=get_float_list(data, "all_to_all_inter_efficiency", path)
+            or cls.__dataclass_fields__["all_to_all_inter_efficiency"].default,
         )
