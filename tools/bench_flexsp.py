@@ -164,8 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--milp-time-limit", type=float, default=10.0)
     p.add_argument("--paper-constants", action="store_true",
                    help="FlexSP's fitted GPT-7B/A100-40GB constants instead of model/cluster")
-    p.add_argument("--a2a-efficiency", type=float, default=1.0,
-                   help="share of inter-node bandwidth a multi-node all-to-all achieves")
+    p.add_argument("--a2a-efficiency", type=float, default=None,
+                   help="one share of inter-node bandwidth for every multi-node all-to-all "
+                        "(default: the cluster's all_to_all_inter_efficiency per node count)")
     p.add_argument("--quick", action="store_true", help="2 batches, 64 GPUs, few MILPs")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -204,8 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         "summary_setting": f"{SUMMARY_GPUS} GPUs, max length {max(args.max_lengths)}, "
                            f"{args.num_sequences} sequences, " + (
                                "FlexSP's GPT-7B/A100 constants" if args.paper_constants
-                               else f"{args.model} on {args.cluster}, all-to-all at "
-                               f"{args.a2a_efficiency:g} of inter-node bandwidth"),
+                               else f"{args.model} on {args.cluster}, node-spanning all-to-all at "
+                               + (f"{args.a2a_efficiency:g}" if args.a2a_efficiency is not None
+                                  else "the cluster's per-node-count efficiency")
+                               + " of inter-node bandwidth"),
     }
     print(json.dumps(summary, indent=2))
     if args.json:

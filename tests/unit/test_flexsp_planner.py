@@ -17,10 +17,13 @@ from megatron_ext.planner.flexsp import (
     sample_lengths,
 )
 from megatron_ext.planner.flexsp.assign import assign
+from megatron_ext.planner.flexsp.cost import FLEXSP_A100_A2A_GBPS, a2a_bandwidths
 from megatron_ext.planner.flexsp.microbatch import make_problem
 from megatron_ext.planner.flexsp.milp import solve_microbatch_milp
 from megatron_ext.planner.flexsp.multisets import enumerate_multisets, lower_bounds
 from megatron_ext.presets import cluster_preset, model_preset
+from megatron_ext.profiles import ClusterProfile, CollectiveCurve
+from megatron_ext.specs import ClusterSpec, LinkSpec
 
 
 def _h100(num_nodes: int = 8, model: str = "llama2-7b", **kw: object) -> FlexSPCostModel:
@@ -29,23 +32,53 @@ def _h100(num_nodes: int = 8, model: str = "llama2-7b", **kw: object) -> FlexSPC
 
 
 def test_paper_constants_reproduce_the_worked_example() -> None:
-    # FlexSP's fitted GPT-7B/A100 constants; reference §3 table, SP=8 column (intra-node):
-    # 4K 116 ms, 16K 591 ms, 64K 4.4 s, 256K 50.8 s. Our per-degree bandwidth summary differs
-    # from the profiled table only above 8 GPUs, so SP=8 must match to rounding (3%).
+    # FlexSP's fitted GPT-7B/A100 constants and profiled per-degree all-to-all bandwidths;
+    # reference §3 worked example (total ms per sequence at SP 8/16/32/64). The table is
+    # printed to 2-3 significant digits (1.8 s holds 1.75-1.85 s), hence 3%.
     cost = paper_gpt7b_a100(64)
-    for length, expect_s in ((4096, 0.116), (16384, 0.591), (65536, 4.4), (262144, 50.8)):
-        got = cost.seq_time_s(length, length * length, 8)
-        assert got == pytest.approx(expect_s, rel=0.03), (length, got)
+    table = {4096: (116, 102, 69, 39), 16384: (591, 473, 310, 174),
+             65536: (4400, 2900, 1800, 950), 262144: (50800, 28200, 15300, 7900)}
+    for length, row in table.items():
+        for degree, expect_ms in zip((8, 16, 32, 64), row):
+            got = cost.seq_time_s(length, length * length, degree) * 1e3
+            assert got == pytest.approx(expect_ms, rel=0.03), (length, degree, got)
     assert cost.capacity_tokens == pytest.approx(5992, rel=0.02)  # reference: ~5,992 tokens
+
+
+def test_topology_all_to_all_reproduces_flexsp_measurements() -> None:
+    # FlexSP's cluster as a ClusterSpec: 8 x 8 A100, 400 Gb/s IB per node = 6.25 GB/s per GPU.
+    # The default all_to_all_inter_efficiency was derived from that table, so the node-spanning
+    # degrees must come back to the table's 2-3 digits (1%); the intra-node ones are NVLink
+    # formula values (FlexSP measured less there: see docs/benchmarks.md).
+    a100 = ClusterSpec(num_nodes=8, memory_gib=40.0, peak_flops=312e12,
+                       intra_node=LinkSpec(bandwidth_bytes_per_s=300e9, latency_s=0.0),
+                       inter_node=LinkSpec(bandwidth_bytes_per_s=6.25e9, latency_s=0.0))
+    got = dict(a2a_bandwidths(a100, 64))
+    for degree in (16, 32, 64):
+        assert got[degree] / 1e9 == pytest.approx(FLEXSP_A100_A2A_GBPS[degree], rel=0.01)
+    assert got[8] == pytest.approx(300e9 * 8 / 7)  # 7/8 of the buffer over NVLink
+    # one efficiency overrides the table; a measured profile curve overrides the topology
+    assert dict(a2a_bandwidths(a100, 64, inter_efficiency=0.5))[64] == pytest.approx(
+        6.25e9 * 0.5 * 64 / 56)
+    curve = CollectiveCurve(collective="all_to_all", group_size=16, stride=1, ranks_per_node=8,
+                            num_bytes=(1e6, 1e7, 1e8), seconds=(1e-3, 1e-2, 1e-1))
+    profile = ClusterProfile(cluster=a100, backend="nccl", device="test", collectives=(curve,))
+    measured = dict(a2a_bandwidths(a100, 64, profile=profile))
+    assert measured[16] == pytest.approx(1e9, rel=1e-6) and measured[32] == got[32]
+    cost = cost_model_from_specs(model_preset("llama2-7b"), a100, profile=profile)
+    per_device = cost.a2a_bytes_per_token(16) / 16
+    assert cost.a2a_s_per_token(16) == pytest.approx(per_device / 1e9, rel=1e-6)
 
 
 def test_derived_cost_model_shapes() -> None:
     cost = _h100()
     assert cost.degrees == (1, 2, 4, 8, 16, 32)  # llama2-7b: 32 heads cap the degree
     assert cost.a2a_s_per_token(1) == 0.0 and cost.a2a_latency_s(1) == 0.0
-    # leaving the 8-GPU node (NVLink 360 GB/s -> 45 GB/s per GPU): all-to-all GPU-seconds per
-    # token jump 4.6x from degree 8 to 16 (8/16 of the traffic goes over the 8x slower link)
-    assert 16 * cost.a2a_s_per_token(16) > 4 * 8 * cost.a2a_s_per_token(8)
+    # leaving the 8-GPU node (NVLink 360 GB/s -> 45 GB/s x 0.83 all-to-all efficiency per GPU):
+    # all-to-all GPU-seconds per token jump 5.5x from degree 8 to 16 (8/16 of the traffic goes
+    # over the ~10x slower link), and larger spans are less efficient still
+    assert 16 * cost.a2a_s_per_token(16) > 5 * 8 * cost.a2a_s_per_token(8)
+    assert 32 * cost.a2a_s_per_token(32) > 16 * cost.a2a_s_per_token(16) * 1.5
     # GQA (8 kv heads): kv travels unduplicated up to degree 8, then one kv head per rank
     gqa = _h100(model="llama3-8b")
     assert gqa.a2a_bytes_per_token(8) == gqa.a2a_bytes_per_token(2)

@@ -19,8 +19,8 @@ Derivation from specs (all per token, forward + backward, all layers; documented
 - time = FLOPs / (peak_flops * efficiency), efficiencies `linear_mfu` and `attention_mfu`;
 - all-to-all: q, k, v and the output, forward and backward, bf16; GQA kv heads travel unduplicated
   while d <= num_query_groups and are replicated to d heads beyond (runtime/flexsp/ulysses.py);
-  each rank sends (d-1)/d of its s/d tokens: intra-node peers over NVLink, the rest over the
-  network, concurrently, so the slower share sets the time (the intra/inter-node "cliff");
+  its speed is one algorithmic bandwidth per degree (`a2a_bytes_per_s`: one rank's send buffer,
+  i.e. its s/d tokens, per second), as FlexSP's profiled table bw[d] (see `a2a_bandwidths`);
 - activations: bf16 tensors saved for backward with flash attention and no recompute
   (norm/qkv/proj/fc inputs, q, k, v, fc1 output, activation output) plus fp32+bf16 logits;
 - model states: ZeRO-3 over all devices, 16 bytes/param (bf16 param+grad, fp32 master+Adam);
@@ -32,16 +32,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from megatron_ext.errors import PlanError
 from megatron_ext.plan import ParallelPlan
 from megatron_ext.specs import ClusterSpec, ModelSpec
+
+if TYPE_CHECKING:
+    from megatron_ext.profiles import ClusterProfile
 
 A2A_PER_LAYER = 8
 """All-to-alls per layer and micro-batch: q, k, v, output; forward and backward."""
 BF16_BYTES = 2
 ATTN_FWD_BWD_FACTOR = 3.5
 """Attention forward + backward FLOPs over forward FLOPs (flash-attention backward is 2.5x)."""
+FLEXSP_A100_A2A_GBPS = {2: 119.5, 4: 104.1, 8: 96.5, 16: 10.33, 32: 5.94, 64: 4.87}
+"""FlexSP's profiled all-to-all bandwidth per group degree (PKU-DAIR/Hetu-Galvatron, branch
+flexsp, galvatron/flexsp_solver: one rank's buffer / time) on 8 nodes x 8 A100-40GB with
+400 Gb/s InfiniBand per node (6.25 GB/s per GPU). Against that per-GPU share, the spanning
+groups' inter-node traffic ((d - 8)/d of the buffer) runs at 0.83, 0.71 and 0.68 of line rate
+for 2, 4 and 8 nodes: ClusterSpec.all_to_all_inter_efficiency's default."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -86,6 +96,9 @@ class FlexSPCostModel:
     """Smallest group degree the planner may use (power of two)."""
     max_degree: int = 0
     """Largest group degree (power of two); 0 means the largest one the head count allows."""
+    a2a_bytes_per_s: tuple[tuple[int, float], ...] = ()
+    """(degree, algorithmic bandwidth) pairs: one rank's all-to-all send buffer bytes per second
+    in a group of that degree. Degrees not listed use the two-link formula (`_link_a2a_s`)."""
 
     def __post_init__(self) -> None:
         for name in ("num_gpus", "gpus_per_node", "num_attention_heads", "num_query_groups"):
@@ -154,6 +167,14 @@ class FlexSPCostModel:
         if degree == 1:
             return 0.0
         per_device = self.a2a_bytes_per_token(degree) / degree  # each device holds s/d tokens
+        for d, bytes_per_s in self.a2a_bytes_per_s:
+            if d == degree:
+                return per_device / bytes_per_s
+        return self._link_a2a_s(degree, per_device)
+
+    def _link_a2a_s(self, degree: int, per_device: float) -> float:
+        """Each rank sends (d-1)/d of its buffer: intra-node peers over NVLink, the rest over the
+        network, concurrently, so the slower share sets the time (the intra/inter-node cliff)."""
         if not self.spans_nodes(degree):
             intra_peers, inter_peers = degree - 1, 0
         elif self.gpus_per_node % degree == 0 or degree % self.gpus_per_node == 0:
@@ -225,7 +246,8 @@ def cost_model_from_specs(
     attention_mfu: float = 0.4,
     zero3_overlap: float = 0.75,
     memory_reserve_fraction: float = 0.1,
-    a2a_inter_efficiency: float = 1.0,
+    a2a_inter_efficiency: float | None = None,
+    profile: ClusterProfile | None = None,
     min_degree: int = 1,
     max_degree: int = 0,
 ) -> FlexSPCostModel:
@@ -234,15 +256,16 @@ def cost_model_from_specs(
     `linear_mfu`/`attention_mfu`: achieved fraction of peak for matmuls and flash attention;
     `zero3_overlap`: fraction of the per-micro-batch ZeRO-3 traffic hidden behind compute;
     `memory_reserve_fraction`: device memory kept free for the allocator, NCCL and workspaces;
-    `a2a_inter_efficiency`: fraction of the cluster's inter-node bandwidth an all-to-all across
-    nodes achieves (presets give all-reduce bus bandwidth; FlexSP measured 4.9-10 GB/s per GPU
-    for 16-64-GPU all-to-alls on 200 Gb/s HDR, i.e. 0.2-0.4 of line rate).
+    `a2a_inter_efficiency`: one share of inter-node bandwidth for every node-spanning
+    all-to-all, overriding `cluster.all_to_all_inter_efficiency` (sensitivity studies);
+    `profile`: measured all-to-all curves (`megatron-ext profile hardware`) win over the
+    cluster's links for the group sizes they cover (see `a2a_bandwidths`).
     Calibrate them by profiling; the defaults are typical H100/A100 bf16 values.
     """
     for name, value in (("linear_mfu", linear_mfu), ("attention_mfu", attention_mfu)):
         if not 0 < value <= 1:
             raise PlanError(f"{name}={value} must be in (0, 1]")
-    if not 0 < a2a_inter_efficiency <= 1:
+    if a2a_inter_efficiency is not None and not 0 < a2a_inter_efficiency <= 1:
         raise PlanError(f"a2a_inter_efficiency={a2a_inter_efficiency} must be in (0, 1]")
     if not 0 <= zero3_overlap <= 1 or not 0 <= memory_reserve_fraction < 1:
         raise PlanError(
@@ -276,8 +299,7 @@ def cost_model_from_specs(
         num_attention_heads=model.num_attention_heads,
         num_layers=model.num_layers,
         intra_bandwidth_bytes_per_s=cluster.intra_node.bandwidth_bytes_per_s,
-        inter_bandwidth_bytes_per_s=cluster.inter_node.bandwidth_bytes_per_s
-        * a2a_inter_efficiency,
+        inter_bandwidth_bytes_per_s=cluster.inter_node.bandwidth_bytes_per_s,
         intra_latency_s=cluster.intra_node.latency_s,
         inter_latency_s=cluster.inter_node.latency_s,
         act_bytes_per_token=act_bytes_per_token(model),
@@ -285,6 +307,8 @@ def cost_model_from_specs(
         memory_budget_bytes=cluster.memory_gib * 2**30 * (1 - memory_reserve_fraction),
         min_degree=min_degree,
         max_degree=max_degree,
+        a2a_bytes_per_s=a2a_bandwidths(cluster, n, inter_efficiency=a2a_inter_efficiency,
+                                       profile=profile),
     )
 
 
@@ -293,8 +317,8 @@ def paper_gpt7b_a100(num_gpus: int = 64) -> FlexSPCostModel:
 
     alpha_1 = 5.128e-6 ms/tok^2, alpha_2 = 0.18396 ms/tok, beta_1 = 629.4 ms, 4.48 MB/token,
     28 GB budget, all-to-all 4 tensors x fwd/bwd x 32 layers x h=4096 x bf16, and the profiled
-    per-degree bandwidths {<=8: ~100 GB/s, >8: 5-10 GB/s} summarised as NVLink 100 GB/s and
-    network 5.5 GB/s per device. For cross-checking against the paper's numbers only.
+    per-degree bandwidths FLEXSP_A100_A2A_GBPS (the code's MiB/ms "GB/s"). For cross-checking
+    against the paper's numbers only.
     """
     h, layers = 4096, 32
     return FlexSPCostModel(
@@ -309,6 +333,7 @@ def paper_gpt7b_a100(num_gpus: int = 64) -> FlexSPCostModel:
         act_bytes_per_token=4.48 * 2**20,
         model_state_bytes=6.7e9 * 16 / num_gpus,
         memory_budget_bytes=28 * 2**30,
+        a2a_bytes_per_s=tuple((d, bw * 2**20 * 1e3) for d, bw in FLEXSP_A100_A2A_GBPS.items()),
     )
 
 
@@ -324,3 +349,45 @@ def cost_model_for_plan(plan: ParallelPlan, **kwargs: float) -> FlexSPCostModel:
         plan.model, plan.cluster, num_gpus=plan.world_size,
         min_degree=plan.flexsp.min_group_size, max_degree=plan.flexsp.max_group_size,
         **kwargs)  # type: ignore[arg-type]
+
+
+def a2a_bandwidths(
+    cluster: ClusterSpec, num_gpus: int, *, inter_efficiency: float | None = None,
+    profile: ClusterProfile | None = None,
+) -> tuple[tuple[int, float], ...]:
+    """(degree, algorithmic all-to-all bandwidth) of an aligned group of each power-of-two
+    degree 2..num_gpus: one rank's send buffer bytes per second (FlexSP's bw[d] convention).
+
+    Measured where `profile` has an all_to_all curve of that group size with
+    min(d, gpus_per_node) ranks per node (the curve's large-message bandwidth). Otherwise the
+    topology: each rank sends (d-1)/d of its buffer; an intra-node group's share crosses NVLink at
+    `cluster.intra_node` bandwidth; a group of whole nodes sends (gpus_per_node - 1)/d over NVLink
+    and (d - gpus_per_node)/d over its GPU's share of the network at `cluster.inter_node`
+    bandwidth x the all-to-all efficiency for that many nodes (`all_to_all_inter_efficiency`,
+    FlexSP's measured 0.83/0.71/0.68 for 2/4/8 nodes by default: more peers, smaller messages
+    and cross-rail traffic than the all-reduce the link figure describes), both concurrently,
+    so the slower share sets the time.
+    """
+    gpn = min(cluster.gpus_per_node, num_gpus)
+    table = ((inter_efficiency,) if inter_efficiency is not None
+             else cluster.all_to_all_inter_efficiency)
+    intra_bw = cluster.intra_node.bandwidth_bytes_per_s
+    out, d = [], 2
+    while d <= num_gpus:
+        curve = profile.curve("all_to_all", d, min(d, gpn)) if profile is not None else None
+        if curve is not None:
+            out.append((d, curve.fit.bytes_per_s))
+            d *= 2
+            continue
+        nodes = -(-d // gpn)
+        eff = table[min(max(0, math.ceil(math.log2(nodes)) - 1), len(table) - 1)]
+        inter_bw = cluster.inter_node.bandwidth_bytes_per_s * eff
+        if nodes == 1 and gpn % d == 0:  # aligned inside one node
+            s_per_byte = (d - 1) / d / intra_bw
+        elif d % gpn == 0:  # whole nodes
+            s_per_byte = max((gpn - 1) / d / intra_bw, (d - gpn) / d / inter_bw)
+        else:  # a node size that is not a power of two: count every peer as remote
+            s_per_byte = (d - 1) / d / inter_bw
+        out.append((d, 1.0 / s_per_byte))
+        d *= 2
+    return tuple(out)
