@@ -72,6 +72,7 @@ def grad_classes(model: HeteroGPTModel) -> list[GradClass]:
     add(plan.vocab.tp, last_zero, model.decoder.final_layernorm, model.decoder.pg_collection)
     if model.post_process:
         add(plan.vocab.tp, last_zero, model.output_layer, vocab_pg)
+    add(plan.vocab.tp, plan.layers[start].zero, getattr(model, "vocab", None), vocab_pg)
     return [GradClass(tp=tp, zero=zero, modules=tuple(mods), pg_collection=pgc)
             for (tp, zero), (mods, pgc) in found.items()]
 
