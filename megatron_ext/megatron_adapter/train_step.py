@@ -88,6 +88,12 @@ def forward_backward(
     Returns the global per-token loss and token count, identical on every rank.
     """
     plan = groups.plan
+    if plan.vocab.mode == "vocab_parallel":  # vocabulary passes on every stage
+        from megatron_ext.megatron_adapter.vocab_runtime import vocab_forward_backward
+
+        return vocab_forward_backward(
+            chunks, data_iterator, groups, forward_only=forward_only,
+            forward_step_func=None if forward_step_func is forward_step else forward_step_func)
     inner: HeteroGPTModel = chunks[0].module
     config = inner.config
     kwargs: dict[str, Any] = {}
