@@ -57,8 +57,9 @@ def _singleton_pgc():
     return ProcessGroupCollection(tp=one, cp=one, pp=one, embd=None, pos_embd=None)
 
 
-def reference_model(plan: ParallelPlan, seed: int):
-    """Single-process stock GPTModel (TP=1, local spec) with the plan-invariant initial weights."""
+def reference_model(plan: ParallelPlan, seed: int, divisible_by: int = 128):
+    """Single-process stock GPTModel (TP=1, local spec) with the plan-invariant initial weights;
+    vocabulary padded as build_model's `make_vocab_size_divisible_by=divisible_by`."""
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -75,7 +76,7 @@ def reference_model(plan: ParallelPlan, seed: int):
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization=model_spec.normalization),
-        vocab_size=padded_vocab_size(model_spec.vocab_size, plan.vocab.tp),
+        vocab_size=padded_vocab_size(model_spec.vocab_size, plan.vocab.tp, divisible_by),
         max_sequence_length=model_spec.max_position_embeddings,
         share_embeddings_and_output_weights=model_spec.tied_embeddings,
         position_embedding_type=model_spec.position_embedding, pg_collection=_singleton_pgc(),
@@ -84,10 +85,10 @@ def reference_model(plan: ParallelPlan, seed: int):
     return model
 
 
-def reference_run(plan: ParallelPlan, batches: list[list[dict]], seed: int
-                  ) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_run(plan: ParallelPlan, batches: list[list[dict]], seed: int,
+                  divisible_by: int = 128) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Single-process run: per-step losses and full gradients of step 1 (by global name)."""
-    model = reference_model(plan, seed)
+    model = reference_model(plan, seed, divisible_by)
     named = dict(model.named_parameters())
     decay = [p for n, p in named.items() if not (n.endswith(".bias") or p.dim() == 1)]
     no_decay = [p for n, p in named.items() if n.endswith(".bias") or p.dim() == 1]
