@@ -31,14 +31,32 @@ from megatron_ext.megatron_adapter.layers import (
 )
 from megatron_ext.megatron_adapter.model import HeteroGPTModel
 from megatron_ext.megatron_adapter.pg import layout_pg_collection
+from megatron_ext.megatron_adapter.vocab_layers import (
+    VocabParallelLayers,
+    init_vocab_plan_invariant,
+)
 from megatron_ext.megatron_adapter.weights import init_plan_invariant
 from megatron_ext.plan import ParallelPlan
-from megatron_ext.runtime.groups import PlanGroups, build_plan_groups, check_world_size
+from megatron_ext.runtime.groups import (
+    AXES,
+    GroupCache,
+    LayoutGroups,
+    PlanGroups,
+    build_plan_groups,
+    check_world_size,
+    layout_rank_sets,
+)
 from megatron_ext.runtime.layout import Layout
 from megatron_ext.runtime.plan_layouts import (
     boundary_layout,
     embedding_layout,
     output_layout,
+)
+from megatron_ext.runtime.vocab.layout import vocab_parallel_layout, vocab_stage_roots
+from megatron_ext.runtime.vocab_parallel import (
+    VocabCommGroups,
+    new_vocab_comm_groups,
+    vocab_rank_lists,
 )
 from megatron_ext.specs import ModelSpec
 
@@ -67,9 +85,13 @@ def check_runtime_support(plan: ParallelPlan, *, embedding: bool, output_layer: 
     if plan.flexsp is not None:
         raise PlanError("plan.flexsp is set: FlexSP plans run on the FlexSP runtime, not "
                         "build_model; remove flexsp or use the FlexSP trainer")
-    if plan.vocab.mode == "vocab_parallel" and (embedding or output_layer):
-        raise PlanError("vocab.mode='vocab_parallel' needs the vocabulary-parallel runtime: call "
-                        "build_model(..., embedding=False, output_layer=False) for the body")
+    if plan.vocab.mode == "vocab_parallel" and embedding != output_layer:
+        raise PlanError(f"vocab.mode='vocab_parallel' with embedding={embedding}, output_layer="
+                        f"{output_layer}: the vocabulary shards hold both; pass both or neither")
+    if plan.vocab.mode == "vocab_parallel" and plan.model.position_embedding != "rope":
+        raise PlanError(f"model.position_embedding={plan.model.position_embedding!r} is not "
+                        "supported with vocab.mode='vocab_parallel' (its passes look up word "
+                        "embeddings only); use 'rope' or vocab.mode='tp'")
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
@@ -97,6 +119,39 @@ def _without_cp(pgc: ProcessGroupCollection, singleton: dist.ProcessGroup
     return ProcessGroupCollection(**{**fields, "cp": singleton})
 
 
+def with_vocab_layout(groups: PlanGroups, cache: GroupCache | None = None) -> PlanGroups:
+    """`groups` plus the groups of `vocab_parallel_layout` on this stage (collective: the rank
+    sets of every stage are created in the same order everywhere; `cache` reuses the plan's)."""
+    plan, layout = groups.plan, vocab_parallel_layout(groups.plan)
+    cache = cache or GroupCache()
+    width = plan.stage_width
+    for stage in range(plan.pp):
+        for axis in AXES:
+            for ranks in layout_rank_sets(layout, axis, stage * width):
+                cache.get(ranks)
+    if layout in groups.layouts:
+        return groups
+
+    def mine(axis: str) -> dist.ProcessGroup:
+        sets = layout_rank_sets(layout, axis, groups.stage * width)  # type: ignore[arg-type]
+        (ranks,) = [s for s in sets if groups.rank in s]
+        group = cache.get(ranks)
+        assert group is not None
+        return group
+
+    found = LayoutGroups(layout=layout, **{axis: mine(axis) for axis in AXES})
+    return dataclasses.replace(groups, layouts={**groups.layouts, layout: found})
+
+
+def new_plan_vocab_groups(plan: ParallelPlan) -> VocabCommGroups:
+    """The vocabulary groups of every replica (collective over the world)."""
+    width = plan.stage_width
+    stage_ranks = [list(range(s * width, (s + 1) * width)) for s in range(plan.pp)]
+    first_root, last_root = vocab_stage_roots(plan)
+    return new_vocab_comm_groups(vocab_rank_lists(stage_ranks, plan.vocab.tp),
+                                 last_stage_root=last_root, first_stage_root=first_root)
+
+
 def _stage_model(plan: ParallelPlan, config: TransformerConfig, groups: PlanGroups, *,
                  embedding: bool, output: bool, final_norm: bool, use_te: bool | None,
                  divisible_by: int) -> HeteroGPTModel:
@@ -117,6 +172,11 @@ def _stage_model(plan: ParallelPlan, config: TransformerConfig, groups: PlanGrou
     out_layout = output_layout(plan) if last else boundary_layout(plan, stage)
     model_layout = (embedding_layout(plan) if first else
                     output_layout(plan) if last else Layout.of(plan.layers[start]))
+    if plan.vocab.mode == "vocab_parallel":  # body only, from / to the vocabulary passes' layout
+        model_layout = vocab_parallel_layout(plan)
+        input_layout = model_layout if first else input_layout
+        out_layout = model_layout if last else out_layout
+        embedding = output = False
     model_config = vocab_config(config, model_layout, pp)
     assert not last or out_layout.sp == model_layout.sp, "a stage's vocabulary layouts share sp"
     return HeteroGPTModel(
@@ -156,14 +216,26 @@ def build_model(
     if groups is None:
         check_world_size(plan, dist.get_world_size())
     prepare_megatron()
-    groups = groups or build_plan_groups(plan)
+    cache = GroupCache() if groups is None else None
+    groups = groups or build_plan_groups(plan, cache)
+    vocab_groups = None
+    if plan.vocab.mode == "vocab_parallel":
+        groups = with_vocab_layout(groups, cache)
+        vocab_groups = new_plan_vocab_groups(plan)
     tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=groups.local_rank, ep_rank=0,
                                                     etp_rank=0, force_reset_rng=True)
     model = _stage_model(plan, config, groups, embedding=embedding, output=output_layer,
                          final_norm=final_norm, use_te=use_te,
                          divisible_by=make_vocab_size_divisible_by)
+    if vocab_groups is not None and embedding:
+        model.attach_vocab(VocabParallelLayers(
+            config=model.config, vocab_size=model.vocab_size, hidden_size=config.hidden_size,
+            group=vocab_groups.vocab, tie_embeddings=plan.model.tied_embeddings,
+            init_method=config.init_method), vocab_groups)
     if init == "plan_invariant":
         init_plan_invariant(model, seed)
+        if model.vocab is not None:
+            init_vocab_plan_invariant(model.vocab, model.config, seed)
     elif init != "megatron":
         raise ValueError(f"init={init!r} must be 'plan_invariant' or 'megatron'")
     if not wrap_ddp:

@@ -13,7 +13,8 @@ same way), from a cross entropy over the vocabulary tp group.
 Body-only stages (no embedding / no output layer, for vocabulary parallelism): pass
 `decoder_input` `[s_loc, b_loc, h]` in `model.decoder.input_layout` on the first stage; the last
 stage returns hidden states in `model.decoder.output_layout` (after the final norm when
-`final_norm=True`).
+`final_norm=True`). Under vocab.mode vocab_parallel both are `vocab_parallel_layout(plan)` and
+every stage holds its vocabulary shards in `model.vocab` (`attach_vocab`).
 """
 
 from __future__ import annotations
@@ -32,10 +33,13 @@ from megatron_ext.megatron_adapter.block import HeteroTransformerBlock, LayerBui
 from megatron_ext.megatron_adapter.cross_entropy import (
     group_vocab_parallel_cross_entropy,
 )
+from megatron_ext.megatron_adapter.vocab_layers import VocabParallelLayers
 from megatron_ext.plan import ParallelPlan
 from megatron_ext.runtime.groups import PlanGroups
 from megatron_ext.runtime.layout import Layout
 from megatron_ext.runtime.redistribute import local_tokens
+from megatron_ext.runtime.vocab.layout import vocab_parallel_layout
+from megatron_ext.runtime.vocab_parallel import VocabCommGroups
 
 __all__ = ["HeteroGPTModel"]
 
@@ -71,12 +75,26 @@ class HeteroGPTModel(GPTModel):
         )
         self.plan = plan
         self.groups = groups
+        self.vocab: VocabParallelLayers | None = None
+        """vocab.mode vocab_parallel: this rank's shards of both vocabulary layers."""
+        self.vocab_groups: VocabCommGroups | None = None
         self.decoder = HeteroTransformerBlock(
             config, builds=builds, groups=groups, input_layout=input_layout,
             output_layout=output_layout, final_norm=final_norm,
             pg_collection=block_pg_collection, pre_process=pre_process,
             post_process=final_norm is not None,
         )
+
+    def attach_vocab(self, layers: VocabParallelLayers, groups: VocabCommGroups) -> None:
+        """Vocabulary parallelism: hold `layers` (trained with this stage's parameters) and the
+        groups the vocabulary passes use (vocab_schedule.py reads both)."""
+        assert not self.pre_process and not self.post_process, "vocabulary shards need a body"
+        self.vocab, self.vocab_groups = layers, groups
+
+    def vocab_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Full `[b, s]` ids / labels / loss mask -> this rank's `[b_loc, s_loc]` part in the
+        vocabulary passes' layout (runtime/vocab/layout.py)."""
+        return local_tokens(tokens, vocab_parallel_layout(self.plan), self.groups.local_rank)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None) -> dict:

@@ -43,7 +43,10 @@ class VocabIteration:
                              "turn off sequence_parallel and context parallelism at boundaries")
         self.model, self.config, self.p2p, self.pgc = model, config, p2p, pgc
         self.options = options
-        self.shape, self.batches, self.m = shape, batches, len(batches)
+        self.recv_shape, self.send_shape = options.p2p_shapes or (shape, shape)  # [s, b, h]
+        self.shape = options.hidden_shape or shape  # [s, b, h] of the vocabulary passes
+        self.batches, self.m = batches, len(batches)
+        self.select = options.select_tokens or (lambda tokens: tokens)  # [b, s] -> [b_loc, s_loc]
         self.step_func, self.forward_only = forward_step_func, forward_only
         self.collect, self.first_val_step = collect_non_loss_data, first_val_step
         pp = p2p.pp_group
@@ -54,11 +57,11 @@ class VocabIteration:
         self.runner = VocabPassRunner(
             partition=layers.partition, input_weight=layers.input_weight,
             output_weight=layers.output_weight, groups=options.groups,
-            num_barriers=options.num_barriers, num_microbatches=self.m, hidden_shape=shape,
+            num_barriers=options.num_barriers, num_microbatches=self.m, hidden_shape=self.shape,
             dtype=dtype, is_first_stage=self.first, is_last_stage=self.last,
             forward_only=forward_only,
             thread_initializer=options.thread_initializer)
-        s, b, h = shape
+        s, b, h = self.shape
         costs = vocab_pass_costs(
             layers_per_stage=options.layers_per_stage or (1,) * pp.size(), hidden=h,
             ffn_hidden=options.ffn_hidden_size or 4 * h, seq_length=s, tokens=s * b,
@@ -90,7 +93,7 @@ class VocabIteration:
     # ---- transformer passes and P2P (Megatron's calls) ----------------------------------------
 
     def _recv_forward(self, op: Op) -> None:
-        self.inputs[op.mb] = self.p2p.recv_forward(self.shape, self.first)  # [s, b, h]
+        self.inputs[op.mb] = self.p2p.recv_forward(self.recv_shape, self.first)  # [s, b, h]
 
     def _forward(self, op: Op) -> None:
         j, captured = op.mb, {}
@@ -127,7 +130,7 @@ class VocabIteration:
     def _send_forward_recv_backward(self, op: Op) -> None:
         output = self.outputs[op.mb]
         self.out_grads[op.recv_mb] = self.p2p.send_forward_recv_backward(
-            output, self.shape, self.last)
+            output, self.send_shape, self.last)
         deallocate_output_tensor(output, self.config.deallocate_pipeline_outputs)
 
     def _backward(self, op: Op) -> None:
@@ -142,15 +145,15 @@ class VocabIteration:
 
     def _send_backward_recv_forward(self, op: Op) -> None:
         self.inputs[op.recv_mb] = self.p2p.send_backward_recv_forward(
-            self.in_grads.pop(op.mb), self.shape, self.first)
+            self.in_grads.pop(op.mb), self.recv_shape, self.first)
 
     def _recv_backward(self, op: Op) -> None:
-        self.out_grads[op.mb] = self.p2p.recv_backward(self.shape, self.last)
+        self.out_grads[op.mb] = self.p2p.recv_backward(self.send_shape, self.last)
 
     # ---- vocabulary passes --------------------------------------------------------------------
 
     def _input_forward(self, op: Op) -> None:
-        tokens = self.batches[op.mb]["tokens"].t().contiguous()  # [b, s] -> [s, b]
+        tokens = self.select(self.batches[op.mb]["tokens"]).t().contiguous()  # [b, s] -> [s, b]
         self.runner.input_forward(op.mb, tokens)
 
     def _input_backward(self, op: Op) -> None:
@@ -158,7 +161,7 @@ class VocabIteration:
         self.runner.input_backward(op.mb, grad)
 
     def _output(self, op: Op) -> None:
-        labels = self.batches[op.mb]["labels"].t().contiguous()  # [b, s] -> [s, b]
+        labels = self.select(self.batches[op.mb]["labels"]).t().contiguous()  # [b, s] -> [s, b]
         self.runner.output_forward(op.mb, labels)
 
     def _output_backward(self, op: Op) -> None:

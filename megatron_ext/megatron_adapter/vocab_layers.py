@@ -12,6 +12,7 @@ parameter: both passes of a rank touch the same vocabulary rows, so the tie stay
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -98,6 +99,28 @@ class VocabParallelStage(torch.nn.Module):
         return self.body(*args, **kwargs)
 
 
+@torch.no_grad()
+def init_vocab_plan_invariant(layers: VocabParallelLayers, config: ModelParallelConfig,
+                              seed: int) -> None:
+    """weights.py's plan-invariant init for the shards: the full `[V, h]` tensor a
+    single-process model holds under the same name and seed (padding rows zero), sliced."""
+    from megatron_ext.megatron_adapter.weights import _init_fn
+
+    part = layers.partition
+    rank = torch.distributed.get_rank(layers.embedding.tp_group)
+    start = part.shard_start(rank)
+    names = {"embedding.word_embeddings.weight": layers.input_weight}
+    if layers.output_layer is not None:
+        names["output_layer.weight"] = layers.output_weight
+    for name, param in names.items():
+        state = torch.get_rng_state()
+        torch.manual_seed(zlib.crc32(name.encode()) ^ seed)
+        full = torch.zeros(part.padded_vocab_size, param.shape[1], dtype=torch.float32)
+        _init_fn(name, config)(full[:part.vocab_size])  # [V, h]
+        torch.set_rng_state(state)
+        param.copy_(full[start:start + part.shard_size].to(param.dtype))  # [V_pad / R, h]
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class VocabScheduleOptions:
     """What the vocabulary-parallel schedule needs besides Megatron's schedule arguments."""
@@ -115,6 +138,15 @@ class VocabScheduleOptions:
     """Runs once in each communication worker thread (profilers)."""
     pass_timer: Callable[[Op, float], None] | None = None
     """Called after every pass / P2P call with its main-thread CPU seconds (benchmarks)."""
+    p2p_shapes: tuple[tuple[int, int, int], tuple[int, int, int]] | None = None
+    """(recv, send) `[s_loc, b_loc, h]` of this stage's boundaries (heterogeneous runtime: the
+    sending stage's last-layer layout); None = Megatron's `[s, b, h]` both ways."""
+    hidden_shape: tuple[int, int, int] | None = None
+    """`[s_loc, b_loc, h]` of this rank's vocabulary-pass block (the summed embedding, the
+    final-norm output); None = Megatron's `[s, b, h]`. The same on every rank."""
+    select_tokens: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """Full `[b, s]` ids / labels -> this rank's `[b_loc, s_loc]` (matching hidden_shape);
+    None = all of them."""
 
     def __post_init__(self) -> None:
         if self.num_barriers not in (1, 2):
