@@ -4,7 +4,7 @@ megatron-core (`initialize_model_parallel`, stock `GPTModel`, `DistributedDataPa
 step times of heterogeneous plans.
 
     python tools/bench_runtime.py [--world-size 4] [--steps 10] [--uniform-only]
-        [--json bench_runtime.json]
+        [--plan PLAN.json ...] [--json bench_runtime.json]
 
 Both systems run in the same processes, steps interleaved in alternating order so machine load
 hits both alike. A step's time is the slowest rank's; each system's time is the median
@@ -12,7 +12,9 @@ over steps (the minimum is reported too). `overhead_ratio_uniform` = median over
 ours / plain for the uniform plan, each ratio from two adjacent steps (same model, data,
 per-token loss, AdamW, clip 1.0); beside it the ratio of the two medians and the ratio of CPU
 time summed over ranks (`overhead_ratio_uniform_cpu`), which waiting on a loaded machine does
-not inflate. "CPU ms" is that sum. Prints a table to stderr and
+not inflate. "CPU ms" is that sum. `--plan FILE` (repeatable) adds a plan file, e.g. one
+written by `megatron-ext search`, run unchanged on its own model, batch and sequence length (its
+world_size must equal --world-size). Prints a table to stderr and
 writes JSON {summary: {overhead_ratio_uniform, ...}, plans: [...], setup: {...}}.
 """
 
@@ -29,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from megatron_ext.errors import PlanError
 from megatron_ext.plan import LayerStrategy as L
 from megatron_ext.plan import ParallelPlan, VocabStrategy
 from megatron_ext.runtime.testing import run_distributed
@@ -168,19 +171,21 @@ def _timed(step, micro: list[dict]) -> tuple[float, float]:
     return time.perf_counter() - start, time.process_time() - cpu
 
 
-def bench_rank(rank: int, world_size: int, *, steps: int, warmup: int, hetero: bool) -> dict:
+def bench_rank(rank: int, world_size: int, *, steps: int, warmup: int, hetero: bool,
+               plan_files: dict[str, ParallelPlan]) -> dict:
     warnings.filterwarnings("ignore")
     uniform = make_plan(UNIFORM, world=world_size)
     runs = {"plain megatron-core (uniform)": plain_megatron(uniform),
             "megatron_ext (uniform)": ours(uniform)}
     if hetero:
         runs.update({name: ours(plan) for name, plan in hetero_plans(world_size).items()})
-    micro = batches(uniform)
+    runs.update({name: ours(plan) for name, plan in plan_files.items()})
+    micro = {name: batches(plan_files.get(name, uniform)) for name in runs}
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
     order = list(runs)
     for i in range(warmup + steps):
         for name in order if i % 2 else order[::-1]:  # interleaved, alternating order
-            elapsed = _timed(runs[name], micro)
+            elapsed = _timed(runs[name], micro[name])
             if i >= warmup:
                 times[name].append(elapsed)
     return times
@@ -219,6 +224,18 @@ def summarize(per_rank: list[dict], world: int, steps: int) -> dict:
     }
 
 
+def load_plan_files(paths: list[Path], world_size: int) -> dict[str, ParallelPlan]:
+    """Table name -> plan, checked against the world size before any process starts."""
+    plans = {}
+    for path in paths:
+        plan = ParallelPlan.load(path)
+        if plan.world_size != world_size:
+            raise PlanError(f"--plan {path}: world_size={plan.world_size} differs from "
+                            f"--world-size={world_size}; pass --world-size {plan.world_size}")
+        plans[f"plan file {path.name}"] = plan
+    return plans
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--world-size", type=int, default=4)
@@ -227,10 +244,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--uniform-only", action="store_true",
                         help="only the overhead pair (more steps in the same time)")
+    parser.add_argument("--plan", action="append", default=[], type=Path,
+                        help="also time this plan file unchanged (repeatable)")
     args = parser.parse_args(argv)
+    try:
+        plan_files = load_plan_files(args.plan, args.world_size)
+    except PlanError as err:
+        print(f"bench_runtime.py: error: {err}", file=sys.stderr)
+        return 2
     per_rank = run_distributed(bench_rank, world_size=args.world_size, timeout_s=3600,
-                               steps=args.steps, warmup=args.warmup, hetero=not args.uniform_only)
+                               steps=args.steps, warmup=args.warmup, hetero=not args.uniform_only,
+                               plan_files=plan_files)
     report = summarize(per_rank, args.world_size, args.steps)
+    report["setup"]["plan_files"] = {name: plan.to_dict() for name, plan in plan_files.items()}
     print(f"{'plan':42s} {'median ms':>10s} {'min ms':>10s} {'CPU ms':>10s}", file=sys.stderr)
     for p in report["plans"]:
         print(f"{p['name']:42s} {p['step_ms_median']:10.1f} {p['step_ms_min']:10.1f} "
