@@ -106,13 +106,14 @@ def _lpt(problem: MicroBatchProblem, state: Assignment, seqs: list[int]) -> bool
     lat = problem.latency_s.tolist()
     rows, lengths, jmin = problem.rows, problem.length_list, problem.min_deg_list
     seq_group = state.seq_group
+    present = [j for j in range(num_deg) if heaps[j]]  # degrees of the multiset, ascending
     for k in seqs:
-        row, length = rows[k], lengths[k]
+        row, length, jk = rows[k], lengths[k], jmin[k]
         best_fin, best_g, best_j = float("inf"), -1, -1
-        for j in range(jmin[k], num_deg):
-            heap = heaps[j]
-            if not heap:
+        for j in present:
+            if j < jk:
                 continue
+            heap = heaps[j]
             g = heap[0][1]
             if tokens[g] + length > group_cap[j]:  # rare: scan this degree for room
                 fits = [g2 for _, g2 in heap if tokens[g2] + length <= group_cap[j]]

@@ -89,6 +89,14 @@ class Candidates:
     def score(self) -> float:
         return min((s for s, _ in self.found), default=math.inf)
 
+    @property
+    def lower_bound_s(self) -> float:
+        """No assignment of this micro-batch is faster: its least GPU-seconds over the devices,
+        or its longest sequence's fastest time (without the fixed term)."""
+        problem = self.problem
+        fastest = problem.times[0, problem.min_deg_idx[0]:].min()
+        return max(self.avg_load, float(fastest))
+
     def _enumerate(self) -> None:
         if self.counts is not None:
             return

@@ -125,18 +125,23 @@ def _search_cuts(desc: np.ndarray, cost: FlexSPCostModel, options: PlannerOption
     leaders = {min(i for i, c in enumerate(scored) if len(c[1]) == n)  # sorted: first is best
                for n in {len(c[1]) for c in scored}} if options.finish_every_count else {0}
     best: _Planned | None = None
+    beta = cost.fixed_s_per_microbatch
     for i, (score, runs, cands) in enumerate(scored):
         if best is not None and i not in leaders and score >= best[0] * (1 + options.finish_slack):
             continue
-        total, done = 0.0, []
+        # finished micro-batches so far + lower bounds of the rest: stop once it cannot win
+        total, done, rest = 0.0, [], sum(beta + c.lower_bound_s for c in cands)
         for run, c in zip(runs, cands):
+            rest -= beta + c.lower_bound_s
+            if best is not None and total + beta + c.lower_bound_s + rest >= best[0]:
+                break
             result = finish(c, extra_evals=min(MAX_EVALS, max(1, options.eval_budget // run.size)),
                             refine_top=min(MAX_REFINED, max(options.refine_top,
                                                             options.refine_budget // run.size)),
                             refine_rounds=options.refine_rounds)
-            total += cost.fixed_s_per_microbatch + result.makespan_s
+            total += beta + result.makespan_s
             done.append((run, result))
-        if best is None or total < best[0]:
+        if len(done) == len(runs) and (best is None or total < best[0]):
             best = (total, done)
     return best
 

@@ -21,73 +21,82 @@ _REL_EPS = 1e-9
 
 def refine(problem: MicroBatchProblem, state: Assignment, *, max_rounds: int = 200) -> None:
     """Improve `state` in place (never makes the makespan worse)."""
-    group_cap = problem.capacity_tokens * problem.degrees[state.group_deg_idx]  # [G]
+    ctx = _Context(problem, state)
     for _ in range(max_rounds):
         g = int(np.argmax(state.loads))
-        if not (_best_move(problem, state, g, group_cap) or _best_swap(problem, state, g,
-                                                                        group_cap)):
+        if not (_best_move(ctx, g) or _best_swap(ctx, g)):
             return
 
 
-def _apply(problem: MicroBatchProblem, state: Assignment, seq: int, dst: int) -> None:
+class _Context:
+    """Per-refinement constants, gathered once: each sequence's time in each concrete group."""
+
+    __slots__ = ("allowed", "empty_lat", "group_cap", "problem", "state", "tg")
+
+    def __init__(self, problem: MicroBatchProblem, state: Assignment) -> None:
+        j = state.group_deg_idx  # [G]
+        self.problem, self.state = problem, state
+        self.group_cap = problem.capacity_tokens * problem.degrees[j]  # [G]
+        self.tg = problem.times[:, j]  # [K, G]: time of each sequence in each group
+        self.allowed = j[None, :] >= problem.min_deg_idx[:, None]  # [K, G]: memory allows it
+        self.empty_lat = problem.latency_s[j]  # [G]: latency a group pays once non-empty
+
+
+def _apply(ctx: _Context, seq: int, dst: int) -> None:
+    state, problem = ctx.state, ctx.problem
     src = int(state.seq_group[seq])
-    j_src, j_dst = state.group_deg_idx[src], state.group_deg_idx[dst]
     length = int(problem.lengths[seq])
-    state.loads[src] -= problem.times[seq, j_src]
+    state.loads[src] -= ctx.tg[seq, src]
     state.tokens[src] -= length
     if state.tokens[src] == 0:
         state.loads[src] = 0.0  # drops the latency term and rounding residue
     if state.tokens[dst] == 0:
-        state.loads[dst] += problem.latency_s[j_dst]
-    state.loads[dst] += problem.times[seq, j_dst]
+        state.loads[dst] += ctx.empty_lat[dst]
+    state.loads[dst] += ctx.tg[seq, dst]
     state.tokens[dst] += length
     state.seq_group[seq] = dst
 
 
-def _best_move(problem: MicroBatchProblem, state: Assignment, g: int,
-               group_cap: np.ndarray) -> bool:
+def _best_move(ctx: _Context, g: int) -> bool:
+    state, problem = ctx.state, ctx.problem
     members = np.flatnonzero(state.seq_group == g)  # [m]
     if members.size == 0:
         return False
     c = state.loads[g]
-    jg = state.group_deg_idx[g]
-    t_src = problem.times[members, jg]  # [m]
-    new_src = c - t_src
-    if members.size == 1:
-        new_src = np.zeros(1)
-    t_dst = problem.times[members][:, state.group_deg_idx]  # [m, G]
-    empty_lat = np.where(state.tokens == 0, problem.latency_s[state.group_deg_idx], 0.0)  # [G]
-    new_dst = state.loads[None, :] + empty_lat[None, :] + t_dst  # [m, G]
-    ok = (state.group_deg_idx[None, :] >= problem.min_deg_idx[members, None]) & (
-        state.tokens[None, :] + problem.lengths[members, None] <= group_cap[None, :])
+    t_members = ctx.tg[members]  # [m, G]
+    new_src = c - t_members[:, g] if members.size > 1 else np.zeros(1)  # [m]
+    empty_lat = np.where(state.tokens == 0, ctx.empty_lat, 0.0)  # [G]
+    new_dst = (state.loads + empty_lat)[None, :] + t_members  # [m, G]
+    ok = ctx.allowed[members] & (
+        (state.tokens - ctx.group_cap)[None, :] + problem.lengths[members, None] <= 0)
     ok[:, g] = False
     value = np.where(ok, np.maximum(new_dst, new_src[:, None]), np.inf)
     flat = int(np.argmin(value))
     if not value.flat[flat] < c * (1 - _REL_EPS):
         return False
     i, h = divmod(flat, value.shape[1])
-    _apply(problem, state, int(members[i]), h)
+    _apply(ctx, int(members[i]), h)
     return True
 
 
-def _best_swap(problem: MicroBatchProblem, state: Assignment, g: int,
-               group_cap: np.ndarray) -> bool:
+def _best_swap(ctx: _Context, g: int) -> bool:
+    state, problem = ctx.state, ctx.problem
     in_g = state.seq_group == g
     members, others = np.flatnonzero(in_g), np.flatnonzero(~in_g)  # [m], [n]
     if members.size == 0 or others.size == 0:
         return False
     c = state.loads[g]
-    jg = state.group_deg_idx[g]
     h = state.seq_group[others]  # [n]
-    jh = state.group_deg_idx[h]  # [n]
-    t = problem.times
-    new_g = c - t[members, jg][:, None] + t[others, jg][None, :]  # [m, n]
-    new_h = (state.loads[h] - t[others, jh])[None, :] + t[members][:, jh]  # [m, n]
+    tg = ctx.tg
+    t_m = tg[members]  # [m, G]
+    new_g = (c - t_m[:, g])[:, None] + tg[others, g][None, :]  # [m, n]
+    new_h = (state.loads[h] - tg[others, h])[None, :] + t_m[:, h]  # [m, n]
     len_m, len_o = problem.lengths[members][:, None], problem.lengths[others][None, :]
-    ok = ((jh[None, :] >= problem.min_deg_idx[members, None])
-          & (jg >= problem.min_deg_idx[others])[None, :]
-          & (state.tokens[g] - len_m + len_o <= group_cap[g])
-          & ((state.tokens[h] - problem.lengths[others])[None, :] + len_m <= group_cap[h][None, :]))
+    ok = (ctx.allowed[members][:, h]
+          & ctx.allowed[others, g][None, :]
+          & (state.tokens[g] - len_m + len_o <= ctx.group_cap[g])
+          & ((state.tokens[h] - ctx.group_cap[h] - problem.lengths[others])[None, :] + len_m
+             <= 0))
     value = np.where(ok, np.maximum(new_g, new_h), np.inf)
     flat = int(np.argmin(value))
     if not value.flat[flat] < c * (1 - _REL_EPS):
@@ -95,6 +104,6 @@ def _best_swap(problem: MicroBatchProblem, state: Assignment, g: int,
     i, k = divmod(flat, value.shape[1])
     seq_i, seq_k = int(members[i]), int(others[k])
     dst = int(state.seq_group[seq_k])
-    _apply(problem, state, seq_k, g)
-    _apply(problem, state, seq_i, dst)
+    _apply(ctx, seq_k, g)
+    _apply(ctx, seq_i, dst)
     return True
