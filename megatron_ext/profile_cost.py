@@ -10,14 +10,14 @@
 - Transformer layers: `ProfiledCostModel.layer_costs` replaces the analytic per-layer compute
   (forward, backward, full and selective recomputation) with the model profile's fitted times and
   keeps every communication term of the base model.
-- Shared compute (`ProfiledCostModel.iteration_s`): the planner's pipeline formula assumes a
-  device per rank. When ranks share compute (CPU cores), a pipeline bubble or a wait frees
-  compute for the other ranks. Model-profile times are of a rank alone; with S ranks per node
-  computing at that speed at once (measured on the model: concurrency / sharing_slowdown), one
-  iteration takes at least
-    max(critical path at the solo speed, compute core-seconds of all ranks / (S * nodes)
-        + exposed communication).
-  With a device per rank (no sharing measured) this is the planner's iteration time.
+- Shared compute (`ProfiledCostModel.shared_iteration_s`): the planner's pipeline formula
+  assumes a device per rank. When ranks share compute (CPU cores), model-profile times are of a
+  rank alone and S ranks per node compute at that speed at once (measured on the model:
+  concurrency / sharing_slowdown). `stage_work` splits each stage's per-micro-batch time into
+  compute and exposed communication, and profile_pipeline.py plays the 1F1B schedule out with
+  n computing ranks running at min(1, S / n) of their solo speed (fill and drain near solo
+  speed, steady state shared; communication unshared). With a device per rank (no sharing
+  measured) the prediction is the planner's iteration time.
 """
 
 from __future__ import annotations
@@ -30,10 +30,13 @@ from megatron_ext.errors import PlanError
 from megatron_ext.plan import LayerStrategy, VocabStrategy
 from megatron_ext.planner.cost import compute as C
 from megatron_ext.planner.cost.comm import CommModel
-from megatron_ext.planner.cost.evaluate import Evaluation, evaluate
+from megatron_ext.planner.cost.evaluate import evaluate
 from megatron_ext.planner.cost.model import CostModel, LayerCosts
+from megatron_ext.planner.cost.pipeline import gradient_tail_s
+from megatron_ext.planner.cost.vocab import stage_extras
 from megatron_ext.planner.space import StrategyTable
 from megatron_ext.planner.training import TrainingSpec
+from megatron_ext.profile_pipeline import StageWork, shared_one_f_one_b_s
 from megatron_ext.profiles import ModelProfile
 from megatron_ext.specs import ClusterSpec, ModelSpec
 
@@ -125,24 +128,54 @@ class ProfiledCostModel(CostModel):
             return prof.concurrency / prof.sharing_slowdown
         return getattr(self.comm, "compute_slots_per_node", None)
 
-    def iteration_s(self, evaluation: Evaluation, pp: int) -> float:
-        """Iteration time of `evaluation` (a layout with `pp` stages) under shared compute.
-
-        Layer times are of a rank alone; S ranks per node compute at that speed at once. Only
-        compute shares the slots: exposed communication (measured with every rank communicating)
-        is excluded from the core-seconds and added once, at the busiest stage's amount; other
-        stages are taken to spend the same fraction of their busy time in it."""
+    def shared_iteration_s(self, *, pp: int, stages: tuple[tuple[int, int], ...],
+                           layers: tuple[LayerStrategy, ...], vocab: VocabStrategy,
+                           micro_batch_size: int) -> float | None:
+        """Iteration time of a layout when ranks share compute (profile_pipeline's 1F1B
+        simulation on `compute_slots_per_node` slots per node), None with a device per rank."""
         slots = self.compute_slots_per_node()
         if slots is None:
-            return evaluation.iteration_s
-        width = self.cluster.num_gpus // pp
-        busy = np.asarray(evaluation.stage_busy_s)  # [pp]
-        parts = evaluation.breakdown
-        comm = parts.get("exposed_comm_s", 0.0) + parts.get("p2p_s", 0.0)
-        comm_share = min(1.0, comm / max(float(busy.max()), 1e-30))
-        core_s = width * float(busy.sum()) * (1.0 - comm_share)
-        work_s = core_s / (slots * self.cluster.num_nodes) + comm
-        return max(evaluation.iteration_s, work_s)
+            return None
+        work = stage_work(self, pp=pp, stages=stages, layers=layers, vocab=vocab,
+                          micro_batch_size=micro_batch_size)
+        m = self.training.global_batch_size // micro_batch_size
+        return shared_one_f_one_b_s(work, m, slots * self.cluster.num_nodes)
+
+
+def stage_work(cm: CostModel, *, pp: int, stages: tuple[tuple[int, int], ...],
+               layers: tuple[LayerStrategy, ...], vocab: VocabStrategy,
+               micro_batch_size: int) -> StageWork:
+    """Per-stage compute and exposed communication of one micro-batch, as `evaluate` sums them
+    (layers, half the layer-switch costs, vocabulary work, exposed side-stream vocabulary
+    communication), split into compute and communication; plus the gradient tail."""
+    distinct = list(dict.fromkeys(layers))
+    table = StrategyTable.of(distinct)
+    index = np.array([distinct.index(s) for s in layers], dtype=np.int64)
+    costs = cm.layer_costs(table, micro_batch_size)
+    switch = cm.transition_s(table, micro_batch_size)
+    m = cm.training.global_batch_size // micro_batch_size
+    vocab_zero = 1 if any(s.zero >= 1 for s in distinct) else 0
+    ex = stage_extras(cm, vocab, pp, micro_batch_size, m, vocab_zero)
+    arr = {k: np.zeros(pp) for k in ("f", "b", "comm", "sync", "gather", "opt")}  # [pp] each
+    for k, (start, end) in enumerate(stages):
+        ids = index[start:end]
+        sw = float(switch[ids[:-1], ids[1:]].sum()) / 2
+        layer_work = float((costs.forward_s[ids] + costs.backward_s[ids]).sum())
+        exposed = max(0.0, cm.overlap_slowdown * ex.overlap_comm_s[k] - layer_work)
+        arr["f"][k] = costs.forward_s[ids].sum() + sw + ex.forward_s[k]
+        arr["b"][k] = costs.backward_s[ids].sum() + sw + ex.backward_s[k] + exposed
+        arr["comm"][k] = costs.comm_s[ids].sum() + 2 * sw + exposed
+        arr["sync"][k] = costs.grad_sync_s[ids].sum() + ex.grad_sync_s[k]
+        arr["gather"][k] = costs.param_gather_s[ids].sum() + ex.param_gather_s[k]
+        arr["opt"][k] = costs.optimizer_s[ids].sum() + ex.optimizer_s[k]
+    f, b = arr["f"], arr["b"]
+    share_f = f / np.maximum(f + b, 1e-30)  # communication split between passes by duration
+    comm_f, comm_b = arr["comm"] * share_f, arr["comm"] * (1.0 - share_f)
+    tail = gradient_tail_s(f, b, arr["sync"], arr["gather"], 0.0, cm.overlap_slowdown)
+    return StageWork(forward_compute_s=f - comm_f, forward_comm_s=comm_f,
+                     backward_compute_s=b - comm_b, backward_comm_s=comm_b, p2p_s=ex.p2p_s,
+                     tail_comm_s=tail, optimizer_s=arr["opt"],
+                     width=cm.cluster.num_gpus // pp)
 
 
 def predict_iteration_s(cm: CostModel, *, pp: int, stages: tuple[tuple[int, int], ...],
@@ -151,4 +184,9 @@ def predict_iteration_s(cm: CostModel, *, pp: int, stages: tuple[tuple[int, int]
     """Predicted seconds per optimizer step of a layout (shared compute included)."""
     ev = evaluate(cm, pp=pp, stages=stages, layers=layers, vocab=vocab,
                   micro_batch_size=micro_batch_size)
-    return cm.iteration_s(ev, pp) if isinstance(cm, ProfiledCostModel) else ev.iteration_s
+    if isinstance(cm, ProfiledCostModel):
+        shared = cm.shared_iteration_s(pp=pp, stages=stages, layers=layers, vocab=vocab,
+                                       micro_batch_size=micro_batch_size)
+        if shared is not None:
+            return shared
+    return ev.iteration_s

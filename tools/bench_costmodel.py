@@ -8,7 +8,8 @@
    Model profile: every shape by one process alone, then the slowdown of `world_size`
    processes running the layer at once (the ranks share 2 cores).
 2. Predict the iteration time of each plan in `bench_costmodel_runs.bench_plans()` with the
-   profile-fed cost model (`ProfiledCostModel`) and, for comparison, with the analytic cost model
+   profile-fed cost model (`ProfiledCostModel`: measured curves and layer fits, the 1F1B schedule
+   simulated on the measured compute slots, megatron_ext/profile_pipeline.py) and, for comparison, with the analytic cost model
    on the profile's ClusterSpec (measured peak and fitted links, formulas for everything else).
 3. Run each plan for real with the runtime (`build_model` + `train_step`, megatron-core 1F1B,
    overlapped gradient reduction), plans round-robin; a step's time is the slowest rank's, a
@@ -67,7 +68,8 @@ def run_round(args: argparse.Namespace, timings: dict
         cluster = ClusterProfile.from_dict(out[0])
     t1 = time.perf_counter()
     if not args.model_profile:
-        grid = ProfileGrid(tps=(1, 2, 4), micro_batch_sizes=(1, 2, 4, 8, 16),
+        # every per-replica micro-batch the plans run (1 .. 32): interpolated, not extrapolated
+        grid = ProfileGrid(tps=(1, 2, 4), micro_batch_sizes=(1, 2, 4, 8, 16, 32),
                            seq_lengths=(SEQ_LENGTH // 2, SEQ_LENGTH), repeats=args.repeats)
         model = profile_model(BENCH_MODEL, precision="fp32", grid=grid,
                               concurrency=args.profile_concurrency or args.world_size,

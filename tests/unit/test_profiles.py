@@ -13,12 +13,17 @@ import pytest
 from megatron_ext.errors import PlanError
 from megatron_ext.plan import LayerStrategy, VocabStrategy
 from megatron_ext.planner.cost.comm import GroupLayout
-from megatron_ext.planner.cost.evaluate import Evaluation, evaluate
+from megatron_ext.planner.cost.evaluate import evaluate
 from megatron_ext.planner.cost.model import CostModel
 from megatron_ext.planner.space import StrategyTable
 from megatron_ext.planner.training import TrainingSpec
 from megatron_ext.presets import model_preset
-from megatron_ext.profile_cost import ProfiledCostModel, fitted_compute_profile
+from megatron_ext.profile_cost import (
+    ProfiledCostModel,
+    fitted_compute_profile,
+    predict_iteration_s,
+    stage_work,
+)
 from megatron_ext.profile_fit import layer_features
 from megatron_ext.profiles import (
     ClusterProfile,
@@ -261,34 +266,43 @@ def test_fitted_compute_profile_reproduces_measured_rates():
 
 
 def test_shared_compute_iteration_time():
-    """4 ranks per node, each 2x slower when all 4 compute (2 slots): layer times are of a rank
-    alone, so iteration = max(critical path, compute core-seconds / 2 slots + exposed comm)."""
+    """4 ranks per node, each 2x slower when all 4 compute (2 slots). stage_work splits
+    evaluate's stage sums into compute and communication without losing any; with every rank
+    busy (pp = 1) compute takes 4/2 times as long and communication does not share; with no
+    sharing measured the prediction is the planner's."""
     cluster = dataclasses.replace(cluster_profile().cluster, num_nodes=1, gpus_per_node=4)
     training = TrainingSpec(global_batch_size=8, seq_length=64, precision="fp32")
     shared = dataclasses.replace(model_profile(), concurrency=4, sharing_slowdown=2.0)
-    cm = ProfiledCostModel(MODEL, cluster, training, comm=None, model_profile=shared)
+    comm = dataclasses.replace(cluster_profile(), cluster=cluster)
+    cm = ProfiledCostModel(MODEL, cluster, training, comm=comm, model_profile=shared)
     assert cm.compute_slots_per_node() == 2.0
-
-    def ev(iteration_s, busy, comm_s=0.0):
-        return Evaluation(iteration_s=iteration_s, tokens_per_s=1.0, mfu=0.0,
-                          stage_peak_bytes=(0.0,) * len(busy), stage_busy_s=busy, feasible=True,
-                          breakdown={"exposed_comm_s": comm_s})
-
-    assert cm.iteration_s(ev(10.0, (10.0,)), pp=1) == pytest.approx(20.0)  # 4 ranks on 2 slots
-    assert cm.iteration_s(ev(10.0, (4.0,) * 4), pp=4) == pytest.approx(10.0)  # path-bound
-    assert cm.iteration_s(ev(10.0, (8.0,) * 4), pp=4) == pytest.approx(16.0)  # work-bound
-    # communication is not shared: 8 s compute -> 4 * 8 / 2 = 16, plus 2 s of comm
-    assert cm.iteration_s(ev(10.0, (10.0,), comm_s=2.0), pp=1) == pytest.approx(18.0)
+    layout = {"layers": (LayerStrategy(tp=2, dp=2, zero=1),) * 4, "vocab": VocabStrategy(),
+              "micro_batch_size": 4}
+    m = 2
+    two_stages = {**layout, "layers": (LayerStrategy(tp=2, dp=1),) * 4}  # 2 ranks per stage
+    for pp, stages, lay in ((1, ((0, 4),), layout), (2, ((0, 1), (1, 4)), two_stages)):
+        ev = evaluate(cm, pp=pp, stages=stages, **lay)
+        w = stage_work(cm, pp=pp, stages=stages, **lay)
+        busy = m * (w.forward_compute_s + w.forward_comm_s + w.backward_compute_s
+                    + w.backward_comm_s) + w.tail_comm_s + w.optimizer_s
+        np.testing.assert_allclose(busy, ev.stage_busy_s, rtol=1e-9)
+    assert float(w.forward_comm_s.min()) > 0  # tp2 all-reduces are communication
+    w = stage_work(cm, pp=1, stages=((0, 4),), **layout)
+    compute = m * (w.forward_compute_s + w.backward_compute_s) + w.optimizer_s
+    comm_s = m * (w.forward_comm_s + w.backward_comm_s) + w.tail_comm_s
+    assert predict_iteration_s(cm, pp=1, stages=((0, 4),), **layout) == pytest.approx(
+        float(4 / 2 * compute[0] + comm_s[0]), rel=1e-9)
     # no sharing measured anywhere: the planner's time
-    alone = ProfiledCostModel(MODEL, cluster, training, comm=cluster_profile(),
+    alone = ProfiledCostModel(MODEL, cluster, training, comm=comm,
                               model_profile=dataclasses.replace(model_profile(), concurrency=1))
     assert alone.compute_slots_per_node() is None
-    assert alone.iteration_s(ev(10.0, (4.0,) * 4), pp=4) == 10.0
+    assert predict_iteration_s(alone, pp=2, stages=((0, 1), (1, 4)), **two_stages) == (
+        evaluate(alone, pp=2, stages=((0, 1), (1, 4)), **two_stages).iteration_s)
     # the cluster profile's slots apply when the model profile measured no sharing
-    with_slots = dataclasses.replace(cluster_profile(), compute_slots_per_node=2.0)
+    with_slots = dataclasses.replace(comm, compute_slots_per_node=2.0)
     cm2 = ProfiledCostModel(MODEL, cluster, training, comm=with_slots,
                             model_profile=dataclasses.replace(model_profile(), concurrency=1))
-    assert cm2.iteration_s(ev(10.0, (10.0,)), pp=1) == pytest.approx(20.0)
+    assert cm2.compute_slots_per_node() == 2.0
 
 
 def test_disturbed_samples_do_not_bend_the_fits():
