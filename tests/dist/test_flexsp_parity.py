@@ -10,9 +10,19 @@ round-robin, dispatched by plan, packed per group, token-level loss, one gradien
 Plans: a hand-made one hitting every path (degree 4 > 2 kv heads: kv replicated; degree 2:
 kv split; degree 1; an idle group; sequences straddling ranks; a group with barely more tokens
 than ranks) and one from the fast planner on random lengths.
+
+Full GPT, in the same spawn (fp32): megatron-core `GPTModel` (embedding, RoPE, TransformerBlock,
+final norm, untied output layer, its own per-token cross-entropy) as `FlexSPGPTModel` under
+megatron-core `DistributedDataParallel` over the world, against a stock `GPTModel` with the same
+weights run one sequence at a time (positions 0..s-1 each, so per-sequence RoPE is checked).
+Case "ddp": planner plan on long-tailed lengths; every gradient in DDP's buffers. Case "zero1":
+distributed optimizer (megatron Adam; ZeRO-1 supports only Adam) + overlapped, bucketed grad reduction on a hand plan where
+ranks go idle at different micro-batches and rank 3 idles the whole step; every updated weight.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -204,9 +214,141 @@ def _check_flexsp(rank: int, world_size: int) -> dict[str, float]:
             torch.testing.assert_close(p.grad, g, rtol=1e-9, atol=1e-12, msg=f"{name} {pname}")
         worst[name] = max(float((p.grad - g).abs().max()) for p, g in
                           zip(model.parameters(), ref_grads))
+    torch.set_default_dtype(torch.float32)
+    worst.update(_check_gpt(rank))
+    return worst
+
+
+GPT_VOCAB, GPT_MAX_LEN, LR, ADAM_EPS = 61, 256, 0.5, 1.0
+# fp32. FlexSP changes only summation orders (packing, per-group attention, DDP bucket sums over
+# 4 ranks): losses agree to ~1e-7 relative, gradients and updated weights to ~1e-8 absolute
+# (largest seen 7.5e-9, grads of size ~1e-2). 1e-5 relative / 1e-6 absolute leave ~100x
+# headroom; a wrong position, a missing or doubled token, or a wrong scale is an O(1) error.
+GPT_RTOL, GPT_ATOL = 1e-5, 1e-6
+
+
+def _gpt_config():
+    return dataclasses.replace(_config(), params_dtype=torch.float32, num_query_groups=KV_HEADS,
+                               calculate_per_token_loss=True)
+
+
+def _gpt_sequences(lengths: list[int]) -> list[torch.Tensor]:
+    """[s, 3] rows (input id, label, loss mask) per sequence; ~10% of tokens masked."""
+    gen = torch.Generator().manual_seed(13)
+    rows = []
+    for s in lengths:
+        ids = torch.randint(0, GPT_VOCAB, (s + 1,), generator=gen)
+        mask = (torch.rand(s, generator=gen) >= 0.1).long()
+        rows.append(torch.stack([ids[:-1], ids[1:], mask], dim=1))
+    return rows
+
+
+def _gpt_reference(model, seqs: list[torch.Tensor]) -> tuple[float, dict[str, torch.Tensor]]:
+    model.zero_grad()
+    num = sum(int(r[:, 2].sum()) for r in seqs)
+    total = 0.0
+    for rows in seqs:
+        s = rows.shape[0]
+        losses = model(rows[:, 0][None], torch.arange(s)[None], None, labels=rows[:, 1][None])
+        loss = (losses.reshape(-1) * rows[:, 2].float()).sum() / num  # [1, s] -> scalar
+        loss.backward()
+        total += float(loss)
+    return total, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _gpt_ddp(state: dict, *, zero1: bool):
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_ext.megatron_adapter.flexsp_model import build_flexsp_gpt
+
+    config = _gpt_config()
+    model = build_flexsp_gpt(config, vocab_size=GPT_VOCAB, max_sequence_length=GPT_MAX_LEN)
+    model.load_state_dict(state)
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=zero1, overlap_grad_reduce=zero1, bucket_size=3000)
+    ddp = DistributedDataParallel(config, ddp_config, model)
+    if not zero1:
+        return ddp, None
+    opt = get_megatron_optimizer(OptimizerConfig(
+        optimizer="adam", lr=LR, weight_decay=0.0, adam_eps=ADAM_EPS, clip_grad=0.0,
+        use_distributed_optimizer=True), [ddp])
+    return ddp, opt
+
+
+def _zero1_plan(lengths: list[int]):
+    from megatron_ext.planner.flexsp.step_plan import MicroBatchPlan, SPGroup, StepPlan
+
+    def mb(*groups: tuple[int, int, tuple[int, ...]]) -> MicroBatchPlan:
+        return MicroBatchPlan(groups=tuple(SPGroup(start_rank=s, degree=d, seq_ids=ids)
+                                           for s, d, ids in groups), predicted_time_s=0.0)
+
+    plan = StepPlan(lengths=tuple(lengths), num_gpus=WORLD, predicted_time_s=0.0, microbatches=(
+        mb((0, 2, (0, 1)), (2, 1, (2,)), (3, 1, ())),
+        mb((0, 1, (3,)), (1, 1, (4,)), (2, 2, ())),  # ranks 2, 3 idle from here on
+        mb((0, 2, (5,)), (2, 2, ())),
+    ))
+    plan.check()
+    return plan
+
+
+def _check_gpt(rank: int) -> dict[str, float]:
+    import numpy as np
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_ext.megatron_adapter import cpu_compat
+    from megatron_ext.megatron_adapter.flexsp_model import flexsp_step
+    from megatron_ext.planner.flexsp import sample_lengths
+    from megatron_ext.runtime.flexsp import FlexSPGroups, round_robin_owners
+
+    cpu_compat.apply()  # megatron's optimizers and DDP need all of them on CPU
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(distributed_timeout_minutes=1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    torch.manual_seed(3)
+    reference = GPTModel(_gpt_config(), get_gpt_layer_local_spec(normalization="RMSNorm"),
+                         vocab_size=GPT_VOCAB, max_sequence_length=GPT_MAX_LEN,
+                         position_embedding_type="rope")
+    state = {k: v.clone() if torch.is_tensor(v) else v for k, v in reference.state_dict().items()}
+    groups = FlexSPGroups(max_degree=WORLD)
+    # long-tailed: Wikipedia's length distribution scaled down 40x (most sequences a few tokens,
+    # a tail to ~160 that needs a group of 4 under the planner's 40-token capacity)
+    wiki = sample_lengths("wikipedia", 16, max_length=6000, rng=np.random.default_rng(3))
+    tailed = [max(1, int(x) // 40) for x in wiki]
+    worst: dict[str, float] = {}
+    for case, lengths in (("ddp", tailed), ("zero1", [70, 9, 31, 44, 3, 57])):
+        plan = _planner_plan(lengths) if case == "ddp" else _zero1_plan(lengths)
+        seqs = _gpt_sequences(lengths)
+        ref_loss, ref_grads = _gpt_reference(reference, seqs)
+        ddp, opt = _gpt_ddp(state, zero1=case == "zero1")
+        owners = round_robin_owners(len(seqs), WORLD)
+        local = {i: seqs[i] for i in range(len(seqs)) if owners[i] == rank}
+        ddp.zero_grad_buffer()
+        loss = flexsp_step(ddp, plan, local, owners, groups=groups)
+        torch.testing.assert_close(loss, ref_loss, rtol=GPT_RTOL, atol=0.0)
+        if opt is None:
+            got = {n: p.main_grad for n, p in ddp.module.named_parameters()}
+            want = ref_grads
+        else:
+            ok, _, _ = opt.step()
+            assert ok
+            got = dict(ddp.module.named_parameters())
+            # Adam's first step: lr * g / (|g| + eps); eps = 1 keeps it ~linear in g
+            want = {n: state[n] - LR * g / (g.abs() + ADAM_EPS) for n, g in ref_grads.items()}
+        assert set(got) == set(want), sorted(set(got) ^ set(want))
+        for name, g in want.items():
+            torch.testing.assert_close(got[name].detach(), g, rtol=GPT_RTOL, atol=GPT_ATOL,
+                                       msg=f"{case} {name}")
+        worst[case] = max(float((got[n].detach() - g).abs().max()) for n, g in want.items())
     return worst
 
 
 def test_flexsp_step_matches_single_process_reference() -> None:
-    results = run_distributed(_check_flexsp, world_size=WORLD, timeout_s=240)
+    results = run_distributed(_check_flexsp, world_size=WORLD, timeout_s=300)
     assert all(r["hand"] < 1e-9 and r["planner"] < 1e-9 for r in results), results
+    assert all(r["ddp"] < GPT_ATOL and r["zero1"] < GPT_ATOL for r in results), results

@@ -12,6 +12,7 @@ which is not the token-level loss (reference §7.3).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 
 import torch
@@ -42,17 +43,26 @@ def run_microbatches(
     *,
     groups: FlexSPGroups,
     num_loss_tokens: int,
+    no_sync: Callable[[], contextlib.AbstractContextManager] | None = None,
+    forward_only: bool = False,
 ) -> torch.Tensor:
     """Forward + backward of this rank's micro-batches; returns this rank's share of the global
-    mean loss (all-reduce it for the step's loss). Gradients accumulate in the parameters."""
+    mean loss (all-reduce it for the step's loss). Gradients accumulate in the parameters.
+
+    `no_sync` (e.g. megatron DDP's): entered for every active micro-batch but this rank's last
+    one, so an overlapped gradient reduction starts during the last backward this rank runs
+    (ranks finish at different micro-batches: their groups idle at different times)."""
     share = torch.zeros((), dtype=torch.float64)
-    for view, part in zip(views, rows):
-        if view is None:
-            continue  # this rank's group is idle in this micro-batch
-        assert part is not None
+    active = [m for m, view in enumerate(views) if view is not None]
+    for m in active:
+        view, part = views[m], rows[m]
+        assert view is not None and part is not None
         group = groups.get(view.group_start, view.degree)
-        loss = loss_fn(view, part, group) / num_loss_tokens
-        loss.backward()
+        last = m == active[-1]
+        with no_sync() if no_sync is not None and not last else contextlib.nullcontext():
+            loss = loss_fn(view, part, group) / num_loss_tokens
+            if not forward_only:
+                loss.backward()
         share += loss.detach().to(torch.float64).cpu()
     return share
 
