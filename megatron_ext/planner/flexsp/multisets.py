@@ -108,6 +108,15 @@ def lower_bounds(
     present = counts > 0  # [M, num_deg]
     best_single = np.where(present & allowed[0], times[0], np.inf).min(axis=1)  # [M]
     bound = np.maximum(bound, best_single)
+    # pigeonhole: with G groups, two of the G+1 longest sequences share a group, which takes at
+    # least the two shortest of them at its degree (times grow with length)
+    num_groups = counts.sum(axis=1)  # [M]
+    pair = num_groups < lengths.size
+    if pair.any():
+        g = num_groups[pair]
+        two = times[g - 1] + times[g]  # [M', num_deg]
+        ok = present[pair] & allowed[g]  # the shorter one's degree holds both
+        bound[pair] = np.maximum(bound[pair], np.where(ok, two, np.inf).min(axis=1))
     # the parametric bound only for the GRID_TOP multisets with the best plain bounds: it
     # reorders the promising ones; the others keep their (valid, weaker) plain bound
     top = np.argsort(bound, kind="stable")[:GRID_TOP]
