@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ext.plan import ParallelPlan
 from megatron_ext.runtime.testing import run_distributed
 
 pytestmark = pytest.mark.dist
@@ -36,17 +37,16 @@ SEARCH_ARGV = [  # run from the repository root; the README shows the same comma
 TOLERANCES = {"loss_rtol": 1e-5, "grad_rtol": 1e-4, "grad_atol": 1e-6}
 
 
-def searched_plan(out: Path):
+def searched_plan(out: Path) -> ParallelPlan:
     """Run the CLI search (the same code path as the console script) and load its plan."""
     from megatron_ext.cli import main
-    from megatron_ext.plan import ParallelPlan
 
     argv = [str(REPO / a) if a.startswith("examples/") else a for a in SEARCH_ARGV]
     assert main([*argv, "--out", str(out)]) == 0
     return ParallelPlan.load(out)
 
 
-def _train(rank: int, world_size: int, *, plan) -> dict:
+def _train(rank: int, world_size: int, *, plan: ParallelPlan) -> dict:
     warnings.filterwarnings("ignore")
     from tests.dist.runtime_parity import run_plan
 
@@ -54,8 +54,6 @@ def _train(rank: int, world_size: int, *, plan) -> dict:
 
 
 def test_searched_heterogeneous_plan_runs_unchanged(tmp_path: Path) -> None:
-    from megatron_ext.plan import ParallelPlan
-
     plan = searched_plan(tmp_path / "plan.json")
     assert plan.world_size == 4
     stage_sizes = {end - start for start, end in plan.stages}
