@@ -190,7 +190,9 @@ class ClusterSpec:
         return self.num_nodes * self.gpus_per_node
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)  # JSON types: from_dict reads a list, not a tuple
+        data["all_to_all_inter_efficiency"] = list(self.all_to_all_inter_efficiency)
+        return data
 
     @classmethod
     def from_dict(cls, data: Any, path: str = "cluster") -> ClusterSpec:
