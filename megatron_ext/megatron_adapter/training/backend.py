@@ -237,6 +237,15 @@ def build_backend(args: argparse.Namespace, plan: ParallelPlan, padded_vocab: in
     loaded by the runtime yet (the two key layouts differ).
     """
     reason = stock_unsupported_reason(plan)
+    if plan.flexsp is not None:  # its checkpoints use GPTModel's keys: any format but layerwise
+        from megatron_ext.megatron_adapter.training.flexsp_backend import (
+            build_flexsp_backend,
+        )
+
+        if model_format == "layerwise":
+            raise PlanError("--load holds a layerwise-runtime checkpoint; a FlexSP plan loads "
+                            "only stock (megatron) checkpoints")
+        return build_flexsp_backend(args, plan, padded_vocab)
     if reason is None and model_format != "layerwise":
         return build_stock_backend(args, plan, padded_vocab)
     if reason is not None and model_format == "megatron":
