@@ -260,6 +260,9 @@ def _check_megatron_ext(ns: argparse.Namespace) -> None:
     sizes = {"flexsp_max_group_size", "flexsp_min_group_size"} & ns.explicit_args
     if sizes and not ns.flexsp:
         raise PlanError("--flexsp-max/min-group-size have no effect without --flexsp")
+    if ns.flexsp and ns.attention_dropout:
+        raise PlanError(f"--attention-dropout={ns.attention_dropout} with --flexsp: FlexSP "
+                        "attention has no dropout; pass --attention-dropout 0")
 
 
 def _check_world(ns: argparse.Namespace, world_size: int, derived: set[str]) -> None:
