@@ -1,0 +1,191 @@
+"""Backend for plans with a `flexsp` section (`pretrain_gpt.py --flexsp`, or --strategy-config).
+
+Legend: n = samples this rank reads per step, s = seq_length, c = per-token columns
+(input id, label, loss mask).
+
+Every rank holds the whole model (tp = pp = cp = 1), so megatron-core's parallel state has one
+data-parallel group, the world: a stock `DistributedDataParallel` (bucketed, overlap when
+--overlap-grad-reduce) sums gradients over it and `get_megatron_optimizer` builds the optimizer
+(ZeRO-1 with --use-distributed-optimizer). Per step:
+
+1. each rank reads its share of the global batch (the loop's `MicroBatchIterator`, one slice of
+   every global micro-batch) and cuts every sample into documents after each EOD token, the
+   variable-length sequences FlexSP schedules (Megatron's reset_position_ids/attention_mask view
+   of the same sample);
+2. the documents' lengths are all-gathered and every rank runs the deterministic FlexSP planner
+   (planner/flexsp) on the same list, so all ranks hold the same plan;
+3. `flexsp_step` dispatches the tokens, runs the micro-batches on their Ulysses groups with the
+   per-token loss over the global batch, and leaves the reduced gradients in DDP's buffers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import math
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+)
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.transformer.module import Float16Module
+
+from megatron_ext.errors import PlanError
+from megatron_ext.megatron_adapter.flexsp_model import build_flexsp_gpt, flexsp_step
+from megatron_ext.megatron_adapter.training.backend import Backend
+from megatron_ext.megatron_adapter.training.data import DataShard
+from megatron_ext.megatron_adapter.training.model_config import (
+    optimizer_config,
+    transformer_config,
+)
+from megatron_ext.megatron_adapter.training.tokenizer import build_tokenizer
+from megatron_ext.plan import ParallelPlan
+from megatron_ext.planner.flexsp import FlexSPCostModel, StepPlan, plan_step
+from megatron_ext.planner.flexsp.cost import cost_model_for_plan, cost_model_from_specs
+from megatron_ext.presets import cluster_preset
+from megatron_ext.runtime.flexsp import FlexSPGroups, check_ulysses_degree
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["build_flexsp_backend", "split_documents"]
+
+
+def split_documents(tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
+                    eod: int) -> list[torch.Tensor]:
+    """[n, s] samples -> documents as [len, c] rows, each ending at (and keeping) an EOD."""
+    rows = torch.stack([tokens, labels, (loss_mask > 0).long()], dim=-1)  # [n, s, c]
+    docs: list[torch.Tensor] = []
+    for sample, sample_rows in zip(tokens, rows):
+        ends = ((sample == eod).nonzero().flatten() + 1).tolist()
+        bounds = [0, *[e for e in ends if e < sample.numel()], sample.numel()]
+        docs += [sample_rows[a:b] for a, b in itertools.pairwise(bounds) if b > a]
+    return docs
+
+
+def _cost_model(plan: ParallelPlan) -> FlexSPCostModel:
+    """The plan's own cluster when it has one, else DGX-H100 nodes (Megatron flags name no
+    cluster): the plan's quality depends on it, its correctness does not."""
+    if plan.cluster is not None:
+        return cost_model_for_plan(plan)
+    assert plan.flexsp is not None
+    cluster = cluster_preset("dgx-h100", num_nodes=max(1, math.ceil(plan.world_size / 8)))
+    return cost_model_from_specs(plan.model, cluster, num_gpus=plan.world_size,
+                                 min_degree=plan.flexsp.min_group_size,
+                                 max_degree=plan.flexsp.max_group_size)
+
+
+def _check(args: argparse.Namespace, plan: ParallelPlan, cost: FlexSPCostModel) -> None:
+    """User errors, before any group beyond the world is created."""
+    for flag in ("attention_dropout",):
+        if getattr(args, flag, 0.1) != 0:
+            raise PlanError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: FlexSP attention "
+                            "has no dropout; pass --attention-dropout 0")
+    if plan.layers[0].zero > 1:
+        raise PlanError(f"FlexSP runs zero<=1, got zero={plan.layers[0].zero}; drop ZeRO-3")
+    check_ulysses_degree(plan.model.num_attention_heads, plan.model.num_query_groups,
+                         cost.effective_max_degree)
+
+
+def _step_lengths(docs: list[torch.Tensor]) -> tuple[list[int], list[int], int]:
+    """All ranks' document lengths (rank-major), their loading ranks, and my first id."""
+    gathered: list[list[int]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, [int(d.shape[0]) for d in docs])
+    lengths = [n for per_rank in gathered for n in per_rank]
+    owners = [r for r, per_rank in enumerate(gathered) for _ in per_rank]
+    first = sum(len(g) for g in gathered[:dist.get_rank()])
+    return lengths, owners, first
+
+
+def _describe(plan: StepPlan, planner_ms: float) -> str:
+    shapes = []
+    for mb in plan.microbatches:
+        counts: dict[int, int] = {}
+        for g in mb.groups:
+            counts[g.degree] = counts.get(g.degree, 0) + 1
+        shapes.append("<" + ",".join(f"{d}x{n}" for d, n in sorted(counts.items(),
+                                                                   reverse=True)) + ">")
+    return (f"flexsp: {len(plan.lengths)} sequences, {plan.num_tokens} tokens, longest "
+            f"{max(plan.lengths)}; {len(plan.microbatches)} micro-batches {' '.join(shapes)}; "
+            f"planned in {planner_ms:.1f} ms")
+
+
+def _build_ddp(args: argparse.Namespace, plan: ParallelPlan, config: Any,
+               padded_vocab: int) -> DistributedDataParallel:
+    model = plan.model
+    gpt: torch.nn.Module = build_flexsp_gpt(
+        config, vocab_size=padded_vocab, max_sequence_length=model.max_position_embeddings,
+        position_embedding_type=model.position_embedding, tied_embeddings=model.tied_embeddings,
+        rotary_percent=getattr(args, "rotary_percent", None) or 1.0,
+        rotary_base=getattr(args, "rotary_base", None) or 10000)
+    if plan.precision in ("bf16", "fp16"):
+        gpt = Float16Module(config, gpt)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=bool(getattr(args, "accumulate_allreduce_grads_in_fp32", False)),
+        overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
+        use_distributed_optimizer=plan.layers[0].zero >= 1,
+        check_for_nan_in_grad=bool(getattr(args, "check_for_nan_in_loss_and_grad", False)),
+    )
+    ddp = DistributedDataParallel(config, ddp_config, gpt)
+    ddp.broadcast_params()
+    return ddp
+
+
+def build_flexsp_backend(args: argparse.Namespace, plan: ParallelPlan,
+                         padded_vocab: int) -> Backend:
+    """Model, optimizer and the per-step FlexSP driver for this rank."""
+    assert plan.flexsp is not None
+    cost = _cost_model(plan)
+    _check(args, plan, cost)
+    tokenizer = build_tokenizer(
+        tokenizer_type=getattr(args, "tokenizer_type", None),
+        vocab_file=getattr(args, "vocab_file", None), merge_file=getattr(args, "merge_file", None),
+        tokenizer_model=getattr(args, "tokenizer_model", None),
+        vocab_size=getattr(args, "vocab_size", None))
+    parallel_state.initialize_model_parallel(  # tp = pp = cp = 1: one data-parallel group
+        distributed_timeout_minutes=getattr(args, "distributed_timeout_minutes", None) or 10)
+    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+    # per-token loss: DDP sums gradients; each rank's loss is already over the global count
+    config = transformer_config(args, plan, plan.layers[0], calculate_per_token_loss=True)
+    ddp = _build_ddp(args, plan, config, padded_vocab)
+    optimizer = get_megatron_optimizer(optimizer_config(
+        args, plan, use_distributed_optimizer=plan.layers[0].zero >= 1), [ddp])
+    groups = FlexSPGroups(max_degree=cost.effective_max_degree)
+    log_interval = getattr(args, "log_interval", None) or 100
+    steps = [0]
+
+    def forward_backward(data: Iterator | None, num_microbatches: int,
+                         forward_only: bool) -> float:
+        assert data is not None, "every FlexSP rank reads data"
+        batches = [next(data) for _ in range(num_microbatches)]
+        docs = split_documents(*(torch.cat([b[k] for b in batches]) for k in
+                                 ("tokens", "labels", "loss_mask")), eod=tokenizer.eod)
+        lengths, owners, first = _step_lengths(docs)
+        start_s = time.perf_counter()
+        step_plan = plan_step(lengths, cost)
+        planner_ms = (time.perf_counter() - start_s) * 1e3
+        local = {first + i: d for i, d in enumerate(docs)}
+        assert all(owners[i] == dist.get_rank() for i in local)
+        loss = flexsp_step(ddp, step_plan, local, owners, groups=groups,
+                           forward_only=forward_only)
+        steps[0] += 0 if forward_only else 1
+        if dist.get_rank() == 0 and not forward_only and steps[0] % log_interval == 0:
+            logger.info(_describe(step_plan, planner_ms))
+        return loss
+
+    world = dist.get_world_size()
+    return Backend(
+        model=[ddp], optimizer=optimizer, config=config,
+        shard=DataShard(index=dist.get_rank(), count=world),
+        micro_batch_size=plan.micro_batch_size // world, needs_data=True,
+        dp_cp_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
+        forward_backward=forward_backward, padded_vocab_size=padded_vocab,
+    )
+
