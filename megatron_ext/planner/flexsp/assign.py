@@ -105,7 +105,7 @@ def _lpt(problem: MicroBatchProblem, state: Assignment, seqs: list[int]) -> bool
     group_cap = [int(problem.capacity_tokens * problem.degrees[j]) for j in range(num_deg)]
     lat = problem.latency_s.tolist()
     rows, lengths, jmin = problem.rows, problem.length_list, problem.min_deg_list
-    seq_group = state.seq_group
+    placed: list[int] = []
     present = [j for j in range(num_deg) if heaps[j]]  # degrees of the multiset, ascending
     for k in seqs:
         row, length, jk = rows[k], lengths[k], jmin[k]
@@ -127,13 +127,14 @@ def _lpt(problem: MicroBatchProblem, state: Assignment, seqs: list[int]) -> bool
             return False
         loads[best_g] = best_fin
         tokens[best_g] += length
-        seq_group[k] = best_g
+        placed.append(best_g)
         heap = heaps[best_j]
         if heap[0][1] == best_g:
             heapq.heapreplace(heap, (best_fin, best_g))
         else:
             heaps[best_j] = [(loads[g], g) for _, g in heap]
             heapq.heapify(heaps[best_j])
+    state.seq_group[seqs] = placed
     state.loads = np.asarray(loads)
     state.tokens = np.asarray(tokens, dtype=np.int64)
     return True

@@ -37,23 +37,26 @@ def _pack(problem: MicroBatchProblem, num_gpus: int, num_big: int, level: float,
     group_j: list[int] = []
     loads: list[float] = []
     tokens: list[int] = []
-    by_load: list[list[tuple[float, int]]] = [[] for _ in range(num_deg)]  # sorted (load, g)
+    # open groups of each degree sorted by load: parallel lists of loads and group ids
+    key_loads: list[list[float]] = [[] for _ in range(num_deg)]
+    key_ids: list[list[int]] = [[] for _ in range(num_deg)]
     seq_group = [-1] * num_big
     free = num_gpus
+    bisect_right = bisect.bisect_right
     for k in range(num_big):
         row, length = rows[k], lengths[k]
-        placed = False
         for j in range(jmin[k], num_deg):
             t = row[j]
             if t + lat[j] > level:
                 continue
-            keys, room = by_load[j], cap * degrees[j] - length
+            kl, ki, room = key_loads[j], key_ids[j], cap * degrees[j] - length
             # best fit: the fullest open group of this degree still finishing by the level
-            idx = bisect.bisect_right(keys, (level - t, num_big)) - 1
-            while idx >= 0 and tokens[keys[idx][1]] > room:
+            idx = bisect_right(kl, level - t) - 1
+            while idx >= 0 and tokens[ki[idx]] > room:
                 idx -= 1
             if idx >= 0:
-                g = keys.pop(idx)[1]
+                del kl[idx]
+                g = ki.pop(idx)
                 loads[g] += t
             elif free >= degrees[j]:
                 g = len(group_j)
@@ -63,12 +66,13 @@ def _pack(problem: MicroBatchProblem, num_gpus: int, num_big: int, level: float,
                 free -= degrees[j]
             else:
                 continue
-            bisect.insort(keys, (loads[g], g))
+            pos = bisect_right(kl, loads[g])
+            kl.insert(pos, loads[g])
+            ki.insert(pos, g)
             tokens[g] += length
             seq_group[k] = g
-            placed = True
             break
-        if not placed:
+        else:
             return None
     d0 = degrees[0]
     num_small_groups = free // d0

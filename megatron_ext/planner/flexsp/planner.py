@@ -247,10 +247,13 @@ def _to_step_plan(lengths: np.ndarray, order: np.ndarray,
     microbatches = []
     for run, result in planned:
         seq_ids = order[run]  # original index of each position of this micro-batch
+        by_group = np.argsort(result.seq_group, kind="stable")  # positions, grouped, ascending
+        ends = np.searchsorted(result.seq_group[by_group],
+                               np.arange(result.group_deg_idx.size), side="right").tolist()
+        members_of = np.split(seq_ids[by_group], ends[:-1])  # [G] original ids per group
         groups, start = [], 0
         for g, j in enumerate(result.group_deg_idx.tolist()):
-            members = seq_ids[np.flatnonzero(result.seq_group == g)].tolist()
-            groups += _groups_at(start, degrees[j], members, length_list, cost)
+            groups += _groups_at(start, degrees[j], members_of[g].tolist(), length_list, cost)
             start += degrees[j]
         time_s = cost.fixed_s_per_microbatch + max(g.predicted_time_s for g in groups)
         microbatches.append(MicroBatchPlan(groups=tuple(groups), predicted_time_s=time_s))

@@ -82,8 +82,12 @@ def _best_move(ctx: _Context, g: int) -> bool:
 def _best_swap(ctx: _Context, g: int) -> bool:
     state, problem = ctx.state, ctx.problem
     in_g = state.seq_group == g
-    members, others = np.flatnonzero(in_g), np.flatnonzero(~in_g)  # [m], [n]
-    if members.size == 0 or others.size == 0:
+    members = np.flatnonzero(in_g)  # [m]
+    if members.size == 0:
+        return False
+    # g only gets faster by taking a shorter sequence than it gives (times grow with length)
+    others = np.flatnonzero(~in_g & (problem.lengths < problem.lengths[members[0]]))  # [n]
+    if others.size == 0:
         return False
     c = state.loads[g]
     h = state.seq_group[others]  # [n]
