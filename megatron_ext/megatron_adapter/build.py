@@ -92,6 +92,8 @@ def check_runtime_support(plan: ParallelPlan, *, embedding: bool, output_layer: 
         raise PlanError(f"model.position_embedding={plan.model.position_embedding!r} is not "
                         "supported with vocab.mode='vocab_parallel' (its passes look up word "
                         "embeddings only); use 'rope' or vocab.mode='tp'")
+    if plan.vocab.mode == "vocab_parallel":
+        vocab_parallel_layout(plan)  # its PlanError before any group exists
 
 
 def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:

@@ -62,6 +62,16 @@ class VocabParallelLayers(torch.nn.Module):
             gather_output=False, skip_bias_add=True, tp_group=group)
         assert self.embedding.vocab_start_index == self.partition.shard_start(group.rank())
 
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: dict | None = None) -> dict:
+        """Megatron's own shard entries: rows split over the vocabulary group (offsets from its
+        rank), replicas over `metadata['dp_cp_group']` (the vocabulary replicas)."""
+        out = self.embedding.sharded_state_dict(f"{prefix}embedding.", sharded_offsets, metadata)
+        if self.output_layer is not None:
+            out.update(self.output_layer.sharded_state_dict(f"{prefix}output_layer.",
+                                                            sharded_offsets, metadata))
+        return out
+
     @property
     def input_weight(self) -> torch.nn.Parameter:
         return self.embedding.weight
