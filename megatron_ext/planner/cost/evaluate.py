@@ -87,7 +87,7 @@ def evaluate(
         arr["mem"][k] = (
             ex.fixed_bytes[k]
             + costs.memory_bytes(int(ex.inflight[k]))[ids].sum()
-            + costs.transient_bytes[ids].max()
+            + costs.transient_bytes[ids].max(initial=0.0)  # a stage may hold no layer
         )
         arr["rc"][k] = costs.recompute_s[ids].sum()
         arr["comm"][k] = costs.comm_s[ids].sum() + 2 * sw + exposed
