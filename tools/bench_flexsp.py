@@ -22,6 +22,7 @@ All times are predictions of the same cost model (planner/flexsp/cost.py).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -54,6 +55,10 @@ FlexSP's headline setting)."""
 def _setting(args: argparse.Namespace, gpus: int, dist: str, max_len: int) -> dict:
     model = model_preset(args.model)
     cluster = cluster_preset(args.cluster, num_nodes=-(-gpus // 8))
+    if args.intra_a2a_efficiency != 1.0:  # above one node only the all-to-all reads it
+        intra = cluster.intra_node
+        cluster = dataclasses.replace(cluster, intra_node=dataclasses.replace(
+            intra, bandwidth_bytes_per_s=intra.bandwidth_bytes_per_s * args.intra_a2a_efficiency))
     cost = (paper_gpt7b_a100(gpus) if args.paper_constants
             else cost_model_from_specs(model, cluster, num_gpus=gpus,
                                        a2a_inter_efficiency=args.a2a_efficiency))
@@ -167,12 +172,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--a2a-efficiency", type=float, default=None,
                    help="one share of inter-node bandwidth for every multi-node all-to-all "
                         "(default: the cluster's all_to_all_inter_efficiency per node count)")
+    p.add_argument("--intra-a2a-efficiency", type=float, default=1.0,
+                   help="sensitivity: scale NVLink bandwidth (FlexSP measured intra-node "
+                        "all-to-all at 0.2-0.28 of A100 NVLink line rate)")
     p.add_argument("--quick", action="store_true", help="2 batches, 64 GPUs, few MILPs")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     args.milp_sizes = [(8, 8), (8, 12), (16, 12), (16, 16)]
     if args.quick:
         args.batches, args.gpus, args.milp_instances = 2, [64], 2
+    load_start = os.getloadavg()
     rows = []
     for gpus in args.gpus:
         for dist in args.distributions:
@@ -208,13 +217,15 @@ def main(argv: list[str] | None = None) -> int:
                                else f"{args.model} on {args.cluster}, node-spanning all-to-all at "
                                + (f"{args.a2a_efficiency:g}" if args.a2a_efficiency is not None
                                   else "the cluster's per-node-count efficiency")
-                               + " of inter-node bandwidth"),
+                               + " of inter-node bandwidth"
+                               + (f", NVLink x {args.intra_a2a_efficiency:g}"
+                                  if args.intra_a2a_efficiency != 1.0 else "")),
     }
     print(json.dumps(summary, indent=2))
     if args.json:
         meta = {"command": " ".join(["python", "tools/bench_flexsp.py", *(argv or sys.argv[1:])]),
                 "python": platform.python_version(), "cpus": os.cpu_count(),
-                "load_average": os.getloadavg()}
+                "load_average_start": load_start, "load_average": os.getloadavg()}
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"summary": summary, "settings": rows, "milp": milp, "meta": meta}, f,
                       indent=1)
