@@ -102,7 +102,8 @@ def level_pack_search(
     small_tokens = int(problem.lengths[num_big:].sum())
     hi, best = lo, None
     for step in range(GROWTH_STEPS):
-        hi *= GROWTH
+        # the first probe is the tolerance itself: a quarter of the micro-batches pack there
+        hi *= (1 + rel_tol) if step == 0 else GROWTH
         best = _pack(problem, num_gpus, num_big, hi, small_work, small_tokens)
         if best is not None:
             break
