@@ -88,10 +88,6 @@ def check_runtime_support(plan: ParallelPlan, *, embedding: bool, output_layer: 
     if plan.vocab.mode == "vocab_parallel" and embedding != output_layer:
         raise PlanError(f"vocab.mode='vocab_parallel' with embedding={embedding}, output_layer="
                         f"{output_layer}: the vocabulary shards hold both; pass both or neither")
-    if plan.vocab.mode == "vocab_parallel" and plan.model.position_embedding != "rope":
-        raise PlanError(f"model.position_embedding={plan.model.position_embedding!r} is not "
-                        "supported with vocab.mode='vocab_parallel' (its passes look up word "
-                        "embeddings only); use 'rope' or vocab.mode='tp'")
     if plan.vocab.mode == "vocab_parallel":
         vocab_parallel_layout(plan)  # its PlanError before any group exists
 
@@ -143,6 +139,12 @@ def with_vocab_layout(groups: PlanGroups, cache: GroupCache | None = None) -> Pl
 
     found = LayoutGroups(layout=layout, **{axis: mine(axis) for axis in AXES})
     return dataclasses.replace(groups, layouts={**groups.layouts, layout: found})
+
+
+def _vocab_positions(plan: ParallelPlan, groups: PlanGroups) -> int:
+    """Rows of the first stage's learned absolute position embeddings (0: none here)."""
+    learned = plan.model.position_embedding == "learned_absolute"
+    return plan.model.max_position_embeddings if learned and groups.stage == 0 else 0
 
 
 def new_plan_vocab_groups(plan: ParallelPlan) -> VocabCommGroups:
@@ -233,7 +235,8 @@ def build_model(
         model.attach_vocab(VocabParallelLayers(
             config=model.config, vocab_size=model.vocab_size, hidden_size=config.hidden_size,
             group=vocab_groups.vocab, tie_embeddings=plan.model.tied_embeddings,
-            init_method=config.init_method), vocab_groups)
+            init_method=config.init_method, max_position_embeddings=_vocab_positions(plan, groups),
+            position_tp_group=model.pg_collection.tp), vocab_groups)
     if init == "plan_invariant":
         init_plan_invariant(model, seed)
         if model.vocab is not None:

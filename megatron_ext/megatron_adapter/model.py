@@ -96,6 +96,18 @@ class HeteroGPTModel(GPTModel):
         vocabulary passes' layout (runtime/vocab/layout.py)."""
         return local_tokens(tokens, vocab_parallel_layout(self.plan), self.groups.local_rank)
 
+    def _add_vocab_positions(self, position_ids: torch.Tensor | None, seq_length: int) -> None:
+        """First stage under vocabulary parallelism with learned absolute positions: the stage
+        input (summed word embeddings `[s_loc, b_loc, h]`, vocabulary layout) plus this rank's
+        position embeddings, as megatron's LanguageModelEmbedding adds them."""
+        hidden = self.decoder.input_tensor  # [s_loc, b_loc, h]
+        if position_ids is None:
+            batch = hidden.shape[1] * vocab_parallel_layout(self.plan).dp
+            position_ids = torch.arange(seq_length, device=hidden.device).expand(batch, -1)
+        positions = self.vocab_tokens(position_ids)  # [b_loc, s_loc]
+        pos = self.vocab.position_embeddings(positions).transpose(0, 1)  # [s_loc, b_loc, h]
+        self.decoder.set_input_tensor(hidden + pos)
+
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None) -> dict:
         """GPTModel's, with replica ids over the vocabulary layers' own dp_cp group (the decoder
@@ -148,6 +160,8 @@ class HeteroGPTModel(GPTModel):
         seq_length = (input_ids.shape[1] if input_ids is not None
                       else self.decoder.global_seq_length(
                           decoder_input if decoder_input is not None else self.decoder.input_tensor))
+        if self.vocab is not None and self.vocab.position_embeddings is not None:
+            self._add_vocab_positions(position_ids, seq_length)
         rope = None
         if self.position_embedding_type == "rope":
             rope = self.rotary_pos_emb(seq_length)  # [s, 1, 1, d]

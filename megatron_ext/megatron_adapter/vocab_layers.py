@@ -23,6 +23,7 @@ from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
 )
+from megatron.core.transformer.utils import sharded_state_dict_default
 
 from megatron_ext.plan import VocabStrategy
 from megatron_ext.runtime.vocab_parallel import Op, VocabCommGroups, VocabPartition
@@ -50,7 +51,12 @@ class VocabParallelLayers(torch.nn.Module):
         tie_embeddings: bool,
         init_method: Callable[[torch.Tensor], None],
         make_vocab_size_divisible_by: int = 1,
+        max_position_embeddings: int = 0,
+        position_tp_group: torch.distributed.ProcessGroup | None = None,
     ) -> None:
+        """`max_position_embeddings` > 0: also hold learned absolute position embeddings
+        (first stage; replicated, not split: they are tiny), replicated over
+        `position_tp_group` besides the data-parallel replicas (checkpoint replica ids)."""
         super().__init__()
         self.partition = VocabPartition.create(
             vocab_size, group.size(), divisible_by=make_vocab_size_divisible_by)
@@ -61,6 +67,10 @@ class VocabParallelLayers(torch.nn.Module):
             hidden_size, padded, config=config, init_method=init_method, bias=False,
             gather_output=False, skip_bias_add=True, tp_group=group)
         assert self.embedding.vocab_start_index == self.partition.shard_start(group.rank())
+        self.position_embeddings = torch.nn.Embedding(
+            max_position_embeddings, hidden_size, dtype=config.params_dtype,
+        ) if max_position_embeddings > 0 else None
+        self.position_tp_group = position_tp_group
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: dict | None = None) -> dict:
@@ -70,6 +80,10 @@ class VocabParallelLayers(torch.nn.Module):
         if self.output_layer is not None:
             out.update(self.output_layer.sharded_state_dict(f"{prefix}output_layer.",
                                                             sharded_offsets, metadata))
+        if self.position_embeddings is not None:
+            out.update(sharded_state_dict_default(
+                self.position_embeddings, f"{prefix}position_embeddings.", sharded_offsets,
+                metadata, tp_group=self.position_tp_group))
         return out
 
     @property
@@ -122,13 +136,20 @@ def init_vocab_plan_invariant(layers: VocabParallelLayers, config: ModelParallel
     names = {"embedding.word_embeddings.weight": layers.input_weight}
     if layers.output_layer is not None:
         names["output_layer.weight"] = layers.output_weight
+    if layers.position_embeddings is not None:
+        names["embedding.position_embeddings.weight"] = layers.position_embeddings.weight
     for name, param in names.items():
+        rows = part.vocab_size if "position" not in name else param.shape[0]
         state = torch.get_rng_state()
         torch.manual_seed(zlib.crc32(name.encode()) ^ seed)
-        full = torch.zeros(part.padded_vocab_size, param.shape[1], dtype=torch.float32)
-        _init_fn(name, config)(full[:part.vocab_size])  # [V, h]
+        full = torch.zeros(max(rows, part.padded_vocab_size), param.shape[1],
+                           dtype=torch.float32)
+        _init_fn(name, config)(full[:rows])  # [V, h] / [max positions, h]
         torch.set_rng_state(state)
-        param.copy_(full[start:start + part.shard_size].to(param.dtype))  # [V_pad / R, h]
+        if "position" in name:
+            param.copy_(full[:rows].to(param.dtype))
+        else:
+            param.copy_(full[start:start + part.shard_size].to(param.dtype))  # [V_pad / R, h]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

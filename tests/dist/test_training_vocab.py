@@ -1,6 +1,7 @@
 """End to end: examples/pretrain_gpt.py with vocabulary parallelism under torchrun, 4 gloo ranks.
 
-Mock data (Megatron's MockGPTDataset, NullTokenizer), no downloads, dropout off. Two launches:
+Mock data (Megatron's MockGPTDataset, NullTokenizer), no downloads, dropout off, Megatron's
+default learned absolute position embeddings. Two launches:
   A  `--vocab-parallel` with plain Megatron flags (pp=2, uneven stages 3+1, dp=2): 4 iterations,
      a checkpoint every 2; the loss is finite and falls.
   B  `--strategy-config` with a heterogeneous vocab_parallel plan of the same model (stage 0:
@@ -32,7 +33,7 @@ LOSS_LINE = re.compile(r" iteration +(\d+)/ *\d+ \|.* lm loss: ([0-9.E+-]+) \|")
 FLAGS = [
     "--cpu", "--transformer-impl", "local", "--num-layers", "4", "--hidden-size", "64",
     "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "64",
-    "--position-embedding-type", "rope", "--mock-data", "--tokenizer-type", "NullTokenizer",
+    "--mock-data", "--tokenizer-type", "NullTokenizer",
     "--vocab-size", "1000", "--num-workers", "0", "--train-iters", "4", "--lr", "3e-3",
     "--log-interval", "1", "--hidden-dropout", "0", "--attention-dropout", "0",
 ]

@@ -8,7 +8,8 @@ Compared with the single-process reference (same plan-invariant weights, same da
 every step and every local gradient shard after step 1 (embedding and output-layer shards
 against the matching rows of the reference's full gradients, every layer, the final norm).
 Plans cover both algorithms (1 and 2 barriers), tied and untied embeddings, vocabulary sizes
-that do not divide the vocabulary-parallel ranks (padded shard), vocab.tp 1 and 2.
+that do not divide the vocabulary-parallel ranks (padded shard), vocab.tp 1 and 2, rope and
+learned absolute position embeddings (held by the first stage's vocabulary module).
 
 Tolerances (fp32), as in test_runtime_parity.py: losses rtol 1e-5, gradients rtol 1e-4 / atol
 1e-6. Vocabulary parallelism reorders fp32 sums (shard-wise online softmax, input gradients
@@ -31,7 +32,7 @@ pytestmark = pytest.mark.dist
 
 SEED, STEPS = 11, 3
 # Plan names: stages separated by |, bN = N communication barriers (plan vocab.algorithm),
-# vN = vocabulary size, vtp = vocab.tp, z1 = ZeRO-1.
+# vN = vocabulary size, vtp = vocab.tp, z1 = ZeRO-1, pos = learned absolute positions.
 LOSS_RTOL, GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-4, 1e-6
 
 
@@ -43,13 +44,13 @@ def _plans() -> dict[str, Any]:
 
     llama = MODEL_PRESETS["tiny-llama"]
     gpt = dataclasses.replace(MODEL_PRESETS["tiny-gpt"], num_layers=6, vocab_size=130,
-                              position_embedding="rope")  # tied
+                              max_position_embeddings=16)  # tied, learned absolute positions
     return {
-        "pp2 3|1 tp2+sp|dp2 b1 v127": make_plan(
-            dataclasses.replace(llama, vocab_size=127), [L(tp=2, sp=True)] * 3 + [L(dp=2)],
+        "pp2 3|1 tp2+sp|dp2 pos b1 v127": make_plan(
+            dataclasses.replace(llama, vocab_size=127, position_embedding="learned_absolute"), [L(tp=2, sp=True)] * 3 + [L(dp=2)],
             pp=2, stages=[(0, 3), (3, 4)], num_mb=4,
             vocab=V(mode="vocab_parallel", tp=1, algorithm=1)),
-        "pp4 1|2|1|2 tied b2 v130": make_plan(
+        "pp4 1|2|1|2 tied pos b2 v130": make_plan(
             gpt, [L()] * 6, pp=4, stages=[(0, 1), (1, 3), (3, 4), (4, 6)], mbs=2, num_mb=5,
             seq=16, vocab=V(mode="vocab_parallel", tp=1, algorithm=2)),
         "pp2 vtp2 dp2,tp2+sp|tp2,dp2z1 b2 v126": make_plan(
@@ -75,7 +76,9 @@ def _compare_grads(chunks: list, optimizer: Any, ref_grads: dict[str, torch.Tens
                   "vocab.output_layer.weight": "output_layer.weight"}
     count = 0
     for name, param, tp in param_shards(model):
-        if name in vocab_keys:
+        if name == "vocab.position_embeddings.weight":  # first stage, replicated
+            expected = ref_grads["embedding.position_embeddings.weight"]
+        elif name in vocab_keys:
             full = torch.zeros(part.padded_vocab_size, param.shape[1])  # padding rows: 0
             full[:part.vocab_size] = ref_grads[vocab_keys[name]]
             expected = full[start:start + part.shard_size]
@@ -134,8 +137,8 @@ def _outcomes() -> tuple[dict[str, Any], ...]:
                                  collective_timeout_s=120))
 
 
-@pytest.mark.parametrize("name", ["pp2 3|1 tp2+sp|dp2 b1 v127",
-                                  "pp4 1|2|1|2 tied b2 v130",
+@pytest.mark.parametrize("name", ["pp2 3|1 tp2+sp|dp2 pos b1 v127",
+                                  "pp4 1|2|1|2 tied pos b2 v130",
                                   "pp2 vtp2 dp2,tp2+sp|tp2,dp2z1 b2 v126"])
 def test_vocab_parallel_heterogeneous_plan_matches_single_process(name: str) -> None:
     results = [per_rank[name] for per_rank in _outcomes()]
