@@ -6,7 +6,9 @@ d = head dim. Rank i of the group holds tokens [sum(token_counts[:i]), ...+token
 
 seq_to_heads: [t, n, d] (my tokens, all heads) -> [T, n/u, d] (all tokens, my heads);
 heads_to_seq is its inverse; each is the other's backward. One `all_to_all_single` with uneven
-split sizes each way, so gloo, NCCL and any backend with alltoallv work.
+split sizes each way, so gloo, NCCL and any backend with alltoallv work. Dims between the token
+and head dims ride along ([t, b, n, d] -> [T, b, n/u, d]), so with equal counts this is also
+the layerwise runtime's even-split Ulysses exchange (runtime/ulysses.py).
 
 Grouped-query attention: with g kv heads and a group of u ranks, k/v are scattered by head
 unduplicated when u divides g. When g < u (and g divides u), each kv head is repeated u/g
@@ -15,6 +17,8 @@ use: the least duplication that keeps the exchange uniform (FlexSP repeats to al
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -48,9 +52,11 @@ def kv_repeat_factor(num_kv_heads: int, degree: int) -> int:
 
 def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup, counts: list[int]) -> torch.Tensor:
     u = len(counts)
-    t, n, d = x.shape
-    send = x.reshape(t, u, n // u, d).transpose(0, 1).reshape(u * t, n // u, d)  # [u*t, n/u, d]
-    recv = x.new_empty(sum(counts), n // u, d)  # [T, n/u, d], source-rank order = token order
+    t, mid, (n, d) = x.shape[0], x.shape[1:-2], x.shape[-2:]
+    m = math.prod(mid)
+    send = x.reshape(t, m, u, n // u, d).permute(2, 0, 1, 3, 4)  # [u, t, m, n/u, d]
+    send = send.reshape(u * t, *mid, n // u, d)  # [u*t, ..., n/u, d]: one block per rank
+    recv = x.new_empty(sum(counts), *mid, n // u, d)  # [T, ..., n/u, d], rank order = token order
     dist.all_to_all_single(recv, send.contiguous(), output_split_sizes=counts,
                            input_split_sizes=[t] * u, group=group)
     return recv
@@ -59,12 +65,14 @@ def _seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup, counts: list[int]) 
 def _heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup, counts: list[int],
                   rank: int) -> torch.Tensor:
     u = len(counts)
-    _, n_local, d = x.shape
+    mid, (n_local, d) = x.shape[1:-2], x.shape[-2:]
+    m = math.prod(mid)
     t = counts[rank]
-    recv = x.new_empty(u * t, n_local, d)  # [u*t, n/u, d]: my tokens of every rank's heads
+    recv = x.new_empty(u * t, *mid, n_local, d)  # [u*t, ..., n/u, d]: my tokens, every rank's heads
     dist.all_to_all_single(recv, x.contiguous(), output_split_sizes=[t] * u,
                            input_split_sizes=counts, group=group)
-    return recv.reshape(u, t, n_local, d).transpose(0, 1).reshape(t, u * n_local, d)  # [t, n, d]
+    out = recv.reshape(u, t, m, n_local, d).permute(1, 2, 0, 3, 4)  # [t, m, u, n/u, d]
+    return out.reshape(t, *mid, u * n_local, d)  # [t, ..., n, d]
 
 
 class _SeqToHeads(torch.autograd.Function):
@@ -92,16 +100,17 @@ class _HeadsToSeq(torch.autograd.Function):
 
 def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup | None,
                  token_counts: list[int]) -> torch.Tensor:
-    """[t, n, d] my tokens, all heads -> [T, n/u, d] all tokens, my heads (identity if u = 1)."""
+    """[t, (...,) n, d] my tokens, all heads -> [T, (...,) n/u, d] all tokens, my heads
+    (identity if u = 1)."""
     if group is None or len(token_counts) == 1:
         return x
-    assert x.shape[1] % len(token_counts) == 0, "check_ulysses_degree first"
+    assert x.shape[-2] % len(token_counts) == 0, "check_ulysses_degree first"
     return _SeqToHeads.apply(x, group, list(token_counts))
 
 
 def heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup | None,
                  token_counts: list[int]) -> torch.Tensor:
-    """Inverse of seq_to_heads: [T, n/u, d] -> [t, n, d]."""
+    """Inverse of seq_to_heads: [T, (...,) n/u, d] -> [t, (...,) n, d]."""
     if group is None or len(token_counts) == 1:
         return x
     return _HeadsToSeq.apply(x, group, list(token_counts))
