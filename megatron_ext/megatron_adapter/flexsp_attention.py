@@ -15,7 +15,6 @@ qkv_format "sbhd" so megatron keeps the [t, 1, ...] layout and applies RoPE row 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 import torch.distributed as dist
@@ -28,6 +27,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_ext.errors import PlanError
+from megatron_ext.megatron_adapter.core_attention_checks import causal_softmax_scale
 from megatron_ext.planner.flexsp.step_plan import token_split
 from megatron_ext.runtime.flexsp.attention import ulysses_varlen_attention
 from megatron_ext.runtime.flexsp.dispatch import RankMicroBatch
@@ -56,16 +56,12 @@ class FlexSPCoreAttention(MegatronModule):
                 f"FlexSP attention runs with tensor_model_parallel_size=1 and "
                 f"context_parallel_size=1, got tp={tp} cp={config.context_parallel_size}"
             )
-        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-        if dropout:
-            raise PlanError(f"FlexSP attention has no dropout: set attention_dropout=0, "
-                            f"got {dropout}")
-        if attn_mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
-            raise PlanError(f"FlexSP attention is causal only, got attn_mask_type={attn_mask_type}")
-        head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
-        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(head_dim)
-        if config.apply_query_key_layer_scaling:
-            self.softmax_scale /= layer_number
+        self.softmax_scale = causal_softmax_scale(
+            config, where="FlexSP attention", layer_number=layer_number,
+            attn_mask_type=attn_mask_type, attention_dropout=attention_dropout,
+            softmax_scale=softmax_scale,
+            mask_types=(AttnMaskType.causal, AttnMaskType.padding_causal),
+            allow_layer_scaling=True)
 
     def forward(
         self,
