@@ -13,7 +13,6 @@ over the layer's cp group (`runtime/ring_attention.py`). Causal masking only.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -23,6 +22,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_ext.megatron_adapter.core_attention_checks import causal_softmax_scale
 from megatron_ext.runtime.ring_attention import ring_attention
 from megatron_ext.runtime.ulysses import heads_to_seq, seq_to_heads
 
@@ -47,20 +47,13 @@ class SequenceParallelCoreAttention(MegatronModule):
         **_unused: Any,
     ) -> None:
         super().__init__(config=config)
-        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-        if dropout > 0:
-            raise ValueError(
-                f"attention_dropout={dropout} is not supported on context-parallel / Ulysses "
-                "layers without Transformer Engine; set --attention-dropout 0"
-            )
-        if attn_mask_type != AttnMaskType.causal:
-            raise ValueError(f"attn_mask_type={attn_mask_type} unsupported; only causal")
-        if config.apply_query_key_layer_scaling:
-            raise ValueError("apply_query_key_layer_scaling is unsupported on CP/Ulysses layers")
+        self.softmax_scale = causal_softmax_scale(  # PlanError is a ValueError
+            config, where="context-parallel / Ulysses layers without Transformer Engine",
+            layer_number=layer_number, attn_mask_type=attn_mask_type,
+            attention_dropout=attention_dropout, softmax_scale=softmax_scale)
         assert pg_collection is not None
         self.cp_group = pg_collection.cp
         self.ulysses_group = ulysses_group
-        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
 
     def forward(
         self,
