@@ -120,6 +120,7 @@ def flexsp_step(ddp: Any, plan: StepPlan, local: dict[int, torch.Tensor], owners
     """
     rank = dist.get_rank(group)
     device = next(ddp.parameters()).device
+    local = {seq: r.to(device) for seq, r in local.items()}  # loaders yield host tensors
     rows = dispatch_sequences(plan, rank, local, owners, columns=ROW_COLUMNS, device=device,
                               group=group)
     views = rank_microbatches(plan, rank)

@@ -11,10 +11,20 @@ import torch
 
 from megatron_ext.errors import PlanError
 from megatron_ext.planner.flexsp import cost_model_from_specs, plan_step, sample_lengths
-from megatron_ext.planner.flexsp.step_plan import MicroBatchPlan, SPGroup, StepPlan, token_split
+from megatron_ext.planner.flexsp.step_plan import (
+    MicroBatchPlan,
+    SPGroup,
+    StepPlan,
+    token_split,
+)
 from megatron_ext.presets import cluster_preset, model_preset
-from megatron_ext.runtime.flexsp import check_ulysses_degree, rank_microbatches, varlen_attention
+from megatron_ext.runtime.flexsp import (
+    check_ulysses_degree,
+    rank_microbatches,
+    varlen_attention,
+)
 from megatron_ext.runtime.flexsp.dispatch import all_rank_microbatches
+from megatron_ext.runtime.flexsp.documents import split_documents
 from megatron_ext.runtime.flexsp.ulysses import kv_repeat_factor
 
 
@@ -100,3 +110,17 @@ def test_all_rank_views_match_per_rank_views() -> None:
     lengths = sample_lengths("wlb_llm_like", 64, max_length=65536, rng=np.random.default_rng(0))
     plan = plan_step(lengths, cost)
     assert all_rank_microbatches(plan) == [rank_microbatches(plan, r) for r in range(16)]
+
+
+def test_split_documents_cuts_after_every_eod() -> None:
+    eod = 0
+    tokens = torch.tensor([[5, 6, 0, 7, 0, 8, 9, 9],  # two EODs: 3 + 2 + 3 tokens
+                           [1, 2, 3, 4, 5, 6, 7, 0],  # EOD last: one document
+                           [1, 2, 3, 4, 5, 6, 7, 8]])  # no EOD: one document
+    labels = tokens.roll(-1, dims=1)
+    mask = torch.ones_like(tokens, dtype=torch.float)
+    mask[0, 4] = 0.0
+    docs = split_documents(tokens, labels, mask, eod)
+    assert [d.shape[0] for d in docs] == [3, 2, 3, 8, 8]
+    assert torch.equal(torch.cat(docs), torch.stack([tokens, labels, mask.long()], -1).reshape(-1, 3))
+    assert docs[1][:, 2].tolist() == [1, 0]  # loss mask travels with its token

@@ -21,7 +21,6 @@ data-parallel group, the world: a stock `DistributedDataParallel` (bucketed, ove
 from __future__ import annotations
 
 import argparse
-import itertools
 import logging
 import math
 import time
@@ -52,22 +51,11 @@ from megatron_ext.planner.flexsp import FlexSPCostModel, StepPlan, plan_step
 from megatron_ext.planner.flexsp.cost import cost_model_for_plan, cost_model_from_specs
 from megatron_ext.presets import cluster_preset
 from megatron_ext.runtime.flexsp import FlexSPGroups, check_ulysses_degree
+from megatron_ext.runtime.flexsp.documents import split_documents
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_flexsp_backend", "split_documents"]
-
-
-def split_documents(tokens: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor,
-                    eod: int) -> list[torch.Tensor]:
-    """[n, s] samples -> documents as [len, c] rows, each ending at (and keeping) an EOD."""
-    rows = torch.stack([tokens, labels, (loss_mask > 0).long()], dim=-1)  # [n, s, c]
-    docs: list[torch.Tensor] = []
-    for sample, sample_rows in zip(tokens, rows):
-        ends = ((sample == eod).nonzero().flatten() + 1).tolist()
-        bounds = [0, *[e for e in ends if e < sample.numel()], sample.numel()]
-        docs += [sample_rows[a:b] for a, b in itertools.pairwise(bounds) if b > a]
-    return docs
+__all__ = ["build_flexsp_backend"]
 
 
 def _cost_model(plan: ParallelPlan) -> FlexSPCostModel:

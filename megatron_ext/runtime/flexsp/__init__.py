@@ -2,7 +2,8 @@
 
 groups.FlexSPGroups (aligned power-of-two group pool, built once), ulysses (packed all-to-all,
 GQA-aware), attention (varlen attention: flash-attn or pure torch), dispatch (plan -> this
-rank's token rows), step (token-level loss and the world-wide gradient all-reduce).
+rank's token rows), documents (samples cut at EOD into sequences), step (token-level loss,
+micro-batch loop with a no_sync hook, and a plain gradient all-reduce for non-DDP models).
 """
 
 from megatron_ext.runtime.flexsp.attention import (
@@ -16,6 +17,7 @@ from megatron_ext.runtime.flexsp.dispatch import (
     rank_microbatches,
     round_robin_owners,
 )
+from megatron_ext.runtime.flexsp.documents import split_documents
 from megatron_ext.runtime.flexsp.groups import FlexSPGroups
 from megatron_ext.runtime.flexsp.step import (
     allreduce_gradients,
@@ -41,6 +43,7 @@ __all__ = [
     "round_robin_owners",
     "run_microbatches",
     "seq_to_heads",
+    "split_documents",
     "ulysses_varlen_attention",
     "varlen_attention",
 ]
