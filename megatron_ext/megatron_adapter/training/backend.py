@@ -260,7 +260,4 @@ def build_backend(args: argparse.Namespace, plan: ParallelPlan, padded_vocab: in
         )
     except ModuleNotFoundError as err:  # a partial install without the layerwise runtime
         raise PlanError(f"this plan needs the layerwise runtime ({reason}): {err}") from None
-    if plan.flexsp is not None:
-        raise PlanError(f"pretrain_gpt.py does not run this plan yet ({reason}); the "
-                        "FlexSP runtime is not wired into it")
     return build_runtime_backend(args, plan, padded_vocab)
