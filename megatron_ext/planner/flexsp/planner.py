@@ -49,6 +49,10 @@ class PlannerOptions:
     extra_microbatches: int = 1
     """Micro-batch counts tried beyond the first feasible one (FlexSP tries 4-5); one more
     helps when the first feasible count packs memory tightly."""
+    extra_fill: float = 0.8
+    """...but only when every cut of the first feasible count has a micro-batch holding more
+    than this fraction of the cluster's tokens: with room to spare, another micro-batch only
+    adds its fixed term (no batch of the benchmark gained from one below 0.83)."""
     max_microbatches: int = 64
     """Give up (PlanError) when no count up to this one is feasible."""
     cuts: tuple[str, ...] = ("consecutive", "balanced")
@@ -164,11 +168,16 @@ def _score_cuts(desc: np.ndarray, cost: FlexSPCostModel, options: PlannerOptions
     out: list[tuple[float, list[np.ndarray], list[Candidates]]] = []
     best = math.inf
     first_feasible: int | None = None
+    room = cost.num_gpus * cost.capacity_tokens
+    least_fill = math.inf  # of the cuts of the first feasible count: their fullest micro-batch
     for num_mb in range(m_min, options.max_microbatches + 1):
-        if first_feasible is not None and num_mb > first_feasible + options.extra_microbatches:
+        if first_feasible is not None and (num_mb > first_feasible + options.extra_microbatches
+                                           or least_fill < options.extra_fill):
             break
+        count_fill = math.inf
         for runs in _cuts(desc, whole, cost, num_mb, options):
             runs = [r for r in runs if r.size]
+            count_fill = min(count_fill, max(int(desc[r].sum()) for r in runs) / room)
             bound = sum(beta + max(min_gpu_s[r].sum() / cost.num_gpus, fastest[r].max())
                         for r in runs)
             limit = best * (1 + SCORE_SLACK)
@@ -188,7 +197,7 @@ def _score_cuts(desc: np.ndarray, cost: FlexSPCostModel, options: PlannerOptions
                 best = min(best, score)
                 out.append((score, runs, cands))
         if out and first_feasible is None:
-            first_feasible = num_mb
+            first_feasible, least_fill = num_mb, count_fill
     return out
 
 
