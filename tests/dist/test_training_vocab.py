@@ -38,7 +38,9 @@ FLAGS = [
     "--log-interval", "1", "--hidden-dropout", "0", "--attention-dropout", "0",
 ]
 PLAN_A = ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "3",
-          "--vocab-parallel", "--micro-batch-size", "2", "--global-batch-size", "8"]
+          "--vocab-parallel", "--micro-batch-size", "2", "--global-batch-size", "8",
+          "--eval-interval", "2", "--eval-iters", "1"]  # evaluation: forward-only passes
+VALID_LINE = re.compile(r"validation loss at iteration +(\d+) \| lm loss value: ([0-9.E+-]+)")
 
 
 def _torchrun(argv: list[str]) -> subprocess.CompletedProcess[str]:
@@ -71,14 +73,16 @@ def _hetero_plan(ckpt: Path, path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def run_a(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, float], Path]:
+def run_a(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, float], Path, str]:
     save = tmp_path_factory.mktemp("vocab_ckpt_a")
     result = _torchrun([*FLAGS, *PLAN_A, "--save", str(save), "--save-interval", "2"])
-    return _losses(result), save
+    return _losses(result), save, result.stderr
 
 
-def test_vocab_parallel_trains(run_a: tuple[dict[int, float], Path]) -> None:
-    losses, save = run_a
+def test_vocab_parallel_trains(run_a: tuple[dict[int, float], Path, str]) -> None:
+    losses, save, stderr = run_a
+    valid = {int(it): float(v) for it, v in VALID_LINE.findall(stderr)}
+    assert sorted(valid) == [2, 4] and all(math.isfinite(v) for v in valid.values()), stderr[-2000:]
     assert sorted(losses) == [1, 2, 3, 4]
     assert all(math.isfinite(v) for v in losses.values()), losses
     # Random init over 1001 ids gives ~ln(1001) = 6.9; mock data is learnable at lr 3e-3.
@@ -87,8 +91,8 @@ def test_vocab_parallel_trains(run_a: tuple[dict[int, float], Path]) -> None:
 
 
 def test_plan_file_resumes_under_a_heterogeneous_plan(
-        run_a: tuple[dict[int, float], Path], tmp_path: Path) -> None:
-    losses_a, save = run_a
+        run_a: tuple[dict[int, float], Path, str], tmp_path: Path) -> None:
+    losses_a, save, _ = run_a
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     shutil.copytree(save / "iter_0000002", ckpt / "iter_0000002")
