@@ -118,12 +118,13 @@ def _ping_pong_fn(members: list[int], num_bytes: int, group: dist.ProcessGroup,
 def profile_collective(op: str, groups: list[list[int]], handles: list[dist.ProcessGroup], *,
                        sizes: list[int], local_world_size: int, world: dist.ProcessGroup,
                        device: torch.device, dtype: torch.dtype, repeats: int,
-                       burst: Callable[[], object] | None = None, burst_s: float = 0.0
-                       ) -> CollectiveCurve:
+                       burst: Callable[[], object] | None = None) -> CollectiveCurve:
     """One curve: every group of the placement runs `op` at once, for each size. With `burst`
     (ranks sharing compute), every rank first runs it and the collective's time is the pair's
-    minus `burst_s`: as in training, the collective then also waits for the ranks the scheduler
-    left behind."""
+    minus the burst alone: as in training, the collective then also waits for the ranks the
+    scheduler left behind. The burst is re-timed beside every size (load drifting during the
+    profile would otherwise bias every difference), and the result is never below the collective
+    timed without a burst (a difference of two noisy times can fall to zero)."""
     rank = dist.get_rank()
     mine = next(i for i, members in enumerate(groups) if rank in members)
     seconds = []
@@ -132,8 +133,12 @@ def profile_collective(op: str, groups: list[list[int]], handles: list[dist.Proc
             fn = _ping_pong_fn(groups[mine], num_bytes, handles[mine], device, dtype)
         else:
             fn = _collective_fn(op, num_bytes, handles[mine], device, dtype)
-        timed = fn if burst is None else (lambda f=fn: (burst(), f()))
-        t = measure_seconds(timed, world=world, device=device, repeats=repeats) - burst_s
+        t = measure_seconds(fn, world=world, device=device, repeats=repeats)
+        if burst is not None:
+            paired = measure_seconds(lambda f=fn: (burst(), f()), world=world, device=device,
+                                     repeats=repeats)
+            alone = measure_seconds(burst, world=world, device=device, repeats=repeats)
+            t = max(t, paired - alone)
         t = max(t, _MIN_SECONDS)
         seconds.append(t / 2 if op == "p2p" else t)
     g = len(groups[0])
@@ -252,7 +257,7 @@ def profile_hardware(*, world: dist.ProcessGroup, device: torch.device,
         burst = _matmul_fn(mm_dim, count, device, dtype)
         burst_s = measure_seconds(burst, world=world, device=device, repeats=repeats)
     curves = _all_curves(sizes, world_size, local, world=world, device=device, dtype=dtype,
-                         repeats=repeats, progress=progress, burst=burst, burst_s=burst_s)
+                         repeats=repeats, progress=progress, burst=burst)
     slowdown, _ = profile_overlap(world=world, device=device, dtype=dtype, num_bytes=sizes[-1],
                                   dim=mm_dim, repeats=repeats)
     ar = [c for c in curves if c.collective == "all_reduce"]
@@ -270,8 +275,8 @@ def profile_hardware(*, world: dist.ProcessGroup, device: torch.device,
 
 def _all_curves(sizes: list[int], world_size: int, local: int, *, world: dist.ProcessGroup,
                 device: torch.device, dtype: torch.dtype, repeats: int,
-                progress: Callable[[str], None] | None, burst: Callable[[], object] | None,
-                burst_s: float) -> list[CollectiveCurve]:
+                progress: Callable[[str], None] | None, burst: Callable[[], object] | None
+                ) -> list[CollectiveCurve]:
     curves = []
     g = 2
     while g <= world_size:
@@ -289,6 +294,6 @@ def _all_curves(sizes: list[int], world_size: int, local: int, *, world: dist.Pr
                 curves.append(profile_collective(op, groups, handles, sizes=sizes,
                                                  local_world_size=local, world=world,
                                                  device=device, dtype=dtype, repeats=repeats,
-                                                 burst=burst, burst_s=burst_s))
+                                                 burst=burst))
         g *= 2
     return curves
