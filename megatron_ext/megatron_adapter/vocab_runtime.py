@@ -56,9 +56,11 @@ def vocab_forward_backward(
     *,
     forward_step_func: Callable[..., Any] | None = None,
     forward_only: bool = False,
+    schedule_options: dict[str, Any] | None = None,
 ) -> dict[str, float]:
     """`train_step.forward_backward` for vocab_parallel plans: grads finalized, the global
-    per-token loss and token count returned on every rank."""
+    per-token loss and token count returned on every rank. `schedule_options`: extra
+    `VocabScheduleOptions` fields (pass_timer, thread_initializer: benchmarks)."""
     plan = groups.plan
     inner: HeteroGPTModel = chunks[0].module
     assert inner.vocab is not None and inner.vocab_groups is not None, "built without vocab"
@@ -70,7 +72,7 @@ def vocab_forward_backward(
     (recv,), (send,) = stage_shapes(plan, groups.stage, hidden)  # () at the pipeline ends
     schedule = schedule_for_plan(
         plan, inner.vocab_groups, p2p_shapes=(recv or block, send or block), hidden_shape=block,
-        select_tokens=inner.vocab_tokens)
+        select_tokens=inner.vocab_tokens, **(schedule_options or {}))
     reports = schedule(
         forward_step_func=forward_step_func or vocab_forward_step, data_iterator=data_iterator,
         model=chunks, num_microbatches=plan.num_microbatches, seq_length=plan.seq_length,
