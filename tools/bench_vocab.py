@@ -306,9 +306,9 @@ def cost_model_gains(gpus: int, seq: int, vocab: int) -> dict[str, float]:
                         micro_batch_size=1).iteration_s
 
     base = iteration_s(_even_stages(layers, gpus), "tp")
-    # evaluate() needs >= 1 layer per stage, so redistribution keeps one on the last stage
+    # layer redistribution: 0 .. L/p layers on the last stage (the paper's "redis" goes to 0)
     redis = min(iteration_s(_even_stages(layers, gpus, last), "tp")
-                for last in range(1, layers // gpus + 1))
+                for last in range(layers // gpus + 1))
     vp = iteration_s(_even_stages(layers, gpus), "vocab_parallel")
     return {"gain_vs_baseline": base / vp - 1, "gain_vs_redis": redis / vp - 1}
 
