@@ -12,10 +12,11 @@ kv split; degree 1; an idle group; sequences straddling ranks; a group with bare
 than ranks) and one from the fast planner on random lengths.
 
 Full GPT, in the same spawn (fp32): megatron-core `GPTModel` (embedding, RoPE, TransformerBlock,
-final norm, untied output layer, its own per-token cross-entropy) as `FlexSPGPTModel` under
+final norm, output layer, its own per-token cross-entropy) as `FlexSPGPTModel` under
 megatron-core `DistributedDataParallel` over the world, against a stock `GPTModel` with the same
 weights run one sequence at a time (positions 0..s-1 each, so per-sequence RoPE is checked).
-Case "ddp": planner plan on long-tailed lengths; every gradient in DDP's buffers. Case "zero1":
+Case "ddp": planner plan on long-tailed lengths; every gradient in DDP's buffers. Case "zero1" (tied
+embedding and output weights, so one parameter gets two gradient contributions):
 distributed optimizer (megatron Adam; ZeRO-1 supports only Adam) + overlapped, bucketed grad reduction on a hand plan where
 ranks go idle at different micro-batches and rank 3 idles the whole step; every updated weight.
 """
@@ -256,7 +257,7 @@ def _gpt_reference(model, seqs: list[torch.Tensor]) -> tuple[float, dict[str, to
     return total, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _gpt_ddp(state: dict, *, zero1: bool):
+def _gpt_ddp(state: dict, *, zero1: bool):  # zero1 also ties the embeddings
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -266,7 +267,8 @@ def _gpt_ddp(state: dict, *, zero1: bool):
     from megatron_ext.megatron_adapter.flexsp_model import build_flexsp_gpt
 
     config = _gpt_config()
-    model = build_flexsp_gpt(config, vocab_size=GPT_VOCAB, max_sequence_length=GPT_MAX_LEN)
+    model = build_flexsp_gpt(config, vocab_size=GPT_VOCAB, max_sequence_length=GPT_MAX_LEN,
+                             tied_embeddings=zero1)
     model.load_state_dict(state)
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=zero1, overlap_grad_reduce=zero1, bucket_size=3000)
@@ -310,11 +312,15 @@ def _check_gpt(rank: int) -> dict[str, float]:
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(distributed_timeout_minutes=1)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    torch.manual_seed(3)
-    reference = GPTModel(_gpt_config(), get_gpt_layer_local_spec(normalization="RMSNorm"),
-                         vocab_size=GPT_VOCAB, max_sequence_length=GPT_MAX_LEN,
-                         position_embedding_type="rope")
-    state = {k: v.clone() if torch.is_tensor(v) else v for k, v in reference.state_dict().items()}
+    references, states = {}, {}
+    for tied in (False, True):
+        torch.manual_seed(3)
+        references[tied] = GPTModel(
+            _gpt_config(), get_gpt_layer_local_spec(normalization="RMSNorm"),
+            vocab_size=GPT_VOCAB, max_sequence_length=GPT_MAX_LEN,
+            position_embedding_type="rope", share_embeddings_and_output_weights=tied)
+        states[tied] = {k: v.clone() if torch.is_tensor(v) else v
+                        for k, v in references[tied].state_dict().items()}
     groups = FlexSPGroups(max_degree=WORLD)
     # long-tailed: Wikipedia's length distribution scaled down 40x (most sequences a few tokens,
     # a tail to ~160 that needs a group of 4 under the planner's 40-token capacity)
@@ -324,7 +330,8 @@ def _check_gpt(rank: int) -> dict[str, float]:
     for case, lengths in (("ddp", tailed), ("zero1", [70, 9, 31, 44, 3, 57])):
         plan = _planner_plan(lengths) if case == "ddp" else _zero1_plan(lengths)
         seqs = _gpt_sequences(lengths)
-        ref_loss, ref_grads = _gpt_reference(reference, seqs)
+        state = states[case == "zero1"]
+        ref_loss, ref_grads = _gpt_reference(references[case == "zero1"], seqs)
         ddp, opt = _gpt_ddp(state, zero1=case == "zero1")
         owners = round_robin_owners(len(seqs), WORLD)
         local = {i: seqs[i] for i in range(len(seqs)) if owners[i] == rank}
