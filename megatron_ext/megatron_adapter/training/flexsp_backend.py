@@ -1,7 +1,6 @@
 """Backend for plans with a `flexsp` section (`pretrain_gpt.py --flexsp`, or --strategy-config).
 
-Legend: n = samples this rank reads per step, s = seq_length, c = per-token columns
-(input id, label, loss mask).
+Legend: n = samples this rank reads per step, s = seq_length.
 
 Every rank holds the whole model (tp = pp = cp = 1), so megatron-core's parallel state has one
 data-parallel group, the world: a stock `DistributedDataParallel` (bucketed, overlap when
@@ -72,10 +71,10 @@ def _cost_model(plan: ParallelPlan) -> FlexSPCostModel:
 
 def _check(args: argparse.Namespace, plan: ParallelPlan, cost: FlexSPCostModel) -> None:
     """User errors, before any group beyond the world is created."""
-    for flag in ("attention_dropout",):
-        if getattr(args, flag, 0.1) != 0:
-            raise PlanError(f"--{flag.replace('_', '-')}={getattr(args, flag)}: FlexSP attention "
-                            "has no dropout; pass --attention-dropout 0")
+    dropout = getattr(args, "attention_dropout", None)
+    if dropout is None or dropout != 0:  # Megatron's default is 0.1
+        raise PlanError(f"--attention-dropout={dropout}: FlexSP attention has no dropout; pass "
+                        "--attention-dropout 0")
     if plan.layers[0].zero > 1:
         raise PlanError(f"FlexSP runs zero<=1, got zero={plan.layers[0].zero}; drop ZeRO-3")
     check_ulysses_degree(plan.model.num_attention_heads, plan.model.num_query_groups,
@@ -153,8 +152,9 @@ def build_flexsp_backend(args: argparse.Namespace, plan: ParallelPlan,
                          forward_only: bool) -> float:
         assert data is not None, "every FlexSP rank reads data"
         batches = [next(data) for _ in range(num_microbatches)]
-        docs = split_documents(*(torch.cat([b[k] for b in batches]) for k in
-                                 ("tokens", "labels", "loss_mask")), eod=tokenizer.eod)
+        tokens, labels, mask = (torch.cat([b[k] for b in batches])  # [n, s] each
+                                for k in ("tokens", "labels", "loss_mask"))
+        docs = split_documents(tokens, labels, mask, eod=tokenizer.eod)
         lengths, owners, first = _step_lengths(docs)
         start_s = time.perf_counter()
         step_plan = plan_step(lengths, cost)
