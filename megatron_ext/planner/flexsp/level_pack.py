@@ -26,8 +26,23 @@ GROWTH_STEPS = 36
 percent above the bound, so small steps leave less to bisect."""
 
 
+def _spill(key_loads, key_ids, tokens, row, length, j, level, cap, degrees):
+    """An open group of a larger degree than j whose slack below the level holds the sequence
+    (best fit: the least slack left), or None."""
+    best, best_left = None, float("inf")
+    for j2 in range(j + 1, len(degrees)):
+        kl, ki = key_loads[j2], key_ids[j2]
+        room = cap * degrees[j2] - length
+        t = row[j2]
+        for load, g in zip(kl, ki):
+            left = level - load - t
+            if left >= 0 and tokens[g] <= room and left < best_left:
+                best, best_left = g, left
+    return best
+
+
 def _pack(problem: MicroBatchProblem, num_gpus: int, num_big: int, level: float,
-          small_work: np.ndarray, small_tokens: int):
+          small_work: np.ndarray, small_tokens: int, spill: bool = False):
     """Open groups and big placements for `level`, or None if the level is infeasible."""
     degrees = problem.degrees.tolist()
     num_deg = len(degrees)
@@ -58,6 +73,19 @@ def _pack(problem: MicroBatchProblem, num_gpus: int, num_big: int, level: float,
                 del kl[idx]
                 g = ki.pop(idx)
                 loads[g] += t
+            elif spill and (g := _spill(key_loads, key_ids, tokens, row, length, j, level,
+                                          cap, degrees)) is not None:
+                j2 = group_j[g]
+                idx2 = key_ids[j2].index(g)
+                del key_loads[j2][idx2]
+                key_ids[j2].pop(idx2)
+                loads[g] += row[j2]
+                pos = bisect_right(key_loads[j2], loads[g])
+                key_loads[j2].insert(pos, loads[g])
+                key_ids[j2].insert(pos, g)
+                tokens[g] += length
+                seq_group[k] = g
+                break
             elif free >= degrees[j]:
                 g = len(group_j)
                 group_j.append(j)
@@ -92,25 +120,33 @@ def _pack(problem: MicroBatchProblem, num_gpus: int, num_big: int, level: float,
 
 def level_pack_search(
     problem: MicroBatchProblem, num_gpus: int, num_big: int, lo: float,
-    iters: int = 6, rel_tol: float = 0.01,
+    iters: int = 6, rel_tol: float = 0.01, spill: bool = False, below: float | None = None,
 ) -> tuple[Assignment, float] | None:
     """Smallest feasible level above the lower bound `lo`, found by growing an upper bound
     geometrically and bisecting to `rel_tol`; realised as an Assignment, with the level (the
-    fluid estimate of the makespan the short sequences can reach). None if no level packs."""
-    k = problem.lengths.size
+    fluid estimate of the makespan the short sequences can reach). None if no level packs.
+    `spill`: a long sequence may take the slack of an open group of a larger degree before a
+    new group opens (see _spill). `below`: only levels under it (by rel_tol) are of interest."""
     small_work = problem.times[num_big:].sum(axis=0)  # [num_deg]: all short ones at degree j
     small_tokens = int(problem.lengths[num_big:].sum())
-    hi, best = lo, None
-    for step in range(GROWTH_STEPS):
-        # the first probe is the tolerance itself: a quarter of the micro-batches pack there
-        hi *= (1 + rel_tol) if step == 0 else GROWTH
-        best = _pack(problem, num_gpus, num_big, hi, small_work, small_tokens)
-        if best is not None:
-            break
-        if step == 0 and _pack(problem, num_gpus, num_big, math.inf, small_work,
-                               small_tokens) is None:
-            return None  # memory, not time, is what fails: no level packs
-        lo = hi
+
+    def pack(level: float):
+        return _pack(problem, num_gpus, num_big, level, small_work, small_tokens, spill)
+
+    if below is not None:  # one probe: no growth
+        hi = below / (1 + rel_tol)
+        best = pack(hi) if hi > lo else None
+    else:
+        hi, best = lo, None
+        for step in range(GROWTH_STEPS):
+            # the first probe is the tolerance itself: a quarter of the micro-batches pack there
+            hi *= (1 + rel_tol) if step == 0 else GROWTH
+            best = pack(hi)
+            if best is not None:
+                break
+            if step == 0 and pack(math.inf) is None:
+                return None  # memory, not time, is what fails: no level packs
+            lo = hi
     if best is None:
         return None
     level = hi
@@ -118,11 +154,18 @@ def level_pack_search(
         if hi <= lo * (1 + rel_tol):
             break
         mid = 0.5 * (lo + hi)
-        packed = _pack(problem, num_gpus, num_big, mid, small_work, small_tokens)
+        packed = pack(mid)
         if packed is None:
             lo = mid
         else:
             hi, best, level = mid, packed, mid
+    state = _realise(problem, best, num_big)
+    return None if state is None else (state, level)
+
+
+def _realise(problem: MicroBatchProblem, best, num_big: int) -> Assignment | None:
+    """The packed long sequences as an Assignment (descending degree), short ones water-filled."""
+    k = problem.lengths.size
     group_j, loads, tokens, seq_group, num_small_groups = best
     group_j = group_j + [0] * num_small_groups
     loads = loads + [0.0] * num_small_groups
@@ -136,6 +179,4 @@ def level_pack_search(
         tokens=np.asarray([tokens[g] for g in order], dtype=np.int64),
     )
     state.seq_group[:num_big] = [rank[g] for g in seq_group]
-    if not water_fill(problem, state, num_big):
-        return None
-    return state, level
+    return state if water_fill(problem, state, num_big) else None

@@ -78,6 +78,8 @@ class Candidates:
     fixed_counts: np.ndarray | None = None
     """The only multiset allowed (static baseline), or None."""
     found: list[tuple[float, Assignment]] = field(default_factory=list)
+    level_s: float | None = None
+    """Level the plain level-packing search reached (None if it found nothing or did not run)."""
     counts: np.ndarray | None = None
     """[num_multisets, num_deg] candidate multisets, once enumerated."""
     bound: np.ndarray | None = None
@@ -172,6 +174,7 @@ def microbatch_candidates(
         packed = level_pack_search(problem, num_gpus, num_big, max(avg_load, float(fastest)))
         if packed is not None:
             out.found.append((packed[1], packed[0]))
+            out.level_s = packed[1]
     out.try_multisets(max_evals if out.found else max(max_evals, 1))
     if not out.found:
         out.try_homogeneous(len(problem.degrees), until_found=True)
@@ -180,10 +183,20 @@ def microbatch_candidates(
 
 
 def finish(candidates: Candidates, *, extra_evals: int, refine_top: int,
-           refine_rounds: int) -> Assignment:
-    """Try `extra_evals` more multisets, refine the `refine_top` best-scored candidates, and
-    return the fastest assignment."""
+           refine_rounds: int, spill: bool = True) -> Assignment:
+    """Try the spilling level search (`spill`) and `extra_evals` more multisets, refine the
+    `refine_top` best-scored candidates, and return the fastest assignment."""
     assert candidates.found, "finish() needs at least one candidate"
+    if spill and candidates.level_s is not None:
+        # long sequences may also fill the slack of larger groups (the group a very long
+        # sequence forces onto many devices): a level below the plain search's, if it packs
+        problem = candidates.problem
+        fastest = problem.times[0, problem.min_deg_idx[0]:].min()
+        packed = level_pack_search(problem, candidates.num_gpus, candidates.num_big,
+                                   max(candidates.avg_load, float(fastest)), spill=True,
+                                   below=candidates.level_s)
+        if packed is not None:
+            candidates.found.append((packed[1], packed[0]))
     candidates.try_multisets(extra_evals)
     candidates.try_homogeneous(HOMOGENEOUS_TRIES)
     candidates.found.sort(key=lambda item: item[0])
