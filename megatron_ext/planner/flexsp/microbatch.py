@@ -187,6 +187,7 @@ def finish(candidates: Candidates, *, extra_evals: int, refine_top: int,
     """Try the spilling level search (`spill`) and `extra_evals` more multisets, refine the
     `refine_top` best-scored candidates, and return the fastest assignment."""
     assert candidates.found, "finish() needs at least one candidate"
+    extra: list[Assignment] = []
     if spill and candidates.level_s is not None:
         # long sequences may also fill the slack of larger groups (the group a very long
         # sequence forces onto many devices): a level below the plain search's, if it packs
@@ -196,12 +197,15 @@ def finish(candidates: Candidates, *, extra_evals: int, refine_top: int,
                                    max(candidates.avg_load, float(fastest)), spill=True,
                                    below=candidates.level_s)
         if packed is not None:
-            candidates.found.append((packed[1], packed[0]))
+            # refined besides the top ones: it must not push a candidate out of them
+            refine(problem, packed[0], max_rounds=refine_rounds)
+            extra.append(packed[0])
     candidates.try_multisets(extra_evals)
     candidates.try_homogeneous(HOMOGENEOUS_TRIES)
     candidates.found.sort(key=lambda item: item[0])
     for _, result in candidates.found[:refine_top]:
         refine(candidates.problem, result, max_rounds=refine_rounds)
+    candidates.found += [(a.makespan_s, a) for a in extra]
     return min((a for _, a in candidates.found), key=lambda a: a.makespan_s)
 
 
