@@ -47,7 +47,11 @@ from megatron_ext.planner.flexsp import (
 )
 from megatron_ext.planner.flexsp.microbatch import make_problem
 from megatron_ext.planner.flexsp.milp import solve_microbatch_milp
-from megatron_ext.planner.flexsp.multisets import GRID_TOP, enumerate_multisets, lower_bounds
+from megatron_ext.planner.flexsp.multisets import (
+    GRID_TOP,
+    enumerate_multisets,
+    lower_bounds,
+)
 from megatron_ext.planner.flexsp.planner import step_lower_bound
 from megatron_ext.presets import cluster_preset, model_preset
 

@@ -15,7 +15,10 @@ import sys
 
 from megatron_ext.errors import PlanError
 from megatron_ext.megatron_adapter.args import plan_to_megatron_args
-from megatron_ext.megatron_adapter.arguments import parse_megatron_args, plan_from_megatron_args
+from megatron_ext.megatron_adapter.arguments import (
+    parse_megatron_args,
+    plan_from_megatron_args,
+)
 from megatron_ext.plan import ParallelPlan
 
 

@@ -15,7 +15,10 @@ import argparse
 from collections.abc import Sequence
 
 from megatron_ext.errors import PlanError
-from megatron_ext.megatron_adapter.arguments_checks import apply_aliases, validate_megatron_args
+from megatron_ext.megatron_adapter.arguments_checks import (
+    apply_aliases,
+    validate_megatron_args,
+)
 from megatron_ext.megatron_adapter.arguments_training import add_training_groups
 from megatron_ext.megatron_adapter.megatron_flags import is_unsupported_megatron_flag
 from megatron_ext.megatron_adapter.plan_from_args import (

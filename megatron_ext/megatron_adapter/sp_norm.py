@@ -29,11 +29,11 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 __all__ = [
     "SPLayerNorm",
-    "SPRMSNorm",
     "SPNorm",
-    "have_transformer_engine",
-    "gpt_layer_spec",
+    "SPRMSNorm",
     "gpt_block_spec",
+    "gpt_layer_spec",
+    "have_transformer_engine",
 ]
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CpuTorchProxy", "FACTORY_NAMES", "is_cuda_device"]
+__all__ = ["FACTORY_NAMES", "CpuTorchProxy", "is_cuda_device"]
 
 FACTORY_NAMES: tuple[str, ...] = (
     "zeros",

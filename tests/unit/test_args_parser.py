@@ -11,7 +11,10 @@ import pytest
 
 from megatron_ext.errors import PlanError
 from megatron_ext.megatron_adapter.args import plan_to_megatron_args
-from megatron_ext.megatron_adapter.arguments import parse_megatron_args, plan_from_megatron_args
+from megatron_ext.megatron_adapter.arguments import (
+    parse_megatron_args,
+    plan_from_megatron_args,
+)
 from megatron_ext.megatron_adapter.plan_from_args import parse_layout
 from megatron_ext.plan import ParallelPlan
 

@@ -18,7 +18,10 @@ from hypothesis import strategies as st
 
 from megatron_ext.errors import PlanError
 from megatron_ext.megatron_adapter.args import megatron_values, plan_to_megatron_args
-from megatron_ext.megatron_adapter.arguments import parse_megatron_args, plan_from_megatron_args
+from megatron_ext.megatron_adapter.arguments import (
+    parse_megatron_args,
+    plan_from_megatron_args,
+)
 from megatron_ext.plan import FlexSPConfig, LayerStrategy, ParallelPlan, VocabStrategy
 from megatron_ext.specs import ModelSpec
 

@@ -13,11 +13,24 @@ from megatron_ext.planner.flexsp.cost import (
     cost_model_from_specs,
     paper_gpt7b_a100,
 )
-from megatron_ext.planner.flexsp.lengths import DISTRIBUTIONS, sample_lengths, tail_stats
+from megatron_ext.planner.flexsp.lengths import (
+    DISTRIBUTIONS,
+    sample_lengths,
+    tail_stats,
+)
 from megatron_ext.planner.flexsp.milp import MilpResult, solve_microbatch_milp
-from megatron_ext.planner.flexsp.planner import PlannerOptions, plan_step, step_lower_bound
+from megatron_ext.planner.flexsp.planner import (
+    PlannerOptions,
+    plan_step,
+    step_lower_bound,
+)
 from megatron_ext.planner.flexsp.prefetch import plan_ahead
-from megatron_ext.planner.flexsp.step_plan import MicroBatchPlan, SPGroup, StepPlan, token_split
+from megatron_ext.planner.flexsp.step_plan import (
+    MicroBatchPlan,
+    SPGroup,
+    StepPlan,
+    token_split,
+)
 
 __all__ = [
     "DISTRIBUTIONS",

@@ -20,7 +20,11 @@ import numpy as np
 from megatron_ext.planner.flexsp.assign import Assignment, MicroBatchProblem, assign
 from megatron_ext.planner.flexsp.cost import FlexSPCostModel
 from megatron_ext.planner.flexsp.level_pack import level_pack_search
-from megatron_ext.planner.flexsp.multisets import enumerate_multisets, fit_caps, lower_bounds
+from megatron_ext.planner.flexsp.multisets import (
+    enumerate_multisets,
+    fit_caps,
+    lower_bounds,
+)
 from megatron_ext.planner.flexsp.refine import refine
 
 MAX_MULTISETS = 4096
