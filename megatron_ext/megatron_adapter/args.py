@@ -298,4 +298,5 @@ def _ext_values(plan: ParallelPlan, tp: Any, reasons: list[str]) -> dict[str, An
         "flexsp": flexsp is not None,
         "flexsp_max_group_size": flexsp.max_group_size if flexsp else None,
         "flexsp_min_group_size": flexsp.min_group_size if flexsp else None,
+        "attention_dropout": 0.0 if flexsp else None,  # FlexSP attention has no dropout
     }

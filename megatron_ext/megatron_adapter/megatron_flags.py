@@ -59,6 +59,8 @@ EMIT_TABLE: tuple[tuple[str, str, str, Kind], ...] = (
     ("megatron_ext", "flexsp", "--flexsp", "true"),
     ("megatron_ext", "flexsp_max_group_size", "--flexsp-max-group-size", "value"),
     ("megatron_ext", "flexsp_min_group_size", "--flexsp-min-group-size", "value"),
+    # FlexSP's packed attention has no dropout: printed (0) only for FlexSP plans
+    ("megatron_ext", "attention_dropout", "--attention-dropout", "value"),
     ("megatron_ext", "strategy_config", "--strategy-config", "value"),
 )
 

@@ -23,7 +23,7 @@ _MAX_LAYOUT_CHARS = 1_000_000
 MODEL_DESTS = frozenset(dest for concern, dest, _, _ in EMIT_TABLE if concern == "model")
 _CHECKED_DESTS = frozenset(
     dest for concern, dest, _, _ in EMIT_TABLE if concern != "model"
-) - {"gradient_accumulation_fusion", "strategy_config"}
+) - {"gradient_accumulation_fusion", "strategy_config", "attention_dropout"}
 _MODEL_FLAG = {
     "num_layers": "--num-layers", "hidden_size": "--hidden-size",
     "ffn_hidden_size": "--ffn-hidden-size", "num_attention_heads": "--num-attention-heads",
