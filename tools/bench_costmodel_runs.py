@@ -147,9 +147,8 @@ def fastest_cluster(profiles: list[Any]) -> Any:
 
 def fastest_model(profiles: list[Any]) -> Any:
     """Merge model profiles of several rounds: fastest time per field, except the recompute
-    terms (differences of two times), whose median is kept; the sharing slowdown is the
-    smallest (each round's is a ratio of its least-disturbed loops; a round whose shared loops
-    all met other work on the machine reads far too high: 5.8 and 8.1 against 2.4 quiet)."""
+    terms (differences of two times) and the sharing slowdown (a ratio), whose median is kept
+    (the smallest sharing slowdown is biased low, see profile_model.SHARING_ROUNDS)."""
     def merge(samples: tuple) -> Any:
         values = {}
         for f in dataclasses.fields(samples[0]):
@@ -164,6 +163,6 @@ def fastest_model(profiles: list[Any]) -> Any:
 
     first = profiles[0]
     return dataclasses.replace(
-        first, sharing_slowdown=min(p.sharing_slowdown for p in profiles),
+        first, sharing_slowdown=float(statistics.median(p.sharing_slowdown for p in profiles)),
         **{key: tuple(merge(group) for group in zip(*(getattr(p, key) for p in profiles)))
            for key in ("layers", "vocab", "optimizer")})

@@ -11,7 +11,7 @@ With `concurrency` > 1 (ranks that will share this device, e.g. the 4 ranks of a
 that many processes then run a stack of the model's layers (up to 8, one shape) back to back at
 once, and the ratio of their time per step to the solo time is the profile's `sharing_slowdown`
 (time-slicing, caches and memory bandwidth included; alone and shared loops alternate and each
-keeps its fastest, the one least disturbed by other work); on GPUs use 1. GPU memory comes from the CUDA allocator; on CPU
+side keeps its median, robust to a burst of other work); on GPUs use 1. GPU memory comes from the CUDA allocator; on CPU
 only time is measured and the cost model keeps its analytic memory.
 """
 
@@ -301,8 +301,9 @@ def _measure(w: _Worker, grid: ProfileGrid, with_vocab: bool
 SHARING_SECONDS = 0.75
 """Wall time of each back-to-back loop that measures the sharing slowdown."""
 SHARING_ROUNDS = 3
-"""Alternations of (worker 0 alone, all workers at once); each side keeps its fastest loop, so a
-burst of other work on the machine during one loop does not skew the ratio."""
+"""Alternations of (worker 0 alone, all workers at once); each side keeps its median loop, so a
+burst of other work on the machine during one loop does not skew the ratio (the fastest shared
+loop is biased low: it is the one whose start or end overlapped fewer running workers)."""
 
 
 def _steady_step_s(w: _Worker, shapes: list[_LayerShape]) -> float:
@@ -336,14 +337,15 @@ def _worker_main(idx: int, model: ModelSpec, precision: str, grid: ProfileGrid, 
         tp, b = grid.tps[0], sorted(grid.micro_batch_sizes)[len(grid.micro_batch_sizes) // 2]
         stack = [_LayerShape(w, {"none": _layer(w, tp, False, "none")}, tp=tp, sp=False, b=b,
                              s=max(grid.seq_lengths)) for _ in range(min(model.num_layers, 8))]
-        alone, shared = float("inf"), float("inf")
+        alone, shared = [], []
         for _ in range(SHARING_ROUNDS):
             barrier.wait()
             if idx == 0:
-                alone = min(alone, _steady_step_s(w, stack))
+                alone.append(_steady_step_s(w, stack))
             barrier.wait()
-            shared = min(shared, _steady_step_s(w, stack))
-        results.put((idx, "ok", (samples, alone, shared)))
+            shared.append(_steady_step_s(w, stack))
+        results.put((idx, "ok", (samples, statistics.median(alone) if alone else None,
+                                 statistics.median(shared))))
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises
         barrier.abort()
         results.put((idx, "error", traceback.format_exc()))
