@@ -98,6 +98,16 @@ def test_plan_file_resumes_under_a_heterogeneous_plan(
     shutil.copytree(save / "iter_0000002", ckpt / "iter_0000002")
     (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
     plan = _hetero_plan(ckpt, tmp_path / "plan.json")
+    # optimizer state across different gradient-class chains: one line, before any model group
+    refused = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
+         str(PRETRAIN), *FLAGS, "--strategy-config", str(plan), "--load", str(ckpt)],
+        check=False, capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert refused.returncode != 0
+    # (torchrun itself then reports the failed child with its own traceback)
+    line = re.search(r"pretrain_gpt.py: error: (.*)", refused.stderr)
+    assert line and "gradient classes per pipeline stage" in line[1], refused.stderr[-3000:]
+    assert "--no-load-optim" in line[1]
     result = _torchrun([*FLAGS, "--strategy-config", str(plan), "--load", str(ckpt),
                         "--no-load-optim"])
     losses_b = _losses(result)

@@ -13,6 +13,7 @@ position is a sample count and is restored under any plan.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import random
@@ -201,6 +202,45 @@ def checkpoint_info(root: str | Path) -> dict[str, Any] | None:
         return None
     common = dist_checkpointing.load_common_state_dict(str(iteration_dir(root, iteration)))
     return dict(common["megatron_ext"])
+
+
+def gradient_class_counts(plan: ParallelPlan) -> tuple[int, ...]:
+    """Per pipeline stage, how many optimizers the layerwise runtime chains there.
+
+    Mirrors ddp.grad_classes: one class per distinct (tp, zero) among the stage's embedding
+    (first stage), layers, final norm and output layer (last stage), or its vocabulary shards
+    (vocabulary parallelism, every stage). Pure: computed from the plan alone, before any group.
+    """
+    counts = []
+    vocab_parallel = plan.vocab.mode == "vocab_parallel"
+    for stage, (start, end) in enumerate(plan.stages):
+        keys = {(s.tp, s.zero) for s in plan.layers[start:end]}
+        if stage == plan.pp - 1:  # final norm (and the output layer unless vocab-parallel)
+            keys.add((plan.vocab.tp, plan.layers[end - 1].zero))
+        if (stage == 0 and not vocab_parallel) or vocab_parallel:  # embedding / vocab shards
+            keys.add((plan.vocab.tp, plan.layers[start].zero))
+        counts.append(len(keys))
+    return tuple(counts)
+
+
+def check_optimizer_layout(info: dict[str, Any], plan: ParallelPlan, root: str | Path) -> None:
+    """One-line PlanError when a layerwise checkpoint's optimizer state (`info`: its
+    checkpoint_info record) cannot be restored under `plan`; checked before any model group.
+
+    megatron-core's ChainedOptimizer keys its state by optimizer index and keeps param groups in
+    the checkpoint's common (rank-0) part, so it reloads only into the same chain per stage;
+    weights reshard under any plan (--no-load-optim keeps them and restarts the moments).
+    """
+    if info.get("model_format", "megatron") != "layerwise":
+        return  # stock format: one optimizer per rank, resharded by megatron-core
+    saved = ParallelPlan.from_dict(json.loads(info["plan"]))
+    was, now = gradient_class_counts(saved), gradient_class_counts(plan)
+    if was != now:
+        raise PlanError(
+            f"--load={root} holds optimizer state of a plan with {list(was)} gradient classes "
+            f"per pipeline stage, this plan has {list(now)}; megatron-core's chained optimizer "
+            "cannot reshard between them: add --no-load-optim (weights still load) or resume "
+            "under the saved plan")
 
 
 def _inner_optimizers(optimizer: Any) -> list[Any]:

@@ -23,6 +23,7 @@ from megatron_ext.errors import PlanError
 from megatron_ext.megatron_adapter.training.backend import build_backend
 from megatron_ext.megatron_adapter.training.checkpoint import (
     TrainState,
+    check_optimizer_layout,
     checkpoint_info,
     load_checkpoint,
     prewarm_checkpoint_writer,
@@ -136,6 +137,10 @@ def run(args: argparse.Namespace, plan: ParallelPlan, tokenizer: Any) -> TrainSt
     if getattr(args, "save", None):
         prewarm_checkpoint_writer()
     info = checkpoint_info(args.load) if getattr(args, "load", None) else None
+    load_optimizer = not (getattr(args, "no_load_optim", False)
+                          or getattr(args, "finetune", False))
+    if info is not None and load_optimizer:
+        check_optimizer_layout(info, plan, args.load)
     backend = build_backend(args, plan, _padded_vocab(args, plan, tokenizer.vocab_size, info),
                             model_format=info.get("model_format", "megatron") if info else None)
     scheduler = build_scheduler(args, backend.optimizer)
@@ -144,7 +149,7 @@ def run(args: argparse.Namespace, plan: ParallelPlan, tokenizer: Any) -> TrainSt
         finetune = bool(getattr(args, "finetune", False))
         loaded = load_checkpoint(
             args.load, backend, scheduler, plan,
-            load_optimizer=not (getattr(args, "no_load_optim", False) or finetune),
+            load_optimizer=load_optimizer,
             load_rng=not (getattr(args, "no_load_rng", False) or finetune))
         if loaded is None and getattr(args, "exit_on_missing_checkpoint", False):
             raise PlanError(f"--load={args.load} holds no checkpoint "
