@@ -30,10 +30,9 @@ from megatron_ext.errors import PlanError
 from megatron_ext.plan import LayerStrategy, VocabStrategy
 from megatron_ext.planner.cost import compute as C
 from megatron_ext.planner.cost.comm import CommModel
-from megatron_ext.planner.cost.evaluate import evaluate
+from megatron_ext.planner.cost.evaluate import evaluate, stage_sums
 from megatron_ext.planner.cost.model import CostModel, LayerCosts
 from megatron_ext.planner.cost.pipeline import gradient_tail_s
-from megatron_ext.planner.cost.vocab import stage_extras
 from megatron_ext.planner.space import StrategyTable
 from megatron_ext.planner.training import TrainingSpec
 from megatron_ext.profile_pipeline import StageWork, shared_one_f_one_b_s
@@ -148,26 +147,9 @@ def stage_work(cm: CostModel, *, pp: int, stages: tuple[tuple[int, int], ...],
     """Per-stage compute and exposed communication of one micro-batch, as `evaluate` sums them
     (layers, half the layer-switch costs, vocabulary work, exposed side-stream vocabulary
     communication), split into compute and communication; plus the gradient tail."""
-    distinct = list(dict.fromkeys(layers))
-    table = StrategyTable.of(distinct)
-    index = np.array([distinct.index(s) for s in layers], dtype=np.int64)
-    costs = cm.layer_costs(table, micro_batch_size)
-    switch = cm.transition_s(table, micro_batch_size)
-    m = cm.training.global_batch_size // micro_batch_size
-    vocab_zero = 1 if any(s.zero >= 1 for s in distinct) else 0
-    ex = stage_extras(cm, vocab, pp, micro_batch_size, m, vocab_zero)
-    arr = {k: np.zeros(pp) for k in ("f", "b", "comm", "sync", "gather", "opt")}  # [pp] each
-    for k, (start, end) in enumerate(stages):
-        ids = index[start:end]
-        sw = float(switch[ids[:-1], ids[1:]].sum()) / 2
-        layer_work = float((costs.forward_s[ids] + costs.backward_s[ids]).sum())
-        exposed = max(0.0, cm.overlap_slowdown * ex.overlap_comm_s[k] - layer_work)
-        arr["f"][k] = costs.forward_s[ids].sum() + sw + ex.forward_s[k]
-        arr["b"][k] = costs.backward_s[ids].sum() + sw + ex.backward_s[k] + exposed
-        arr["comm"][k] = costs.comm_s[ids].sum() + 2 * sw + exposed
-        arr["sync"][k] = costs.grad_sync_s[ids].sum() + ex.grad_sync_s[k]
-        arr["gather"][k] = costs.param_gather_s[ids].sum() + ex.param_gather_s[k]
-        arr["opt"][k] = costs.optimizer_s[ids].sum() + ex.optimizer_s[k]
+    sums = stage_sums(cm, pp=pp, stages=stages, layers=layers, vocab=vocab,
+                      micro_batch_size=micro_batch_size)
+    arr, ex = sums.arr, sums.extras
     f, b = arr["f"], arr["b"]
     share_f = f / np.maximum(f + b, 1e-30)  # communication split between passes by duration
     comm_f, comm_b = arr["comm"] * share_f, arr["comm"] * (1.0 - share_f)

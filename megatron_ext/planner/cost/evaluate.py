@@ -14,6 +14,7 @@ the heterogeneous and the uniform results are compared on the same formula. The 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -55,7 +56,20 @@ class Evaluation:
         )
 
 
-def evaluate(
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageSums:
+    """Per-stage sums of one micro-batch (arrays [pp]: f, b, sync, gather, opt, mem, rc, comm;
+    see the module docstring) with the vocabulary extras they include."""
+
+    arr: dict[str, np.ndarray]
+    """The sums by name."""
+    extras: Any
+    """cost/vocab.py stage_extras of this layout."""
+    num_microbatches: int
+    """Micro-batches per iteration."""
+
+
+def stage_sums(
     cm,
     *,
     pp: int,
@@ -63,8 +77,8 @@ def evaluate(
     layers: tuple[LayerStrategy, ...] | list[LayerStrategy],
     vocab: VocabStrategy,
     micro_batch_size: int,
-) -> Evaluation:
-    """Score a layout with CostModel `cm` (see the module docstring)."""
+) -> StageSums:
+    """The per-stage sums `evaluate` scores (also read by profile_cost.stage_work)."""
     distinct = list(dict.fromkeys(layers))
     table = StrategyTable.of(distinct)
     index = np.array([distinct.index(s) for s in layers], dtype=np.int64)
@@ -91,6 +105,22 @@ def evaluate(
         )
         arr["rc"][k] = costs.recompute_s[ids].sum()
         arr["comm"][k] = costs.comm_s[ids].sum() + 2 * sw + exposed
+    return StageSums(arr=arr, extras=ex, num_microbatches=m)
+
+
+def evaluate(
+    cm,
+    *,
+    pp: int,
+    stages: tuple[tuple[int, int], ...] | list[tuple[int, int]],
+    layers: tuple[LayerStrategy, ...] | list[LayerStrategy],
+    vocab: VocabStrategy,
+    micro_batch_size: int,
+) -> Evaluation:
+    """Score a layout with CostModel `cm` (see the module docstring)."""
+    sums = stage_sums(cm, pp=pp, stages=stages, layers=layers, vocab=vocab,
+                      micro_batch_size=micro_batch_size)
+    arr, ex, m = sums.arr, sums.extras, sums.num_microbatches
     pipe = one_f_one_b(
         arr["f"],
         arr["b"],
