@@ -11,7 +11,6 @@ Four launches share one corpus (written and tokenised here, no downloads):
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -21,6 +20,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.dist.corpus import write_corpus
 
 pytestmark = pytest.mark.dist
 
@@ -36,31 +37,12 @@ PLAN_B = ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-l
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
-def _write_corpus_and_tokenizer(root: Path) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    rng = random.Random(0)
-    docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 80))) for _ in range(400)]
-    (root / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(docs, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.model.save(str(root), "gpt2")  # gpt2-vocab.json, gpt2-merges.txt
-
-
 @pytest.fixture(scope="module")
 def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("train_data")
-    _write_corpus_and_tokenizer(root)
-    subprocess.run(
-        [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input",
-         str(root / "corpus.jsonl"), "--output-prefix", str(root / "corpus"),
-         "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(root / "gpt2-vocab.json"),
-         "--merge-file", str(root / "gpt2-merges.txt"), "--append-eod"],
-        check=True, capture_output=True, text=True, timeout=300)
+    rng = random.Random(0)
+    write_corpus(root, [" ".join(rng.choice(WORDS) for _ in range(rng.randint(20, 80)))
+                        for _ in range(400)])
     return root
 
 

@@ -9,7 +9,6 @@ gradient reduction. The loss must be finite and fall over 6 steps, and every ste
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -19,6 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.dist.corpus import write_corpus
 
 pytestmark = pytest.mark.dist
 
@@ -31,28 +32,10 @@ SENTENCE = ("the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog
 
 
 def _write_data(root: Path) -> list[str]:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     rng = random.Random(0)
     docs = [" ".join(SENTENCE[i % len(SENTENCE)] for i in range(rng.randint(3, 60)))
             for _ in range(300)]
-    (root / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(docs, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>"], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.model.save(str(root), "gpt2")
-    subprocess.run(
-        [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input",
-         str(root / "corpus.jsonl"), "--output-prefix", str(root / "corpus"),
-         "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(root / "gpt2-vocab.json"),
-         "--merge-file", str(root / "gpt2-merges.txt"), "--append-eod"],
-        check=True, capture_output=True, text=True, timeout=300)
-    return ["--data-path", str(root / "corpus_text_document"), "--split", "100,0,0",
-            "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", str(root / "gpt2-vocab.json"),
-            "--merge-file", str(root / "gpt2-merges.txt")]
+    return [*write_corpus(root, docs), "--split", "100,0,0"]
 
 
 def test_pretrain_gpt_flexsp_trains(tmp_path: Path) -> None:
