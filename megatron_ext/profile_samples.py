@@ -15,12 +15,9 @@ from megatron_ext.schema import (
     get_bool,
     get_float,
     get_int,
+    get_optional_float,
     reject_unknown,
 )
-
-
-def _optional_float(data: Any, key: str, path: str) -> float | None:
-    return None if data.get(key) is None else get_float(data, key, path, positive=True)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -63,8 +60,9 @@ class LayerSample:
         return cls(tp=get_int(data, "tp", path, minimum=1), sp=get_bool(data, "sp", path),
                    micro_batch_size=get_int(data, "micro_batch_size", path, minimum=1),
                    seq_length=get_int(data, "seq_length", path, minimum=1), **times,
-                   activation_bytes=_optional_float(data, "activation_bytes", path),
-                   peak_bytes=_optional_float(data, "peak_bytes", path))
+                   activation_bytes=get_optional_float(data, "activation_bytes", path,
+                                                       positive=True),
+                   peak_bytes=get_optional_float(data, "peak_bytes", path, positive=True))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -44,6 +44,7 @@ from megatron_ext.schema import (
     get_float,
     get_float_list,
     get_int,
+    get_optional_float,
     get_str,
     load_json_file,
     reject_unknown,
@@ -72,10 +73,6 @@ def _check_kind(data: Any, kind: str) -> None:
     got = get_str(data, "kind", "")
     if got != kind:
         raise PlanError(f"kind={got!r} but a {kind} was expected; pass the right file")
-
-
-def _optional_float(data: Any, key: str, path: str) -> float | None:
-    return None if data.get(key) is None else get_float(data, key, path, positive=True)
 
 
 # ---- cluster profile ------------------------------------------------------------------------
@@ -239,7 +236,8 @@ class ClusterProfile:
             cluster=ClusterSpec.from_dict(data.get("cluster"), "cluster"),
             backend=get_str(data, "backend", ""), device=get_str(data, "device", ""),
             overlap_slowdown=get_float(data, "overlap_slowdown", "", default=1.0),
-            compute_slots_per_node=_optional_float(data, "compute_slots_per_node", ""),
+            compute_slots_per_node=get_optional_float(data, "compute_slots_per_node", "",
+                                                      positive=True),
             compute_burst_s=get_float(data, "compute_burst_s", "", default=0.0),
             collectives=tuple(CollectiveCurve.from_dict(c, f"collectives[{i}]")
                               for i, c in enumerate(items)),

@@ -94,6 +94,12 @@ def get_float(
     return float(value)
 
 
+def get_optional_float(data: Mapping[str, Any], key: str, path: str, *,
+                       positive: bool = False) -> float | None:
+    """A finite number, or None when the key is absent or null."""
+    return None if data.get(key) is None else get_float(data, key, path, positive=positive)
+
+
 def get_float_list(data: Mapping[str, Any], key: str, path: str) -> tuple[float, ...]:
     """An optional list of finite numbers (absent means empty)."""
     items = expect_list(data.get(key, []), _at(path, key))
