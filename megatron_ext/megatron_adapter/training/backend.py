@@ -229,12 +229,13 @@ def build_stock_backend(args: argparse.Namespace, plan: ParallelPlan, padded_voc
 
 
 def build_backend(args: argparse.Namespace, plan: ParallelPlan, padded_vocab: int, *,
-                  model_format: str | None = None) -> Backend:
+                  model_format: str | None = None, eod: int | None = None) -> Backend:
     """The stock backend when megatron-core can express the plan, else the layerwise runtime.
 
     `model_format` is the format of the checkpoint to be loaded: a "layerwise" checkpoint is
     resumed by the layerwise runtime even under a uniform plan; a "megatron" one cannot be
-    loaded by the runtime yet (the two key layouts differ).
+    loaded by the runtime yet (the two key layouts differ). `eod` (the tokenizer's end-of-
+    document id) is needed by FlexSP plans, which cut samples into documents.
     """
     reason = stock_unsupported_reason(plan)
     if plan.flexsp is not None:  # its checkpoints use GPTModel's keys: any format but layerwise
@@ -245,7 +246,8 @@ def build_backend(args: argparse.Namespace, plan: ParallelPlan, padded_vocab: in
         if model_format == "layerwise":
             raise PlanError("--load holds a layerwise-runtime checkpoint; a FlexSP plan loads "
                             "only stock (megatron) checkpoints")
-        return build_flexsp_backend(args, plan, padded_vocab)
+        assert eod is not None, "FlexSP plans need the tokenizer's eod id"
+        return build_flexsp_backend(args, plan, padded_vocab, eod)
     if reason is None and model_format != "layerwise":
         return build_stock_backend(args, plan, padded_vocab)
     if reason is not None and model_format == "megatron":

@@ -44,7 +44,6 @@ from megatron_ext.megatron_adapter.training.model_config import (
     optimizer_config,
     transformer_config,
 )
-from megatron_ext.megatron_adapter.training.tokenizer import build_tokenizer
 from megatron_ext.plan import ParallelPlan
 from megatron_ext.planner.flexsp import FlexSPCostModel, StepPlan, plan_step
 from megatron_ext.planner.flexsp.cost import cost_model_for_plan, cost_model_from_specs
@@ -126,16 +125,12 @@ def _build_ddp(args: argparse.Namespace, plan: ParallelPlan, config: Any,
 
 
 def build_flexsp_backend(args: argparse.Namespace, plan: ParallelPlan,
-                         padded_vocab: int) -> Backend:
-    """Model, optimizer and the per-step FlexSP driver for this rank."""
+                         padded_vocab: int, eod: int) -> Backend:
+    """Model, optimizer and the per-step FlexSP driver for this rank; samples are cut into
+    documents after each `eod` token (the tokenizer's end-of-document id)."""
     assert plan.flexsp is not None
     cost = _cost_model(plan)
     _check(args, plan, cost)
-    tokenizer = build_tokenizer(
-        tokenizer_type=getattr(args, "tokenizer_type", None),
-        vocab_file=getattr(args, "vocab_file", None), merge_file=getattr(args, "merge_file", None),
-        tokenizer_model=getattr(args, "tokenizer_model", None),
-        vocab_size=getattr(args, "vocab_size", None))
     parallel_state.initialize_model_parallel(  # tp = pp = cp = 1: one data-parallel group
         distributed_timeout_minutes=getattr(args, "distributed_timeout_minutes", None) or 10)
     tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
@@ -154,7 +149,7 @@ def build_flexsp_backend(args: argparse.Namespace, plan: ParallelPlan,
         batches = [next(data) for _ in range(num_microbatches)]
         tokens, labels, mask = (torch.cat([b[k] for b in batches])  # [n, s] each
                                 for k in ("tokens", "labels", "loss_mask"))
-        docs = split_documents(tokens, labels, mask, eod=tokenizer.eod)
+        docs = split_documents(tokens, labels, mask, eod=eod)
         lengths, owners, first = _step_lengths(docs)
         start_s = time.perf_counter()
         step_plan = plan_step(lengths, cost)

@@ -142,7 +142,8 @@ def run(args: argparse.Namespace, plan: ParallelPlan, tokenizer: Any) -> TrainSt
     if info is not None and load_optimizer:
         check_optimizer_layout(info, plan, args.load)
     backend = build_backend(args, plan, _padded_vocab(args, plan, tokenizer.vocab_size, info),
-                            model_format=info.get("model_format", "megatron") if info else None)
+                            model_format=info.get("model_format", "megatron") if info else None,
+                            eod=tokenizer.eod if plan.flexsp is not None else None)
     scheduler = build_scheduler(args, backend.optimizer)
     state = TrainState()
     if getattr(args, "load", None):
