@@ -38,13 +38,9 @@ from megatron_ext.megatron_adapter.vocab_layers import (
 from megatron_ext.megatron_adapter.weights import init_plan_invariant
 from megatron_ext.plan import ParallelPlan
 from megatron_ext.runtime.groups import (
-    AXES,
-    GroupCache,
-    LayoutGroups,
     PlanGroups,
     build_plan_groups,
     check_world_size,
-    layout_rank_sets,
 )
 from megatron_ext.runtime.layout import Layout
 from megatron_ext.runtime.plan_layouts import (
@@ -115,30 +111,6 @@ def _without_cp(pgc: ProcessGroupCollection, singleton: dist.ProcessGroup
     """Same groups, cp = singleton: the GPTModel-level rotary table covers the full sequence."""
     fields = {k: v for k, v in vars(pgc).items() if not k.startswith("_")}
     return ProcessGroupCollection(**{**fields, "cp": singleton})
-
-
-def with_vocab_layout(groups: PlanGroups, cache: GroupCache | None = None) -> PlanGroups:
-    """`groups` plus the groups of `vocab_parallel_layout` on this stage (collective: the rank
-    sets of every stage are created in the same order everywhere; `cache` reuses the plan's)."""
-    plan, layout = groups.plan, vocab_parallel_layout(groups.plan)
-    cache = cache or GroupCache()
-    width = plan.stage_width
-    for stage in range(plan.pp):
-        for axis in AXES:
-            for ranks in layout_rank_sets(layout, axis, stage * width):
-                cache.get(ranks)
-    if layout in groups.layouts:
-        return groups
-
-    def mine(axis: str) -> dist.ProcessGroup:
-        sets = layout_rank_sets(layout, axis, groups.stage * width)  # type: ignore[arg-type]
-        (ranks,) = [s for s in sets if groups.rank in s]
-        group = cache.get(ranks)
-        assert group is not None
-        return group
-
-    found = LayoutGroups(layout=layout, **{axis: mine(axis) for axis in AXES})
-    return dataclasses.replace(groups, layouts={**groups.layouts, layout: found})
 
 
 def _vocab_positions(plan: ParallelPlan, groups: PlanGroups) -> int:
@@ -220,12 +192,8 @@ def build_model(
     if groups is None:
         check_world_size(plan, dist.get_world_size())
     prepare_megatron()
-    cache = GroupCache() if groups is None else None
-    groups = groups or build_plan_groups(plan, cache)
-    vocab_groups = None
-    if plan.vocab.mode == "vocab_parallel":
-        groups = with_vocab_layout(groups, cache)
-        vocab_groups = new_plan_vocab_groups(plan)
+    groups = groups or build_plan_groups(plan)  # incl. the vocabulary passes' layout
+    vocab_groups = new_plan_vocab_groups(plan) if plan.vocab.mode == "vocab_parallel" else None
     tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=groups.local_rank, ep_rank=0,
                                                     etp_rank=0, force_reset_rng=True)
     model = _stage_model(plan, config, groups, embedding=embedding, output=output_layer,

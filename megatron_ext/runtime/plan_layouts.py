@@ -18,6 +18,7 @@ import dataclasses
 from megatron_ext.errors import PlanError
 from megatron_ext.plan import LayerStrategy, ParallelPlan
 from megatron_ext.runtime.layout import Layout
+from megatron_ext.runtime.vocab.layout import vocab_parallel_layout
 
 __all__ = [
     "boundary_layout",
@@ -72,9 +73,12 @@ def boundary_layout(plan: ParallelPlan, stage: int) -> Layout:
 
 
 def stage_layouts(plan: ParallelPlan, stage: int, *, vocab: bool = True) -> list[Layout]:
-    """Distinct layouts used on `stage`, in first-use order (layers, then vocabulary layers)."""
+    """Distinct layouts used on `stage`, in first-use order (layers, then vocabulary layers;
+    under vocabulary parallelism every stage also holds the vocabulary passes' layout)."""
     start, end = plan.stages[stage]
     found = [Layout.of(s) for s in plan.layers[start:end]]
+    if vocab and plan.vocab.mode == "vocab_parallel":
+        found.append(vocab_parallel_layout(plan))
     if vocab and stage == 0:
         found.insert(0, embedding_layout(plan))
     if vocab and stage == plan.pp - 1:
