@@ -2,7 +2,8 @@
 """Drop-in for Megatron-LM's pretrain_gpt.py: same flags, plus --strategy-config PLAN.json,
 --vocab-parallel, --flexsp and --cpu (gloo). Launch it as Megatron's:
 
-    torchrun --nproc_per_node 8 examples/pretrain_gpt.py <Megatron-LM flags> [--strategy-config plan.json]
+    torchrun --nproc_per_node 8 examples/pretrain_gpt.py <Megatron-LM flags> [--strategy-config
+    plan.json]
 
 All logic lives in megatron_ext.megatron_adapter.training.
 """

@@ -9,22 +9,15 @@ the field, the value and the fix), 3 no feasible plan. Nothing imports this modu
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import sys
 from collections.abc import Sequence
 
+from megatron_ext.commands import args, flexsp, profile, search, validate
 from megatron_ext.errors import InfeasiblePlanError, PlanError
 
-# Subcommand modules, in the order `--help` lists them. A module that is not there yet is skipped,
-# so the CLI works while features land one by one.
-COMMAND_MODULES = (
-    "megatron_ext.commands.search",
-    "megatron_ext.commands.args",
-    "megatron_ext.commands.validate",
-    "megatron_ext.commands.profile",
-    "megatron_ext.commands.flexsp",
-)
+# Subcommand modules, in the order `--help` lists them.
+COMMAND_MODULES = (search, args, validate, profile, flexsp)
 
 logger = logging.getLogger("megatron_ext")
 
@@ -40,13 +33,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="megatron-ext", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as err:
-            if err.name != name:
-                raise
-            continue
+    for module in COMMAND_MODULES:
         module.add_parser(sub)
     return parser
 

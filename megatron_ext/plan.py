@@ -233,7 +233,8 @@ class ParallelPlan:
     precision: Precision = "bf16"
     """Training precision; fp32 is what parity tests use."""
     flexsp: FlexSPConfig | None = None
-    """When set, sequence-parallel groups are chosen per step (FlexSP); needs pp=1, tp=cp=ulysses=1."""
+    """When set, sequence-parallel groups are chosen per step (FlexSP); needs pp=1,
+    tp=cp=ulysses=1."""
     cluster: ClusterSpec | None = None
     """The cluster this plan was made for, when known."""
     prediction: Prediction | None = None
@@ -369,7 +370,8 @@ def _layers_from_json(value: Any, num_layers: int) -> tuple[LayerStrategy, ...]:
             raise PlanError(f"{label} ends past model.num_layers={num_layers}")
         for layer_idx in range(start, end):
             if per_layer[layer_idx] is not None:
-                raise PlanError(f"layer {layer_idx} is given twice in layers; ranges must not overlap")
+                raise PlanError(
+                    f"layer {layer_idx} is given twice in layers; ranges must not overlap")
             per_layer[layer_idx] = strategy
     missing = [i for i, s in enumerate(per_layer) if s is None]
     if missing:

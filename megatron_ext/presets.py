@@ -55,7 +55,8 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         ),
         # Small enough to train on CPU under gloo: tests, examples and the CPU walk-through.
         _llama("tiny-llama", 4, 64, 4, 2, 176, 512, 256),
-        dataclasses.replace(_gpt3("tiny-gpt", 4, 64, 4), vocab_size=512, max_position_embeddings=256),
+        dataclasses.replace(_gpt3("tiny-gpt", 4, 64, 4), vocab_size=512,
+                            max_position_embeddings=256),
     )
 }
 
@@ -88,7 +89,8 @@ def model_preset(name: str) -> ModelSpec:
     return MODEL_PRESETS[name]
 
 
-def cluster_preset(name: str, *, num_nodes: int = 1, memory_gib: float | None = None) -> ClusterSpec:
+def cluster_preset(name: str, *, num_nodes: int = 1,
+                   memory_gib: float | None = None) -> ClusterSpec:
     if name not in CLUSTER_PRESETS:
         raise PlanError(
             f"--cluster={name!r} is not a preset; use one of {', '.join(CLUSTER_PRESETS)} "
@@ -131,7 +133,8 @@ def _model_from_hf(data: dict[str, Any], label: str) -> ModelSpec:
         hidden = data.get("n_embd")
         mapped: dict[str, Any] = {
             "num_layers": data.get("n_layer"), "hidden_size": hidden,
-            "ffn_hidden_size": data.get("n_inner") or (4 * hidden if isinstance(hidden, int) else None),
+            "ffn_hidden_size": (data.get("n_inner")
+                                or (4 * hidden if isinstance(hidden, int) else None)),
             "num_attention_heads": data.get("n_head"), "vocab_size": data.get("vocab_size"),
             "tied_embeddings": True, "activation": "gelu", "normalization": "LayerNorm",
             "position_embedding": "learned_absolute",

@@ -145,7 +145,8 @@ class LinkSpec:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ClusterSpec:
-    """A homogeneous GPU cluster: nodes of equal GPUs, an intra-node and an inter-node link class."""
+    """A homogeneous GPU cluster: nodes of equal GPUs, an intra-node and an inter-node link
+    class."""
 
     name: str = "custom"
     """Preset name or a label."""

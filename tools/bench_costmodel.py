@@ -9,7 +9,8 @@
    processes running the layer at once (the ranks share 2 cores).
 2. Predict the iteration time of each plan in `bench_costmodel_runs.bench_plans()` with the
    profile-fed cost model (`ProfiledCostModel`: measured curves and layer fits, the 1F1B schedule
-   simulated on the measured compute slots, megatron_ext/profile_pipeline.py) and, for comparison, with the analytic cost model
+   simulated on the measured compute slots, megatron_ext/planner/profile/pipeline.py) and, for
+   comparison, with the analytic cost model
    on the profile's ClusterSpec (measured peak and fitted links, formulas for everything else).
 3. Run each plan for real with the runtime (`build_model` + `train_step`, megatron-core 1F1B,
    overlapped gradient reduction), plans round-robin; a step's time is the slowest rank's, a
@@ -49,9 +50,9 @@ from bench_costmodel_runs import (
 from megatron_ext.megatron_adapter.profile_model import ProfileGrid, profile_model
 from megatron_ext.plan import ParallelPlan
 from megatron_ext.planner.cost.model import CostModel
+from megatron_ext.planner.profile.cost import ProfiledCostModel, predict_iteration_s
+from megatron_ext.planner.profile.profiles import ClusterProfile, ModelProfile
 from megatron_ext.planner.training import TrainingSpec
-from megatron_ext.profile_cost import ProfiledCostModel, predict_iteration_s
-from megatron_ext.profiles import ClusterProfile, ModelProfile
 from megatron_ext.runtime.testing import run_distributed
 
 

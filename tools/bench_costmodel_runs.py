@@ -102,7 +102,7 @@ def measure_rank(rank: int, world_size: int, *, plans: list[dict[str, Any]], rou
     times: list[list[float]] = [[] for _ in built]
     losses: list[float] = [0.0] * len(built)
     for _ in range(rounds):
-        for i, (plan, chunks, groups, opt, batches) in enumerate(built):
+        for i, (_plan, chunks, groups, opt, batches) in enumerate(built):
             for step in range(steps + 1):
                 dist.barrier()
                 t0 = time.perf_counter()
@@ -128,7 +128,7 @@ def profile_hardware_rank(rank: int, world_size: int, **kwargs: Any) -> dict[str
 def fastest_cluster(profiles: list[Any]) -> Any:
     """Merge cluster profiles of several rounds: per point the fastest time, the highest peak
     and compute slots, the smallest overlap slowdown (each the least disturbed measurement)."""
-    from megatron_ext.profiles import fitted_link
+    from megatron_ext.planner.profile.profiles import fitted_link
 
     first = profiles[0]
     curves = tuple(dataclasses.replace(c, seconds=tuple(

@@ -105,8 +105,8 @@ def plain_megatron(plan: ParallelPlan):
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
-    from megatron_ext.megatron_adapter import cpu_compat
     from megatron_ext.megatron_adapter.build import padded_vocab_size
+    from megatron_ext.megatron_adapter.cpu import compat as cpu_compat
     from megatron_ext.megatron_adapter.layers import base_config
     from megatron_ext.megatron_adapter.sp_norm import gpt_block_spec
 
@@ -123,7 +123,8 @@ def plain_megatron(plan: ParallelPlan):
     ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
     optimizer = get_megatron_optimizer(opt_config(), [ddp])
     config.no_sync_func, config.finalize_model_grads_func = ddp.no_sync, finalize_model_grads
-    dp_rank, dp = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp = parallel_state.get_data_parallel_world_size()
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)

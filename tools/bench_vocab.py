@@ -46,11 +46,11 @@ MIB = 2**20
 def _build(env: dict[str, Any], vocab: int, mode: str) -> tuple[Any, Any]:
     import torch
 
-    from megatron_ext.megatron_adapter.vocab_baseline import (
+    from megatron_ext.megatron_adapter.vocab.baseline import (
         TpVocabStage,
         build_stage_body,
     )
-    from megatron_ext.megatron_adapter.vocab_layers import (
+    from megatron_ext.megatron_adapter.vocab.layers import (
         VocabParallelLayers,
         VocabParallelStage,
     )
@@ -81,12 +81,12 @@ def _iteration(env: dict[str, Any], model: Any, mode: str, timer: dict[str, Any]
         forward_backward_pipelining_without_interleaving,
     )
 
-    from megatron_ext.megatron_adapter.vocab_baseline import (
+    from megatron_ext.megatron_adapter.vocab.baseline import (
         block_forward_step,
         tp_vocab_forward_step,
     )
-    from megatron_ext.megatron_adapter.vocab_layers import VocabScheduleOptions
-    from megatron_ext.megatron_adapter.vocab_schedule import (
+    from megatron_ext.megatron_adapter.vocab.layers import VocabScheduleOptions
+    from megatron_ext.megatron_adapter.vocab.schedule import (
         make_vocab_parallel_schedule,
     )
 
@@ -161,7 +161,7 @@ def measure_rank(rank: int, world_size: int, **cfg: Any) -> list[dict[str, Any]]
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_ext.megatron_adapter import cpu_compat
+    from megatron_ext.megatron_adapter.cpu import compat as cpu_compat
     from megatron_ext.runtime.vocab_parallel import new_vocab_comm_groups
 
     cpu_compat.apply()

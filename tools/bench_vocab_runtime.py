@@ -76,7 +76,7 @@ def _measure_one(cfg: dict[str, Any], vocab: int, mode: str) -> dict[str, Any]:
     from megatron_ext.megatron_adapter.build import build_model
     from megatron_ext.megatron_adapter.optimizer import build_optimizer
     from megatron_ext.megatron_adapter.train_step import forward_backward
-    from megatron_ext.megatron_adapter.vocab_runtime import vocab_forward_backward
+    from megatron_ext.megatron_adapter.vocab.runtime import vocab_forward_backward
     from megatron_ext.runtime.vocab.profiling import LiveTensorTracker
 
     plan = _plan(cfg, vocab, mode)

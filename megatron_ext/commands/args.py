@@ -14,8 +14,8 @@ import os
 import sys
 
 from megatron_ext.errors import PlanError
-from megatron_ext.megatron_adapter.args import plan_to_megatron_args
-from megatron_ext.megatron_adapter.arguments import (
+from megatron_ext.flags.emit import plan_to_megatron_args
+from megatron_ext.flags.parser import (
     parse_megatron_args,
     plan_from_megatron_args,
 )

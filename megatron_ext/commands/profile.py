@@ -15,7 +15,7 @@ import os
 import sys
 
 from megatron_ext.errors import PlanError
-from megatron_ext.profiles import ClusterProfile, ModelProfile
+from megatron_ext.planner.profile.profiles import ClusterProfile, ModelProfile
 
 
 def _int_list(text: str) -> tuple[int, ...]:
@@ -54,7 +54,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                      help="default: max_position_embeddings / 4 and / 2")
     mdl.add_argument("--repeats", type=int, default=3)
     mdl.add_argument("--concurrency", type=int, default=1, help="ranks that will share this "
-                     "device (e.g. 4 gloo ranks on one CPU); their slowdown is measured (1 on GPUs)")
+                     "device (e.g. 4 gloo ranks on one CPU); their slowdown is measured "
+                      "(1 on GPUs)")
     mdl.add_argument("--threads", type=int, default=None,
                      help="torch threads per process (default: OMP_NUM_THREADS or torch's)")
     mdl.set_defaults(run=run_model)

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from megatron_ext.errors import PlanError
+from megatron_ext.flags.emit import plan_to_megatron_args
 from megatron_ext.presets import cluster_preset, model_from_file, model_preset
 from megatron_ext.specs import ModelSpec
 
@@ -92,8 +93,8 @@ def _model(args: argparse.Namespace) -> ModelSpec:
         raise PlanError(f"cannot read --model-config {path}: {err}; check the path") from None
     if text.lstrip().startswith("{"):
         return model_from_file(path)
-    from megatron_ext.megatron_adapter.arguments import parse_megatron_args
-    from megatron_ext.megatron_adapter.plan_from_args import model_from_args
+    from megatron_ext.flags.parser import parse_megatron_args
+    from megatron_ext.flags.to_plan import model_from_args
 
     tokens = shlex.split(text, comments=True)
     model = model_from_args(parse_megatron_args(tokens, model_only=True))
@@ -116,8 +117,8 @@ def _cost_model(args: argparse.Namespace, model: ModelSpec):
             args.cluster or DEFAULT_CLUSTER, num_nodes=args.nodes or 1, memory_gib=args.memory_gib
         )
         return CostModel(model, cluster, training)
-    from megatron_ext.profile_cost import ProfiledCostModel
-    from megatron_ext.profiles import ClusterProfile, ModelProfile
+    from megatron_ext.planner.profile.cost import ProfiledCostModel
+    from megatron_ext.planner.profile.profiles import ClusterProfile, ModelProfile
 
     profile = ClusterProfile.load(args.cluster_profile) if args.cluster_profile else None
     if profile is not None:
@@ -184,14 +185,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_megatron_args(plan, plan_path: str | None) -> None:
-    try:
-        from megatron_ext.megatron_adapter.args import plan_to_megatron_args
-    except ImportError:
-        sys.stderr.write(
-            "note: megatron_ext.megatron_adapter.args is not available; "
-            "run `megatron-ext args PLAN.json` later\n"
-        )
-        return
     try:
         result = plan_to_megatron_args(plan, plan_path=plan_path)
     except PlanError as err:

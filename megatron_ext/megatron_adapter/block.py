@@ -8,7 +8,8 @@ Subclasses megatron-core's `TransformerBlock` only where a hook is missing (mcor
 `ProcessGroupCollection`; `forward` inserts `redistribute` between runs of equal layouts, gives
 each layout its own rotary table (positions of its sequence chunks) and applies full recompute
 per layer; `sharded_state_dict` keeps global keys `layers.{layer_idx}` with each layer's own TP
-sharding and replica ids (`dp_cp_group` of its layout). Layers sit in a `GlobalLayerList` keyed by the
+sharding and replica ids (`dp_cp_group` of its layout). Layers sit in a `GlobalLayerList` keyed by
+the
 global layer index, so plain state dicts carry global keys too.
 """
 

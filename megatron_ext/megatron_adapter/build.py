@@ -18,8 +18,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_ext.errors import PlanError
-from megatron_ext.megatron_adapter import cpu_compat
 from megatron_ext.megatron_adapter.block import LayerBuild
+from megatron_ext.megatron_adapter.cpu import compat as cpu_compat
 from megatron_ext.megatron_adapter.ddp import HeteroDDP, finalize_grads
 from megatron_ext.megatron_adapter.layers import (
     base_config,
@@ -31,7 +31,7 @@ from megatron_ext.megatron_adapter.layers import (
 )
 from megatron_ext.megatron_adapter.model import HeteroGPTModel
 from megatron_ext.megatron_adapter.pg import layout_pg_collection
-from megatron_ext.megatron_adapter.vocab_layers import (
+from megatron_ext.megatron_adapter.vocab.layers import (
     VocabParallelLayers,
     init_vocab_plan_invariant,
 )
@@ -76,7 +76,8 @@ def check_runtime_support(plan: ParallelPlan, *, embedding: bool, output_layer: 
                 "use zero 0 (DDP) or 1 (distributed optimizer)"
             )
     if plan.precision == "fp16":
-        raise PlanError("precision='fp16' is not supported by the layerwise runtime (its loss-scale "
+        raise PlanError("precision='fp16' is not supported by the layerwise runtime "
+                        "(its loss-scale "
                         "check is one collective per optimizer class); use bf16 or fp32")
     if plan.flexsp is not None:
         raise PlanError("plan.flexsp is set: FlexSP plans run on the FlexSP runtime, not "

@@ -1,7 +1,7 @@
 """What megatron_ext's drop-in core attentions share: argument checks and the softmax scale.
 
 Both `SequenceParallelCoreAttention` (attention.py: Ulysses + ring attention for the layerwise
-runtime) and `FlexSPCoreAttention` (flexsp_attention.py: Ulysses + packed varlen attention) take
+runtime) and `FlexSPCoreAttention` (flexsp/attention.py: Ulysses + packed varlen attention) take
 megatron's core-attention constructor arguments, support causal masking without dropout only,
 and scale scores by 1/sqrt(head_dim) unless megatron passes a scale.
 """

@@ -153,7 +153,7 @@ def finalize_grads(
 
     DP reduction per class; SP layernorm grads over each class's tp group; tied embedding grads
     over the first/last-stage embedding group; grads divided by the global token count.
-    `num_tokens` is the step's global loss-token count, as `train_step.loss_func` reports it on
+    `num_tokens` is the step's global loss-token count, as `losses.loss_func` reports it on
     the last stage (each rank holds the full loss mask); it is broadcast along the pipeline.
     """
     chunk = model[0]

@@ -1,4 +1,5 @@
-"""`HeteroGPTModel`: megatron-core's `GPTModel` with a per-layer-strategy decoder, and `build_model`.
+"""`HeteroGPTModel`: megatron-core's `GPTModel` with a per-layer-strategy decoder, and
+`build_model`.
 
 Legend: s = sequence, b = micro-batch (all data-parallel replicas), h = hidden,
 v = padded vocabulary, vtp = plan.vocab.tp; local blocks per `runtime/layout.py`.
@@ -33,7 +34,7 @@ from megatron_ext.megatron_adapter.block import HeteroTransformerBlock, LayerBui
 from megatron_ext.megatron_adapter.cross_entropy import (
     group_vocab_parallel_cross_entropy,
 )
-from megatron_ext.megatron_adapter.vocab_layers import VocabParallelLayers
+from megatron_ext.megatron_adapter.vocab.layers import VocabParallelLayers
 from megatron_ext.plan import ParallelPlan
 from megatron_ext.runtime.groups import PlanGroups
 from megatron_ext.runtime.layout import Layout
@@ -87,7 +88,7 @@ class HeteroGPTModel(GPTModel):
 
     def attach_vocab(self, layers: VocabParallelLayers, groups: VocabCommGroups) -> None:
         """Vocabulary parallelism: hold `layers` (trained with this stage's parameters) and the
-        groups the vocabulary passes use (vocab_schedule.py reads both)."""
+        groups the vocabulary passes use (vocab/schedule.py reads both)."""
         assert not self.pre_process and not self.post_process, "vocabulary shards need a body"
         self.vocab, self.vocab_groups = layers, groups
 
@@ -159,7 +160,8 @@ class HeteroGPTModel(GPTModel):
             decoder_input = self.embedding(input_ids=ids, position_ids=positions)
         seq_length = (input_ids.shape[1] if input_ids is not None
                       else self.decoder.global_seq_length(
-                          decoder_input if decoder_input is not None else self.decoder.input_tensor))
+                          decoder_input if decoder_input is not None
+                           else self.decoder.input_tensor))
         if self.vocab is not None and self.vocab.position_embeddings is not None:
             self._add_vocab_positions(position_ids, seq_length)
         rope = None

@@ -119,7 +119,7 @@ def build_optimizer(chunks: list[HeteroDDP], config: OptimizerConfig) -> HeteroC
     gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, local)
     chained, replicated = [], []
-    for (chunk, cls, ddp), keys in zip(classes, found):
+    for (_chunk, cls, ddp), keys in zip(classes, found):
         union = list(dict.fromkeys(k for g in gathered for k in g.get((cls.tp, cls.zero), [])))
         cls_config = dataclasses.replace(config, use_distributed_optimizer=cls.zero >= 1)
         opt = _get_megatron_optimizer_based_on_param_groups(

@@ -11,7 +11,8 @@ With `concurrency` > 1 (ranks that will share this device, e.g. the 4 ranks of a
 that many processes then run a stack of the model's layers (up to 8, one shape) back to back at
 once, and the ratio of their time per step to the solo time is the profile's `sharing_slowdown`
 (time-slicing, caches and memory bandwidth included; alone and shared loops alternate and each
-side keeps its median, robust to a burst of other work); on GPUs use 1. GPU memory comes from the CUDA allocator; on CPU
+side keeps its median, robust to a burst of other work); on GPUs use 1. GPU memory comes from the
+CUDA allocator; on CPU
 only time is measured and the cost model keeps its analytic memory.
 """
 
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from megatron_ext.profiles import (
+from megatron_ext.planner.profile.profiles import (
     LayerSample,
     ModelProfile,
     OptimizerSample,

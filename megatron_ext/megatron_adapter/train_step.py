@@ -18,35 +18,20 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 from megatron.core.utils import get_attr_wrapped_model
 
 from megatron_ext.megatron_adapter.ddp import HeteroDDP
+from megatron_ext.megatron_adapter.losses import global_loss, loss_func
 from megatron_ext.megatron_adapter.model import HeteroGPTModel
 from megatron_ext.megatron_adapter.optimizer import HeteroChainedOptimizer
-from megatron_ext.plan import ParallelPlan
 from megatron_ext.runtime.groups import PlanGroups
-from megatron_ext.runtime.plan_layouts import boundary_layout
+from megatron_ext.runtime.plan_layouts import stage_shapes
 
-__all__ = ["forward_backward", "forward_step", "loss_func", "stage_shapes", "train_step"]
+__all__ = ["forward_backward", "forward_step", "train_step"]
 
 Batch = dict[str, torch.Tensor]
-
-
-def loss_func(loss_mask: torch.Tensor, batch_tokens: torch.Tensor, per_token_loss: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """(sum of masked loss over this rank's `[b_loc, s_loc]` tokens, loss tokens of the whole
-    micro-batch, report [local loss sum, local tokens]).
-
-    The second value is the micro-batch's global count (every rank holds the full loss mask),
-    so `finalize_grads` normalises without an all-reduce over data-parallel ranks.
-    """
-    mask = loss_mask.to(per_token_loss.dtype)
-    total = (per_token_loss * mask).sum()
-    report = torch.stack([total.detach(), mask.sum().detach()])
-    return total, batch_tokens.to(torch.int), {"lm loss": report}
 
 
 def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module
@@ -63,18 +48,6 @@ def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module
     return output, partial(loss_func, mask, batch["loss_mask"].sum())
 
 
-def stage_shapes(plan: ParallelPlan, stage: int, hidden: int) -> tuple[list, list]:
-    """([recv shape], [send shape]) of `stage`: `[s_loc, b_loc, h]` of the boundary layouts."""
-    def shape(boundary: int) -> tuple[int, int, int]:
-        s_loc, b_loc = boundary_layout(plan, boundary).local_shape(plan.seq_length,
-                                                                  plan.micro_batch_size)
-        return (s_loc, b_loc, hidden)
-
-    recv = [shape(stage - 1)] if stage > 0 else [()]
-    send = [shape(stage)] if stage < plan.pp - 1 else [()]
-    return recv, send
-
-
 def forward_backward(
     chunks: list[HeteroDDP],
     data_iterator: Iterator[Batch],
@@ -89,7 +62,7 @@ def forward_backward(
     """
     plan = groups.plan
     if plan.vocab.mode == "vocab_parallel":  # vocabulary passes on every stage
-        from megatron_ext.megatron_adapter.vocab_runtime import vocab_forward_backward
+        from megatron_ext.megatron_adapter.vocab.runtime import vocab_forward_backward
 
         return vocab_forward_backward(
             chunks, data_iterator, groups, forward_only=forward_only,
@@ -107,23 +80,7 @@ def forward_backward(
         micro_batch_size=plan.micro_batch_size, forward_only=forward_only,
         pg_collection=inner.pg_collection, **kwargs,
     )
-    return _global_loss(inner, groups, reports)
-
-
-def _global_loss(inner: HeteroGPTModel, groups: PlanGroups, reports: list[dict]
-                 ) -> dict[str, float]:
-    """Per-token loss of the step on every rank: summed over the last stage's distinct token
-    blocks (its vocabulary dp_cp group), then broadcast along the pipeline."""
-    totals = torch.zeros(2, dtype=torch.float64)  # [loss sum, tokens] over this rank's tokens
-    for report in reports:
-        totals += report["lm loss"].detach().to(torch.float64)
-    plan = groups.plan
-    if groups.stage == plan.pp - 1:
-        dist.all_reduce(totals, group=inner.decoder.pg_collection.dp_cp)
-    if plan.pp > 1:
-        last = dist.get_global_rank(groups.pp, plan.pp - 1)
-        dist.broadcast(totals, src=last, group=groups.pp)
-    return {"loss": float(totals[0] / totals[1]), "num_tokens": float(totals[1])}
+    return global_loss(inner, groups, reports)
 
 
 def train_step(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -103,29 +104,25 @@ def min_nodes(cm, max_gpus: int = 65536) -> int | None:
     return hi
 
 
-def verified_min_memory_gib(cm) -> float:
-    """min_memory_gib, raised in 2% steps until the search (whose DP rounds memory up) really
-    finds a layout there; inf if three steps do not suffice."""
-    from megatron_ext.errors import InfeasiblePlanError
-    from megatron_ext.planner.search import SearchOptions, search
-
+def verified_min_memory_gib(cm, fits: Callable[[float], bool]) -> float:
+    """min_memory_gib, raised in 2% steps until `fits(memory_gib)` (the search itself, whose DP
+    rounds memory up) really finds a layout there; inf if three steps do not suffice."""
     memory = math.ceil(min_memory_gib(cm) * 10) / 10
     for _ in range(4):
         if not math.isfinite(memory):
             break
-        cluster = dataclasses.replace(cm.cluster, memory_gib=memory)
-        try:
-            search(cm.with_cluster(cluster), options=SearchOptions(explain_infeasible=False))
+        if fits(memory):
             return memory
-        except InfeasiblePlanError:
-            memory = math.ceil(memory * 1.02 * 10) / 10
+        memory = math.ceil(memory * 1.02 * 10) / 10
     return math.inf
 
 
-def explain_infeasible(cm) -> str:
-    """One line: what does not fit and the smallest memory or GPU count that would."""
+def explain_infeasible(cm, fits: Callable[[float], bool]) -> str:
+    """One line: what does not fit and the smallest memory or GPU count that would.
+
+    `fits(memory_gib)` says whether the search finds a layout with that much memory per GPU."""
     c = cm.cluster
-    memory = verified_min_memory_gib(cm)
+    memory = verified_min_memory_gib(cm, fits)
     nodes = min_nodes(cm)
     parts = [
         (

@@ -18,10 +18,12 @@ point of the layerwise space, so the search never returns anything slower than t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Literal
 
 import numpy as np
@@ -33,6 +35,7 @@ from megatron_ext.planner.cost.evaluate import Evaluation
 from megatron_ext.planner.cost.model import CostModel, LayerCosts
 from megatron_ext.planner.cost.vocab import StageExtras, stage_extras
 from megatron_ext.planner.dp import MaxSwitch, StageDP, layer_dp
+from megatron_ext.planner.infeasible import explain_infeasible
 from megatron_ext.planner.partition import best_partition, bmw_partition
 from megatron_ext.planner.space import (
     StrategyTable,
@@ -109,9 +112,7 @@ def search(
     if best is None:
         if not options.explain_infeasible:
             raise InfeasiblePlanError(f"no layout of {cm.model.name} fits")
-        from megatron_ext.planner.infeasible import explain_infeasible
-
-        raise InfeasiblePlanError(explain_infeasible(cm))
+        raise InfeasiblePlanError(explain_infeasible(cm, partial(_fits_with_memory, cm)))
     plan = layout_to_plan(cm, best[0], best[1])
     uniform_plan = layout_to_plan(cm, uniform[0], uniform[1]) if uniform else None
     return SearchResult(
@@ -122,6 +123,16 @@ def search(
         search_s=time.perf_counter() - start,
         stats=stats,
     )
+
+
+def _fits_with_memory(cm: CostModel, memory_gib: float) -> bool:
+    """Whether the search finds a layout when every GPU has `memory_gib`."""
+    cluster = dataclasses.replace(cm.cluster, memory_gib=memory_gib)
+    try:
+        search(cm.with_cluster(cluster), options=SearchOptions(explain_infeasible=False))
+    except InfeasiblePlanError:
+        return False
+    return True
 
 
 def layout_to_plan(cm: CostModel, layout: Layout, evaluation: Evaluation) -> ParallelPlan:

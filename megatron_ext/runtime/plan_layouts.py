@@ -84,3 +84,15 @@ def stage_layouts(plan: ParallelPlan, stage: int, *, vocab: bool = True) -> list
     if vocab and stage == plan.pp - 1:
         found.append(output_layout(plan))
     return list(dict.fromkeys(found))
+
+
+def stage_shapes(plan: ParallelPlan, stage: int, hidden: int) -> tuple[list, list]:
+    """([recv shape], [send shape]) of `stage`: `[s_loc, b_loc, h]` of the boundary layouts."""
+    def shape(boundary: int) -> tuple[int, int, int]:
+        s_loc, b_loc = boundary_layout(plan, boundary).local_shape(plan.seq_length,
+                                                                  plan.micro_batch_size)
+        return (s_loc, b_loc, hidden)
+
+    recv = [shape(stage - 1)] if stage > 0 else [()]
+    send = [shape(stage)] if stage < plan.pp - 1 else [()]
+    return recv, send

@@ -1,7 +1,8 @@
 """Hardware profiler: collective curves, overlap slowdown and per-rank peak -> ClusterProfile.
 
 Legend: W = world size, L = ranks per node, g = group size, n = message bytes (convention of
-megatron_ext/profiles.py: all_reduce the buffer, all_gather the gathered output, reduce_scatter
+megatron_ext/planner/profile/profiles.py: all_reduce the buffer, all_gather the gathered output,
+reduce_scatter
 the full input, all_to_all one rank's send buffer, p2p the message).
 
 Every rank calls every function here (they are collective over `world`). For each power-of-two
@@ -27,11 +28,15 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_ext.profiles import ClusterProfile, CollectiveCurve, fitted_link
+from megatron_ext.planner.profile.profiles import (
+    ClusterProfile,
+    CollectiveCurve,
+    fitted_link,
+)
 from megatron_ext.specs import ClusterSpec
 
-__all__ = ["measure_seconds", "message_sizes", "placement", "profile_collective", "profile_hardware",
-           "profile_overlap", "profile_peak_flops"]
+__all__ = ["measure_seconds", "message_sizes", "placement", "profile_collective",
+           "profile_hardware", "profile_overlap", "profile_peak_flops"]
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 BURST_S = 0.01

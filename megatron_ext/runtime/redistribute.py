@@ -77,7 +77,8 @@ def _runs(local_chunks: list[int], chunk_size: int) -> Runs:
 
 @functools.lru_cache(maxsize=1024)
 def exchange_plan(src: Layout, dst: Layout, seq_length: int, batch: int, rank: int) -> ExchangePlan:
-    """Exchange plan of local `rank` for a `[seq_length, batch, ...]` activation (all ranks agree)."""
+    """Exchange plan of local `rank` for a `[seq_length, batch, ...]` activation (all ranks
+    agree)."""
     assert src.width == dst.width, (src, dst)
     width = src.width
     grain = common_granularity(src, dst)

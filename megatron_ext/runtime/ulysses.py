@@ -19,7 +19,8 @@ __all__ = ["heads_to_seq", "seq_to_heads"]
 
 
 def seq_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """`[s/u, b, n, d]` sequence chunk, all heads -> `[s, b, n/u, d]` full sequence, u-th of heads."""
+    """`[s/u, b, n, d]` sequence chunk, all heads -> `[s, b, n/u, d]` full sequence, u-th of
+    heads."""
     u = dist.get_world_size(group)
     return x if u == 1 else packed.seq_to_heads(x, group, [x.shape[0]] * u)
 

@@ -7,7 +7,7 @@ IF/IB (input embedding forward / backward) and S/T (output layer forward + fused
 GEMM / weight gradient); the softmax cross-entropy is reduced with the online max/sum-exp
 rescaling, with one communication barrier (plan algorithm 1, p+1 micro-batches of activations)
 or two (algorithm 2, p+2). `plan_vocab_schedule` places the passes into 1F1B; the
-Megatron-facing schedule is megatron_ext/megatron_adapter/vocab_schedule.py.
+Megatron-facing schedule is megatron_ext/megatron_adapter/vocab/schedule.py.
 
 Modules: partition (vocabulary split), output_layer / input_layer (math), comm (groups and
 worker streams), passes (per-iteration runner), schedule_ops / schedule_plan / schedule_sim

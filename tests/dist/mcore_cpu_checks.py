@@ -28,7 +28,7 @@ from megatron.core.pipeline_parallel.schedules import (
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_ext.megatron_adapter import cpu_compat
+from megatron_ext.megatron_adapter.cpu import compat as cpu_compat
 from megatron_ext.megatron_adapter.sp_norm import SPLayerNorm, gpt_block_spec
 
 SEED = 1234

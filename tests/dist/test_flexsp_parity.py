@@ -114,7 +114,7 @@ def _setup_megatron(rank: int):
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from megatron_ext.megatron_adapter import cpu_compat
+    from megatron_ext.megatron_adapter.cpu import compat as cpu_compat
 
     # stock DotProductAttention (the reference) needs these on CPU; FlexSP attention does not
     cpu_compat.apply(["current_device", "causal_mask", "rng"])
@@ -151,7 +151,7 @@ def _reference(model: TinyGPT, seqs: list[torch.Tensor]) -> tuple[torch.Tensor, 
 
 def _flexsp_step(model: TinyGPT, plan, seqs: list[torch.Tensor], rank: int,
                  groups) -> torch.Tensor:
-    from megatron_ext.megatron_adapter.flexsp_attention import flexsp_packed_seq_params
+    from megatron_ext.megatron_adapter.flexsp.attention import flexsp_packed_seq_params
     from megatron_ext.runtime.flexsp import (
         allreduce_gradients,
         dispatch_sequences,
@@ -188,7 +188,7 @@ def _flexsp_step(model: TinyGPT, plan, seqs: list[torch.Tensor], rank: int,
 def _check_flexsp(rank: int, world_size: int) -> dict[str, float]:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_ext.megatron_adapter.flexsp_attention import flexsp_layer_spec
+    from megatron_ext.megatron_adapter.flexsp.attention import flexsp_layer_spec
     from megatron_ext.runtime.flexsp import FlexSPGroups
 
     torch.set_default_dtype(torch.float64)
@@ -264,7 +264,7 @@ def _gpt_ddp(state: dict, *, zero1: bool):  # zero1 also ties the embeddings
     )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from megatron_ext.megatron_adapter.flexsp_model import build_flexsp_gpt
+    from megatron_ext.megatron_adapter.flexsp.model import build_flexsp_gpt
 
     config = _gpt_config()
     model = build_flexsp_gpt(config, vocab_size=GPT_VOCAB, max_sequence_length=GPT_MAX_LEN,
@@ -303,8 +303,8 @@ def _check_gpt(rank: int) -> dict[str, float]:
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_ext.megatron_adapter import cpu_compat
-    from megatron_ext.megatron_adapter.flexsp_model import flexsp_step
+    from megatron_ext.megatron_adapter.cpu import compat as cpu_compat
+    from megatron_ext.megatron_adapter.flexsp.model import flexsp_step
     from megatron_ext.planner.flexsp import sample_lengths
     from megatron_ext.runtime.flexsp import FlexSPGroups, round_robin_owners
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # ranks import this module by name
 
-from megatron_ext.profiles import ClusterProfile
+from megatron_ext.planner.profile.profiles import ClusterProfile
 from megatron_ext.runtime.profile_hardware import (
     measure_seconds,
     placement,

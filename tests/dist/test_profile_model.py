@@ -8,7 +8,7 @@ import pytest
 
 from megatron_ext.cli import main
 from megatron_ext.presets import model_preset
-from megatron_ext.profiles import ModelProfile
+from megatron_ext.planner.profile.profiles import ModelProfile
 
 pytestmark = pytest.mark.dist
 

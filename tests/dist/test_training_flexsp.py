@@ -71,7 +71,7 @@ def test_pretrain_gpt_flexsp_trains(tmp_path: Path) -> None:
 
 def test_flexsp_rejects_attention_dropout_before_launch() -> None:
     from megatron_ext.errors import PlanError
-    from megatron_ext.megatron_adapter.arguments import parse_megatron_args
+    from megatron_ext.flags.parser import parse_megatron_args
 
     argv = ["--flexsp", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
             "--seq-length", "96", "--max-position-embeddings", "96", "--micro-batch-size", "1"]

@@ -46,8 +46,8 @@ def _setup(tp: int, pp: int, vocab: int, layers: tuple[int, ...]) -> dict[str, A
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_ext.megatron_adapter import cpu_compat
-    from megatron_ext.megatron_adapter.vocab_baseline import build_stage_body
+    from megatron_ext.megatron_adapter.cpu import compat as cpu_compat
+    from megatron_ext.megatron_adapter.vocab.baseline import build_stage_body
     from megatron_ext.runtime.vocab_parallel import (
         new_vocab_comm_groups,
         vocab_rank_lists,
@@ -89,7 +89,7 @@ def _run_baseline(env: dict[str, Any], tied: bool) -> dict[str, Any]:
         forward_backward_pipelining_without_interleaving,
     )
 
-    from megatron_ext.megatron_adapter.vocab_baseline import (
+    from megatron_ext.megatron_adapter.vocab.baseline import (
         TpVocabStage,
         tp_vocab_forward_step,
     )
@@ -121,12 +121,12 @@ def _run_baseline(env: dict[str, Any], tied: bool) -> dict[str, Any]:
 
 
 def _run_vocab_parallel(env: dict[str, Any], tied: bool, barriers: int) -> dict[str, Any]:
-    from megatron_ext.megatron_adapter.vocab_baseline import block_forward_step
-    from megatron_ext.megatron_adapter.vocab_layers import (
+    from megatron_ext.megatron_adapter.vocab.baseline import block_forward_step
+    from megatron_ext.megatron_adapter.vocab.layers import (
         VocabParallelLayers,
         VocabParallelStage,
     )
-    from megatron_ext.megatron_adapter.vocab_schedule import schedule_for_plan
+    from megatron_ext.megatron_adapter.vocab.schedule import schedule_for_plan
 
     groups, w = env["groups"], env["weights"]
     layers = VocabParallelLayers(config=env["config"], vocab_size=env["vocab"],

@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 
 from megatron_ext.errors import PlanError
-from megatron_ext.megatron_adapter.args import plan_to_megatron_args
-from megatron_ext.megatron_adapter.arguments import (
+from megatron_ext.flags.emit import plan_to_megatron_args
+from megatron_ext.flags.parser import (
     parse_megatron_args,
     plan_from_megatron_args,
 )
-from megatron_ext.megatron_adapter.plan_from_args import parse_layout
+from megatron_ext.flags.to_plan import parse_layout
 from megatron_ext.plan import ParallelPlan
 
 PLANS_DIR = Path(__file__).resolve().parents[2] / "examples" / "plans"

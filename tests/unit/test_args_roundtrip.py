@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from megatron_ext.errors import PlanError
-from megatron_ext.megatron_adapter.args import megatron_values, plan_to_megatron_args
-from megatron_ext.megatron_adapter.arguments import (
+from megatron_ext.flags.emit import megatron_values, plan_to_megatron_args
+from megatron_ext.flags.parser import (
     parse_megatron_args,
     plan_from_megatron_args,
 )

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from megatron_ext.cli import main
-from megatron_ext.megatron_adapter.args import plan_to_megatron_args
+from megatron_ext.flags.emit import plan_to_megatron_args
 from megatron_ext.plan import ParallelPlan
 
 PLANS_DIR = Path(__file__).resolve().parents[2] / "examples" / "plans"

@@ -6,16 +6,17 @@ import importlib
 import logging
 from collections.abc import Iterator
 
-import megatron.core.fusions.fused_softmax as fused_softmax
-import megatron.core.pipeline_parallel.schedules as schedules
 import megatron.core.tensor_parallel as tp_pkg
 import megatron.core.tensor_parallel.random as tp_random
 import megatron.core.transformer.utils as transformer_utils
 import pytest
 import torch
+from megatron.core.fusions import fused_softmax
+from megatron.core.pipeline_parallel import schedules
 
-from megatron_ext.megatron_adapter import cpu_compat, cpu_patches
-from megatron_ext.megatron_adapter.torch_proxy import CpuTorchProxy, is_cuda_device
+from megatron_ext.megatron_adapter.cpu import compat as cpu_compat
+from megatron_ext.megatron_adapter.cpu import patches as cpu_patches
+from megatron_ext.megatron_adapter.cpu.torch_proxy import CpuTorchProxy, is_cuda_device
 
 EXPECTED_NAMES = [
     "current_device",

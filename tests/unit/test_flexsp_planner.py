@@ -23,8 +23,8 @@ from megatron_ext.planner.flexsp.level_pack import level_pack_search
 from megatron_ext.planner.flexsp.microbatch import make_problem, microbatch_candidates
 from megatron_ext.planner.flexsp.milp import solve_microbatch_milp
 from megatron_ext.planner.flexsp.multisets import enumerate_multisets, lower_bounds
+from megatron_ext.planner.profile.profiles import ClusterProfile, CollectiveCurve
 from megatron_ext.presets import cluster_preset, model_preset
-from megatron_ext.profiles import ClusterProfile, CollectiveCurve
 from megatron_ext.specs import ClusterSpec, LinkSpec
 
 

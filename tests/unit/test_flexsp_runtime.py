@@ -122,5 +122,6 @@ def test_split_documents_cuts_after_every_eod() -> None:
     mask[0, 4] = 0.0
     docs = split_documents(tokens, labels, mask, eod)
     assert [d.shape[0] for d in docs] == [3, 2, 3, 8, 8]
-    assert torch.equal(torch.cat(docs), torch.stack([tokens, labels, mask.long()], -1).reshape(-1, 3))
+    expected = torch.stack([tokens, labels, mask.long()], -1).reshape(-1, 3)
+    assert torch.equal(torch.cat(docs), expected)
     assert docs[1][:, 2].tolist() == [1, 0]  # loss mask travels with its token

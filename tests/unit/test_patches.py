@@ -14,7 +14,7 @@ from types import ModuleType
 
 import pytest
 
-from megatron_ext.megatron_adapter import cpu_compat
+from megatron_ext.megatron_adapter.cpu import compat as cpu_compat
 
 PATCH_DIR = Path(__file__).resolve().parents[2] / "patches"
 DIFFS = sorted(PATCH_DIR.glob("*.diff"))

@@ -91,7 +91,7 @@ def test_alpha_beta_collectives_know_nodes():
 
 def measured_profile(overlap_slowdown: float = 1.3):
     """A hardware-profiler ClusterProfile of one dgx-h100 node with one measured curve."""
-    from megatron_ext.profiles import ClusterProfile, CollectiveCurve
+    from megatron_ext.planner.profile.profiles import ClusterProfile, CollectiveCurve
 
     curve = CollectiveCurve(
         collective="all_reduce",

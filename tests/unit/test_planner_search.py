@@ -91,8 +91,8 @@ def test_vocab_parallel_flag_is_honoured():
 
 def test_uniform_search_round_trips_through_megatron_flags():
     # megatron-core is a required dependency: a failing import is a failure, not a skip
-    from megatron_ext.megatron_adapter import args as args_module
-    from megatron_ext.megatron_adapter import arguments
+    from megatron_ext.flags import emit as args_module
+    from megatron_ext.flags import parser as arguments
     cm = cost_model(24)
     result = search(cm, options=SearchOptions(uniform_only=True))
     plan = result.plan
@@ -212,7 +212,7 @@ def test_cli_model_config_files(tmp_path, capsys):
 def test_cli_uses_a_cluster_profile(tmp_path, capsys):
     """--cluster-profile reads the hardware profiler's file; --nodes and --memory-gib override
     its cluster."""
-    from megatron_ext.profiles import ClusterProfile, CollectiveCurve
+    from megatron_ext.planner.profile.profiles import ClusterProfile, CollectiveCurve
 
     curve = CollectiveCurve(
         collective="all_reduce",

@@ -1,4 +1,5 @@
-"""The shared-compute 1F1B simulation (megatron_ext/profile_pipeline.py) against closed forms."""
+"""The shared-compute 1F1B simulation (megatron_ext/planner/profile/pipeline.py) against closed
+forms."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import numpy as np
 import pytest
 
 from megatron_ext.planner.cost.pipeline import one_f_one_b
-from megatron_ext.profile_pipeline import StageWork, shared_one_f_one_b_s
+from megatron_ext.planner.profile.pipeline import StageWork, shared_one_f_one_b_s
 
 
 def work(f, b, *, c=0.0, width=1, f_comm=0.0, b_comm=0.0, tail=0.0, opt=0.0) -> StageWork:

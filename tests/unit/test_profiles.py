@@ -15,17 +15,14 @@ from megatron_ext.plan import LayerStrategy, VocabStrategy
 from megatron_ext.planner.cost.comm import GroupLayout
 from megatron_ext.planner.cost.evaluate import evaluate
 from megatron_ext.planner.cost.model import CostModel
-from megatron_ext.planner.space import StrategyTable
-from megatron_ext.planner.training import TrainingSpec
-from megatron_ext.presets import model_preset
-from megatron_ext.profile_cost import (
+from megatron_ext.planner.profile.cost import (
     ProfiledCostModel,
     fitted_compute_profile,
     predict_iteration_s,
     stage_work,
 )
-from megatron_ext.profile_fit import layer_features
-from megatron_ext.profiles import (
+from megatron_ext.planner.profile.fit import layer_features
+from megatron_ext.planner.profile.profiles import (
     ClusterProfile,
     CollectiveCurve,
     LayerSample,
@@ -33,6 +30,9 @@ from megatron_ext.profiles import (
     OptimizerSample,
     VocabSample,
 )
+from megatron_ext.planner.space import StrategyTable
+from megatron_ext.planner.training import TrainingSpec
+from megatron_ext.presets import model_preset
 from megatron_ext.specs import ClusterSpec, LinkSpec
 
 MODEL = model_preset("tiny-gpt")

@@ -108,7 +108,7 @@ def test_train_script_searches_then_launches_the_plan(cluster: tuple[dict, Path]
     _check_launch_common(launch)
     script_args = launch[launch.index("examples/pretrain_gpt.py") + 1:]
     assert script_args[:len(emitted)] == emitted
-    from megatron_ext.megatron_adapter.arguments import parse_megatron_args
+    from megatron_ext.flags.parser import parse_megatron_args
 
     parse_megatron_args(script_args, world_size=16)  # raises a PlanError if anything is off
 

@@ -276,7 +276,8 @@ def _tolerate_missing_step(optimizer: Any) -> Iterator[None]:
         if original is None:
             continue
 
-        def tolerant(model_param: Any, tensors: Any, _opt: Any = opt, _orig: Any = original) -> None:
+        def tolerant(model_param: Any, tensors: Any, _opt: Any = opt,
+                     _orig: Any = original) -> None:
             group_index, group_order = _opt.model_param_group_index_map[model_param]
             main_param = _opt.optimizer.param_groups[group_index]["params"][group_order]
             state = _opt.optimizer.state[main_param]

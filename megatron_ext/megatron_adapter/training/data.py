@@ -95,7 +95,8 @@ def check_prefixes_exist(config: GPTDatasetConfig) -> None:
             missing = [ext for ext in (".bin", ".idx") if not Path(prefix + ext).is_file()]
             if missing:
                 raise PlanError(f"data prefix {prefix}: {prefix}{missing[0]} does not exist; give "
-                                "the --output-prefix of tools/preprocess_data.py plus _text_document")
+                                "the --output-prefix of tools/preprocess_data.py plus "
+                                 "_text_document")
 
 
 def check_split_not_empty(config: GPTDatasetConfig) -> None:

@@ -37,7 +37,7 @@ from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.transformer.module import Float16Module
 
 from megatron_ext.errors import PlanError
-from megatron_ext.megatron_adapter.flexsp_model import build_flexsp_gpt, flexsp_step
+from megatron_ext.megatron_adapter.flexsp.model import build_flexsp_gpt, flexsp_step
 from megatron_ext.megatron_adapter.training.backend import Backend
 from megatron_ext.megatron_adapter.training.data import DataShard
 from megatron_ext.megatron_adapter.training.model_config import (

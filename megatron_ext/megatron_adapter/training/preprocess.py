@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-type", required=True, choices=SUPPORTED_TOKENIZER_TYPES)
     p.add_argument("--vocab-file", help="GPT-2 vocab.json (GPT2BPETokenizer)")
     p.add_argument("--merge-file", help="GPT-2 merges.txt (GPT2BPETokenizer)")
-    p.add_argument("--tokenizer-model", help="tokenizer.json or its directory (HuggingFaceTokenizer)")
+    p.add_argument("--tokenizer-model",
+                   help="tokenizer.json or its directory (HuggingFaceTokenizer)")
     p.add_argument("--vocab-size", type=int, help="NullTokenizer vocabulary size")
     p.add_argument("--append-eod", action="store_true", help="end every document with EOD")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes")

@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.errors import PlanError
-from megatron_ext.megatron_adapter.training.backend import build_backend
 from megatron_ext.megatron_adapter.training.checkpoint import (
     TrainState,
     check_optimizer_layout,
@@ -31,6 +30,7 @@ from megatron_ext.megatron_adapter.training.checkpoint import (
 from megatron_ext.megatron_adapter.training.data import build_datasets
 from megatron_ext.megatron_adapter.training.loop import build_scheduler, train
 from megatron_ext.megatron_adapter.training.model_config import padded_vocab_size
+from megatron_ext.megatron_adapter.training.select import build_backend
 from megatron_ext.megatron_adapter.training.tokenizer import build_tokenizer
 from megatron_ext.plan import ParallelPlan
 
@@ -55,7 +55,7 @@ def init_distributed(args: argparse.Namespace) -> None:
     minutes = getattr(args, "distributed_timeout_minutes", None) or 10
     dist.init_process_group("gloo" if on_cpu else "nccl", timeout=timedelta(minutes=minutes))
     if on_cpu:
-        from megatron_ext.megatron_adapter import cpu_compat
+        from megatron_ext.megatron_adapter.cpu import compat as cpu_compat
 
         cpu_compat.apply(force=True)
 
@@ -170,7 +170,7 @@ def _error(message: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse Megatron-LM flags, train, return the exit code."""
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=LOG_FORMAT)
-    from megatron_ext.megatron_adapter.arguments import (
+    from megatron_ext.flags.parser import (
         parse_megatron_args,
         plan_from_megatron_args,
     )

@@ -65,7 +65,8 @@ class IntervalStats:
 class Reporter:
     """Writes the log lines (rank 0) and TensorBoard scalars (rank 0, when asked and importable)."""
 
-    def __init__(self, *, plan: ParallelPlan, train_iters: int, tensorboard_dir: str | None) -> None:
+    def __init__(self, *, plan: ParallelPlan, train_iters: int,
+                 tensorboard_dir: str | None) -> None:
         self.plan = plan
         self.train_iters = train_iters
         self.stats = IntervalStats()

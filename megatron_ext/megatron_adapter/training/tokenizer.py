@@ -124,14 +124,16 @@ def gpt2_bpe_tokenizer(vocab_file: str | None, merge_file: str | None) -> LocalT
     try:
         model = tk.models.BPE.from_file(str(vocab), str(merges))
     except Exception as err:  # noqa: BLE001 - the Rust reader raises plain Exception
-        raise PlanError(f"--vocab-file/--merge-file could not be read as GPT-2 BPE: {err}") from None
+        raise PlanError(
+            f"--vocab-file/--merge-file could not be read as GPT-2 BPE: {err}") from None
     tokenizer = tk.Tokenizer(model)
     tokenizer.pre_tokenizer = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = tk.decoders.ByteLevel()
     if tokenizer.token_to_id(GPT2_EOD_TOKEN) is None:
         raise PlanError(f"--vocab-file={vocab_file} has no {GPT2_EOD_TOKEN!r} token; GPT-2 BPE "
                         "uses it as end of document")
-    return LocalTextTokenizer(str(vocab), JsonTokenizerLibrary(tokenizer, GPT2_EOD_TOKEN), "gpt2-bpe")
+    return LocalTextTokenizer(str(vocab), JsonTokenizerLibrary(tokenizer, GPT2_EOD_TOKEN),
+                              "gpt2-bpe")
 
 
 def _eod_token_of(tokenizer: Any, directory: Path) -> str | None:

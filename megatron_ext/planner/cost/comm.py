@@ -5,7 +5,8 @@ N = bytes (all_reduce / broadcast: the buffer; all_gather: the gathered output; 
 the full input; all_to_all: one rank's send buffer; p2p: the message).
 
 Every cost goes through one interface, `CommModel.time_s(collective, num_bytes, layout)`, so the
-hardware profiler's measured curves (megatron_ext.profiles.ClusterProfile implements it) replace
+hardware profiler's measured curves (megatron_ext.planner.profile.profiles.ClusterProfile
+implements it) replace
 the formulas without touching the rest of the cost model.
 """
 

@@ -78,7 +78,7 @@ def stage_sums(
     vocab: VocabStrategy,
     micro_batch_size: int,
 ) -> StageSums:
-    """The per-stage sums `evaluate` scores (also read by profile_cost.stage_work)."""
+    """The per-stage sums `evaluate` scores (also read by planner.profile.cost.stage_work)."""
     distinct = list(dict.fromkeys(layers))
     table = StrategyTable.of(distinct)
     index = np.array([distinct.index(s) for s in layers], dtype=np.int64)

@@ -39,7 +39,7 @@ from megatron_ext.plan import ParallelPlan
 from megatron_ext.specs import ClusterSpec, ModelSpec
 
 if TYPE_CHECKING:
-    from megatron_ext.profiles import ClusterProfile
+    from megatron_ext.planner.profile.profiles import ClusterProfile
 
 A2A_PER_LAYER = 8
 """All-to-alls per layer and micro-batch: q, k, v, output; forward and backward."""
@@ -211,7 +211,8 @@ def linear_flops_per_token(model: ModelSpec) -> float:
     h, q_dim = model.hidden_size, model.num_attention_heads * model.head_dim
     kv_dim = model.num_query_groups * model.head_dim
     mlp_branches = 3 if model.activation == "swiglu" else 2
-    per_layer = 2 * h * (q_dim + 2 * kv_dim) + 2 * q_dim * h + 2 * mlp_branches * h * model.ffn_hidden_size
+    per_layer = (2 * h * (q_dim + 2 * kv_dim) + 2 * q_dim * h
+                 + 2 * mlp_branches * h * model.ffn_hidden_size)
     return model.num_layers * per_layer + 2 * h * model.vocab_size
 
 
@@ -278,7 +279,8 @@ def cost_model_from_specs(
     q_dim = model.num_attention_heads * model.head_dim
     linear_s = 3 * linear_flops_per_token(model) / (cluster.peak_flops * linear_mfu)
     attn_fwd_flops_per_token_sq = 2 * q_dim * model.num_layers
-    attn_s = ATTN_FWD_BWD_FACTOR * attn_fwd_flops_per_token_sq / (cluster.peak_flops * attention_mfu)
+    attn_s = (ATTN_FWD_BWD_FACTOR * attn_fwd_flops_per_token_sq
+              / (cluster.peak_flops * attention_mfu))
     a2a_per_tensor = 2 * model.num_layers * BF16_BYTES  # fwd + bwd, every layer
     params = num_params(model)
     layer_params = params / model.num_layers

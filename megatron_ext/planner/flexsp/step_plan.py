@@ -161,5 +161,6 @@ class StepPlan:
             lines.append(f"{m:>3}  {shape:<34} {len(seqs):>5} {tokens:>9} "
                          f"{mb.predicted_time_s:>8.3f}")
         lines.append(f"step: {len(self.lengths)} sequences, {self.num_tokens} tokens, "
-                     f"{len(self.microbatches)} micro-batches, predicted {self.predicted_time_s:.3f} s")
+                     f"{len(self.microbatches)} micro-batches, "
+                     f"predicted {self.predicted_time_s:.3f} s")
         return "\n".join(lines)

@@ -11,7 +11,7 @@ vocabulary passes of every micro-batch where runtime/vocab/schedule_plan.py put 
 collectives run on per-kind worker threads, so barriers overlap transformer passes.
 
 Contract (beyond Megatron's):
-  * `model` is a VocabParallelStage (vocab_layers.py), possibly wrapped (DDP, Float16Module).
+  * `model` is a VocabParallelStage (vocab/layers.py), possibly wrapped (DDP, Float16Module).
     Its body is pre_process=False on every stage: the first stage gets the summed input
     embedding through `set_input_tensor`; the last stage's body returns the final-norm output.
   * `data_iterator` yields, on EVERY rank, each micro-batch as a dict with "tokens" and
@@ -43,8 +43,8 @@ from megatron.core.pipeline_parallel.schedules import (
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_model_config
 
-from megatron_ext.megatron_adapter.vocab_iteration import VocabIteration
-from megatron_ext.megatron_adapter.vocab_layers import (
+from megatron_ext.megatron_adapter.vocab.iteration import VocabIteration
+from megatron_ext.megatron_adapter.vocab.layers import (
     VocabScheduleOptions,
     num_barriers_for,
 )

@@ -26,7 +26,7 @@ from typing import Any, Literal
 import numpy as np
 
 from megatron_ext.errors import PlanError
-from megatron_ext.profile_fit import (
+from megatron_ext.planner.profile.fit import (
     LAYER_PHASES,
     VOCAB_PHASES,
     CurveFit,
@@ -37,7 +37,11 @@ from megatron_ext.profile_fit import (
     optimizer_features,
     vocab_features,
 )
-from megatron_ext.profile_samples import LayerSample, OptimizerSample, VocabSample
+from megatron_ext.planner.profile.samples import (
+    LayerSample,
+    OptimizerSample,
+    VocabSample,
+)
 from megatron_ext.schema import (
     expect_list,
     expect_object,
@@ -106,7 +110,8 @@ class CollectiveCurve:
         if len(self.num_bytes) < 2 or len(self.num_bytes) != len(self.seconds):
             raise PlanError(f"{where} needs >= 2 sizes and one time per size (got "
                             f"{len(self.num_bytes)} sizes, {len(self.seconds)} times)")
-        if any(b <= a for a, b in zip(self.num_bytes, self.num_bytes[1:])) or self.num_bytes[0] <= 0:
+        if (any(b <= a for a, b in zip(self.num_bytes, self.num_bytes[1:]))
+                or self.num_bytes[0] <= 0):
             raise PlanError(f"{where}.num_bytes must be positive and strictly increasing")
         if any(t <= 0 for t in self.seconds):
             raise PlanError(f"{where}.seconds must all be > 0; re-run the profiler")

@@ -1,7 +1,7 @@
 """One iteration of vocabulary-parallel 1F1B: executes this stage's planned pass order.
 
 Legend: s = sequence, b = micro-batch, h = hidden, n = s*b tokens (s-major).
-Helper of vocab_schedule.py (see its docstring for the contract); each method is one pass.
+Helper of vocab/schedule.py (see its docstring for the contract); each method is one pass.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_attr_wrapped_model, get_model_type
 
-from megatron_ext.megatron_adapter.vocab_layers import (
+from megatron_ext.megatron_adapter.vocab.layers import (
     VocabParallelLayers,
     VocabScheduleOptions,
 )

@@ -14,7 +14,7 @@ import argparse
 import logging
 
 from megatron_ext.errors import PlanError
-from megatron_ext.megatron_adapter.plan_from_args import data_parallel_size, stage_sizes
+from megatron_ext.flags.to_plan import data_parallel_size, stage_sizes
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Flag names, dests, defaults and choices follow Megatron-LM core_v0.16.1
 `megatron/training/arguments.py`, so a Megatron launch script works unchanged with
 megatron_ext's pretrain_gpt.py; cross-flag rules Megatron-LM enforces in `validate_args` and
-`TransformerConfig.__post_init__` are checked in arguments_checks.py. megatron_ext adds
+`TransformerConfig.__post_init__` are checked in flags/checks.py. megatron_ext adds
 --strategy-config, --vocab-parallel, --flexsp and --cpu. Every problem is a one-line PlanError
 that names the flag: unknown flags, flags Megatron-LM has but megatron_ext does not support
 yet, bad values and inconsistent combinations. Nothing here imports megatron.
@@ -15,16 +15,16 @@ import argparse
 from collections.abc import Sequence
 
 from megatron_ext.errors import PlanError
-from megatron_ext.megatron_adapter.arguments_checks import (
+from megatron_ext.flags.checks import (
     apply_aliases,
     validate_megatron_args,
 )
-from megatron_ext.megatron_adapter.arguments_training import add_training_groups
-from megatron_ext.megatron_adapter.megatron_flags import is_unsupported_megatron_flag
-from megatron_ext.megatron_adapter.plan_from_args import (
+from megatron_ext.flags.table import is_unsupported_megatron_flag
+from megatron_ext.flags.to_plan import (
     apply_strategy_config,
     plan_from_megatron_args,
 )
+from megatron_ext.flags.training import add_training_groups
 
 __all__ = ["build_megatron_parser", "parse_megatron_args", "plan_from_megatron_args"]
 
@@ -83,7 +83,7 @@ def parse_megatron_args(
     ns.explicit_args = frozenset(dest for dest, value in given.items() if value is not unset)
     apply_aliases(ns)
     if ns.strategy_config is not None:
-        apply_strategy_config(ns, world_size=world_size)
+        apply_strategy_config(ns, parser, world_size=world_size)
     validate_megatron_args(ns, world_size=world_size, model_only=model_only)
     return ns
 

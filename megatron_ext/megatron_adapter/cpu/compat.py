@@ -8,7 +8,7 @@ it addresses. The catalogue, the verified minimal sets and the reasoning are in
 Usage (order matters for the module-attribute patches `causal_mask` and `rng`)::
 
     dist.init_process_group("gloo")
-    from megatron_ext.megatron_adapter import cpu_compat
+    from megatron_ext.megatron_adapter.cpu import compat as cpu_compat
     cpu_compat.apply()                       # no-op when torch.cuda.is_available()
     parallel_state.initialize_model_parallel(...)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)   # call through the module
@@ -28,7 +28,7 @@ from collections.abc import Iterable
 
 import torch
 
-from megatron_ext.megatron_adapter.cpu_patches import (
+from megatron_ext.megatron_adapter.cpu.patches import (
     CUDA_LITERAL_MODULES,
     ORIGINAL,
     PATCHES,

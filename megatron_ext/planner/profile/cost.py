@@ -1,4 +1,4 @@
-"""The planner's cost model fed by measured profiles (megatron_ext/profiles.py).
+"""The planner's cost model fed by measured profiles (megatron_ext/planner/profile/profiles.py).
 
 - Communication: a ClusterProfile implements the planner's `CommModel` protocol directly
   (`time_s(collective, num_bytes, layout)`), so `CostModel(comm=cluster_profile)` uses measured
@@ -14,7 +14,8 @@
   assumes a device per rank. When ranks share compute (CPU cores), model-profile times are of a
   rank alone and S ranks per node compute at that speed at once (measured on the model:
   concurrency / sharing_slowdown). `stage_work` splits each stage's per-micro-batch time into
-  compute and exposed communication, and profile_pipeline.py plays the 1F1B schedule out with
+  compute and exposed communication, and planner/profile/pipeline.py plays the 1F1B schedule out
+  with
   n computing ranks running at min(1, S / n) of their solo speed (fill and drain near solo
   speed, steady state shared; communication unshared). With a device per rank (no sharing
   measured) the prediction is the planner's iteration time.
@@ -33,10 +34,10 @@ from megatron_ext.planner.cost.comm import CommModel
 from megatron_ext.planner.cost.evaluate import evaluate, stage_sums
 from megatron_ext.planner.cost.model import CostModel, LayerCosts
 from megatron_ext.planner.cost.pipeline import gradient_tail_s
+from megatron_ext.planner.profile.pipeline import StageWork, shared_one_f_one_b_s
+from megatron_ext.planner.profile.profiles import ModelProfile
 from megatron_ext.planner.space import StrategyTable
 from megatron_ext.planner.training import TrainingSpec
-from megatron_ext.profile_pipeline import StageWork, shared_one_f_one_b_s
-from megatron_ext.profiles import ModelProfile
 from megatron_ext.specs import ClusterSpec, ModelSpec
 
 ADAM_BYTES_PER_PARAM = 30.0
@@ -130,7 +131,7 @@ class ProfiledCostModel(CostModel):
     def shared_iteration_s(self, *, pp: int, stages: tuple[tuple[int, int], ...],
                            layers: tuple[LayerStrategy, ...], vocab: VocabStrategy,
                            micro_batch_size: int) -> float | None:
-        """Iteration time of a layout when ranks share compute (profile_pipeline's 1F1B
+        """Iteration time of a layout when ranks share compute (planner.profile.pipeline's 1F1B
         simulation on `compute_slots_per_node` slots per node), None with a device per rank."""
         slots = self.compute_slots_per_node()
         if slots is None:

@@ -1,5 +1,6 @@
 """Measured samples of a model profile: one transformer-layer shape, one vocabulary shape, one
-optimizer step (pure data, JSON readers with one-line PlanErrors). See megatron_ext/profiles.py.
+optimizer step (pure data, JSON readers with one-line PlanErrors). See
+megatron_ext/planner/profile/profiles.py.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_ext.errors import PlanError
-from megatron_ext.profile_fit import VOCAB_PHASES
+from megatron_ext.planner.profile.fit import VOCAB_PHASES
 from megatron_ext.schema import (
     expect_object,
     get_bool,

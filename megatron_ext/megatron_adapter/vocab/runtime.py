@@ -6,8 +6,8 @@ Legend: s = sequence, b = micro-batch (all replicas), h = hidden; `_loc` = this 
 `build_model` builds every stage as a body (`HeteroGPTModel`, no embedding / output layer) that
 holds its vocabulary shards (`model.vocab`) and takes / returns the vocabulary passes' layout
 (runtime/vocab/layout.py) on the first / last stage. Here the stage boundaries keep the runtime's
-shapes (`train_step.stage_shapes`: the sending stage's last-layer layout), the vocabulary passes
-work on `[s_loc, b_loc, h]` of that layout, and vocab_schedule.py's 1F1B runs them. Every rank
+shapes (`plan_layouts.stage_shapes`: the sending stage's last-layer layout), the vocabulary passes
+work on `[s_loc, b_loc, h]` of that layout, and vocab/schedule.py's 1F1B runs them. Every rank
 reads every micro-batch (full `[b, s]` tokens, labels, loss_mask); each slices its part.
 """
 
@@ -22,14 +22,11 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.utils import get_attr_wrapped_model
 
 from megatron_ext.megatron_adapter.ddp import HeteroDDP
+from megatron_ext.megatron_adapter.losses import global_loss, loss_func
 from megatron_ext.megatron_adapter.model import HeteroGPTModel
-from megatron_ext.megatron_adapter.train_step import (
-    _global_loss,
-    loss_func,
-    stage_shapes,
-)
-from megatron_ext.megatron_adapter.vocab_schedule import schedule_for_plan
+from megatron_ext.megatron_adapter.vocab.schedule import schedule_for_plan
 from megatron_ext.runtime.groups import PlanGroups
+from megatron_ext.runtime.plan_layouts import stage_shapes
 from megatron_ext.runtime.vocab.layout import vocab_parallel_layout
 
 __all__ = ["vocab_forward_backward", "vocab_forward_step"]
@@ -79,4 +76,4 @@ def vocab_forward_backward(
         micro_batch_size=plan.micro_batch_size, forward_only=forward_only,
         p2p_communicator=P2PCommunicator(pp_group=groups.pp, config=config),
         pg_collection=inner.pg_collection)
-    return _global_loss(inner, groups, reports)
+    return global_loss(inner, groups, reports)

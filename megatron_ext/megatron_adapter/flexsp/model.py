@@ -4,7 +4,7 @@ Legend: t = this rank's tokens of its group's packed stream (batch dim b = 1), h
 d = rotary dim.
 
 `FlexSPGPTModel` is a stock `GPTModel` (embedding, TransformerBlock, final norm, output layer,
-`compute_language_model_loss`) whose layers use `FlexSPCoreAttention` (flexsp_attention.py) and
+`compute_language_model_loss`) whose layers use `FlexSPCoreAttention` (flexsp/attention.py) and
 whose rotary embedding is indexed by per-token position ids: a rank may hold tokens 900-1000 of
 one sequence and 0-40 of the next, so positions restart at 0 for every packed sequence instead
 of following the packed offset (FlexSP §7.2 "position ids restart per sequence"). Everything
@@ -25,7 +25,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_ext.errors import PlanError
-from megatron_ext.megatron_adapter.flexsp_attention import (
+from megatron_ext.megatron_adapter.flexsp.attention import (
     flexsp_layer_spec,
     flexsp_packed_seq_params,
 )

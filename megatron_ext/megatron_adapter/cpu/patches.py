@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from megatron_ext.megatron_adapter.torch_proxy import CpuTorchProxy
+from megatron_ext.megatron_adapter.cpu.torch_proxy import CpuTorchProxy
 
 __all__ = [
     "CUDA_LITERAL_MODULES",
@@ -152,8 +152,8 @@ def _build_causal_mask() -> list[Target]:
     by name (used at :327), so both module attributes are replaced. The sliding-window mask
     (transformer/utils.py:40) is covered by `cuda_literals` on transformer.utils instead.
     """
-    import megatron.core.fusions.fused_softmax as fused_softmax
     import megatron.core.transformer.utils as transformer_utils
+    from megatron.core.fusions import fused_softmax
 
     def get_default_causal_mask(sq: int) -> torch.Tensor:
         return _cpu_causal_mask(sq)

@@ -1,7 +1,8 @@
 """Fits behind the profiles (pure numpy/scipy): collective curves and linear cost models.
 
 Collective curves (CurveFit): times are first made non-decreasing from above (a smaller message
-measured slower than a larger one was disturbed: it takes the larger one's time); between sizes, log-log interpolation (piecewise power
+measured slower than a larger one was disturbed: it takes the larger one's time); between sizes,
+log-log interpolation (piecewise power
 law: latency-bound and bandwidth-bound regions both stay straight); below the smallest size,
 alpha-beta down to the latency; above the largest, alpha-beta at the bandwidth of the largest
 sizes.

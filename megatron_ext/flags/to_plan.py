@@ -14,8 +14,8 @@ import re
 from typing import Any
 
 from megatron_ext.errors import PlanError
-from megatron_ext.megatron_adapter.args import PLAN_ONLY, megatron_values
-from megatron_ext.megatron_adapter.megatron_flags import EMIT_TABLE, FLAG_OF_DEST
+from megatron_ext.flags.emit import PLAN_ONLY, megatron_values
+from megatron_ext.flags.table import EMIT_TABLE, FLAG_OF_DEST
 from megatron_ext.plan import FlexSPConfig, LayerStrategy, ParallelPlan, VocabStrategy
 from megatron_ext.specs import ModelSpec
 
@@ -242,9 +242,11 @@ def _layout_sizes(text: str, pp: int, num_layers: int) -> list[int]:
     return sizes
 
 
-def apply_strategy_config(ns: argparse.Namespace, *, world_size: int | None) -> None:
+def apply_strategy_config(ns: argparse.Namespace, defaults: argparse.ArgumentParser, *,
+                          world_size: int | None) -> None:
     """Check the given flags against the --strategy-config plan and fill in the rest.
 
+    `defaults` is the parser that read `ns` (its defaults stand for flags not given).
     Values the plan varies per layer become None so no code mistakes a Megatron default for them.
     """
     path = ns.strategy_config
@@ -252,9 +254,6 @@ def apply_strategy_config(ns: argparse.Namespace, *, world_size: int | None) -> 
     if world_size is not None:
         _check_world(plan, world_size, path)
     view = megatron_values(plan).values
-    from megatron_ext.megatron_adapter.arguments import build_megatron_parser
-
-    defaults = build_megatron_parser()
     for dest in sorted(_CHECKED_DESTS & ns.explicit_args):
         want = view[dest] if view[dest] is not None else defaults.get_default(dest)
         flag = FLAG_OF_DEST[dest]

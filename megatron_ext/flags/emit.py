@@ -4,7 +4,7 @@
 `plan_to_megatron_args` renders it as argv tokens, one per printed line. A value that differs
 between layers, or that Megatron-LM cannot express, is `PLAN_ONLY`: the command line then carries
 the common flags plus `--strategy-config PLAN.json`, which only megatron_ext's pretrain_gpt.py
-reads. The reverse direction is plan_from_args.py; both share megatron_flags.EMIT_TABLE.
+reads. The reverse direction is flags/to_plan.py; both share flags.table.EMIT_TABLE.
 
 Mapping decisions (Megatron-LM core_v0.16.1 semantics):
 - micro_batch_size: the plan counts samples over all data-parallel replicas, Megatron per
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_ext.errors import PlanError
-from megatron_ext.megatron_adapter.megatron_flags import EMIT_TABLE
+from megatron_ext.flags.table import EMIT_TABLE
 from megatron_ext.plan import ParallelPlan
 
 
@@ -226,7 +226,8 @@ def _recompute_values(plan: ParallelPlan, reasons: list[str]) -> dict[str, Any]:
         return dict(zip(keys, ("full", "uniform", 1)))
     block = _recompute_block_size(plan) if kinds == {"full", "none"} else None
     if block is None:
-        runs = [f"[{s}, {e}) {kind}" for s, e, kind in _runs([l.recompute for l in plan.layers])]
+        kinds_per_layer = [layer.recompute for layer in plan.layers]
+        runs = [f"[{s}, {e}) {kind}" for s, e, kind in _runs(kinds_per_layer)]
         reasons.append(
             f"per-layer recompute ({'; '.join(runs)}) beyond Megatron-LM's "
             "--recompute-method block (full in the first k layers of every stage)"

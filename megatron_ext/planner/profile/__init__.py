@@ -1,0 +1,1 @@
+"""Measured profiles (cluster collectives, per-layer samples) and the cost model they feed."""
