@@ -7,11 +7,17 @@ Outer loops: pipeline degree pp (divisors of the GPU count, <= layers) x micro-b
      skipped once the bound reaches the best exact iteration time found (the uniform baseline
      seeds it), which cannot discard the optimum;
   2. candidate strategies (space.py, rules R1-R5) and dominance pruning (R6);
-  3. one layerwise DP (dp.py) per distinct in-flight count, at the largest memory budget any
-     vocabulary layout leaves; it answers every layer count and every smaller budget at once;
+  3. one layerwise DP per transient level and distinct in-flight count, at the largest memory
+     budget any vocabulary layout leaves; it answers every layer count and every smaller budget
+     at once. A stage's peak is its states and activations plus the largest transient memory
+     (recomputed activations, ZeRO-3's gathered weights) of the strategies it uses, so each
+     level T runs over the strategies with transient <= T within cap - fixed - T, and a stage
+     takes the best level;
   4. for every vocabulary layout (tensor-parallel on first/last stage, or vocabulary parallel):
      per-stage budgets, slot times, and the exact partition (partition.py);
-  5. the best few are backtracked to per-layer strategies and scored exactly (cost/evaluate.py).
+  5. the best few are backtracked to per-layer strategies, repaired against exact memory (the
+     DP rounds each layer up to whole units: a change of one layer to a faster strategy that
+     fits unrounded is taken) and scored exactly (cost/evaluate.py).
 The result is the fastest exactly-scored layout, layerwise or uniform (a uniform layout is a
 point of the layerwise space, so the search never returns anything slower than the baseline).
 """
@@ -55,9 +61,10 @@ class SearchOptions:
 
     uniform_only: bool = False
     """Search only what Megatron-LM expresses (--uniform)."""
-    units_per_layer: int = 48
-    """DP memory quantisation: the budget is cut into units_per_layer x (most layers a stage may
-    hold) units, clipped to [256, 4096]; rounding each layer up then wastes ~1% of memory."""
+    memory_units: int = 4096
+    """DP memory quantisation: the memory cap is cut into this many units and each layer's
+    memory rounded up to whole units (so a DP solution always fits); a stage of n layers then
+    loses at most n / memory_units of the cap, which the exact repair pass recovers."""
     partition: Literal["exact", "bmw"] = "exact"
     """Pipeline partitioner: exact min-makespan, or Galvatron-BMW's heuristic walk."""
     finalists: int = 1
@@ -207,6 +214,59 @@ def _take(costs: LayerCosts, index: np.ndarray) -> LayerCosts:
     return LayerCosts(**{name: getattr(costs, name)[index] for name in LayerCosts.__slots__})
 
 
+@dataclass(slots=True)
+class _Level:
+    """Strategies whose transient memory is at most `transient_bytes` (one transient level):
+    a stage using only these needs transient_bytes on top of its states and activations."""
+
+    transient_bytes: float
+    index: np.ndarray  # [S_j] into the kept table
+    table: StrategyTable
+    costs: LayerCosts
+    objective: np.ndarray
+    max_switch: MaxSwitch
+    budgets: list[np.ndarray]  # per vocabulary layout, [pp] units
+    dps: dict[int, StageDP]
+
+
+def _levels(
+    cm: CostModel,
+    table: StrategyTable,
+    costs: LayerCosts,
+    objective: np.ndarray,
+    mbs: int,
+    extras: list[StageExtras],
+    unit: float,
+) -> list[_Level]:
+    """One level per distinct transient memory of the kept strategies. The stage's peak is its
+    states and activations plus the largest transient of the strategies it uses, so the exact
+    feasible set is the union over levels T of "strategies with transient <= T within
+    cap - fixed - T" (subtracting the largest transient of all strategies from every budget
+    would charge ZeRO-3's gathered weights to stages that use no ZeRO-3)."""
+    out = []
+    for level in np.unique(costs.transient_bytes):
+        index = np.flatnonzero(costs.transient_bytes <= level)
+        sub = table.subset(index)
+        out.append(
+            _Level(
+                transient_bytes=float(level),
+                index=index,
+                table=sub,
+                costs=_take(costs, index),
+                objective=objective[index],
+                max_switch=cm.transition_model(sub, mbs),
+                budgets=[
+                    np.floor((cm.memory_cap_bytes - ex.fixed_bytes - level) / unit).astype(
+                        np.int64
+                    )
+                    for ex in extras
+                ],
+                dps={},
+            )
+        )
+    return out
+
+
 def _solve_combo(
     cm: CostModel, combo: _Combo, options: SearchOptions, best_s: float, stats: dict[str, int]
 ) -> list[Layout]:
@@ -219,8 +279,6 @@ def _solve_combo(
     keep = prune_strategies(combo.costs, objective_all, switch_all, combo.table.layout)
     table, costs = combo.table.subset(keep), _take(combo.costs, keep)
     objective = objective_all[keep]
-    max_switch = cm.transition_model(table, mbs)  # on the kept table's layout ids
-    transient = float(costs.transient_bytes.max())
     vocabs = vocab_options(
         width=cm.cluster.num_gpus // pp, pp=pp, gpus_per_node=cm.cluster.gpus_per_node, training=t
     )
@@ -230,125 +288,199 @@ def _solve_combo(
         n_hi = min(n_hi, int(best_s / (m * float(np.min(costs.forward_s + costs.backward_s)))))
     if n_hi < 1:
         return []
-    unit = cm.memory_cap_bytes / min(4096, max(256, options.units_per_layer * n_hi))
-    budgets = [
-        np.floor((cm.memory_cap_bytes - ex.fixed_bytes - transient) / unit).astype(np.int64)
-        for ex in extras
-    ]
-    dps = _stage_dps(table, costs, objective, max_switch, extras, budgets, unit, n_hi)
-    stats["dp_runs"] += len(dps)
+    unit = cm.memory_cap_bytes / options.memory_units
+    levels = _levels(cm, table, costs, objective, mbs, extras, unit)
+    for level in levels:
+        level.dps = _stage_dps(level, extras, unit, n_hi)
+        stats["dp_runs"] += len(level.dps)
     partition = best_partition if options.partition == "exact" else bmw_partition
     scored = []
-    for vocab, ex, budget in zip(vocabs, extras, budgets):
-        slot = _slots(ex, budget, dps, n_hi, m, cm.overlap_slowdown)
+    for v, (vocab, ex) in enumerate(zip(vocabs, extras)):
+        slot, which = _slots(ex, v, levels, n_hi, m, cm.overlap_slowdown)
         found = partition(slot, model.num_layers, m)
         if found is not None:
-            scored.append((found[0], vocab, ex, budget, found[1]))
+            scored.append((found[0], vocab, v, which, found[1]))
     scored.sort(key=lambda item: item[0])
+    exact = _ExactStage(cm, table, costs, objective, mbs, m)
     out = []
-    for estimate, vocab, ex, budget, counts in scored[: options.finalists]:
+    for estimate, vocab, v, which, counts in scored[: options.finalists]:
         if estimate > best_s * (1 + options.finalist_slack):
             break
-        out.append(
-            _backtrack(table, objective, max_switch, costs, unit, vocab, ex, budget, counts, mbs)
-        )
+        picks = _backtrack(levels, unit, extras[v], v, which, counts)
+        out.append(exact.layout(picks, vocab, extras[v]))
     return out
 
 
 def _stage_dps(
-    table: StrategyTable,
-    costs: LayerCosts,
-    objective: np.ndarray,
-    max_switch: MaxSwitch,
-    extras: list[StageExtras],
-    budgets: list[np.ndarray],
-    unit: float,
-    n_hi: int,
+    level: _Level, extras: list[StageExtras], unit: float, n_hi: int
 ) -> dict[int, StageDP]:
     """One layerwise DP per distinct in-flight count, at the largest budget any stage with that
     count has under any vocabulary layout; smaller budgets are read from the same table."""
-    switch = max_switch.matrix()[np.ix_(table.layout, table.layout)]
+    ms = level.max_switch
+    switch = ms.matrix()[np.ix_(level.table.layout, level.table.layout)]
     tops: dict[int, int] = {}
-    for ex, budget in zip(extras, budgets):
+    for ex, budget in zip(extras, level.budgets):
         for inflight, units in zip(ex.inflight.tolist(), budget.tolist()):
             tops[inflight] = max(tops.get(inflight, -1), units)
     dps = {}
     for inflight, top in sorted(tops.items()):
         if top >= 0:
-            mem_units = np.ceil(costs.memory_bytes(inflight) / unit).astype(np.int64)
+            mem_units = np.ceil(level.costs.memory_bytes(inflight) / unit).astype(np.int64)
             dps[inflight] = layer_dp(
-                objective,
+                level.objective,
                 mem_units,
                 switch,
                 num_layers=n_hi,
                 budget_units=top,
-                layout=table.layout,
-                max_switch=max_switch,
+                layout=level.table.layout,
+                max_switch=ms,
             )
     return dps
 
 
 def _slots(
     ex: StageExtras,
-    budget: np.ndarray,
-    dps: dict[int, StageDP],
+    v: int,
+    levels: list[_Level],
     n_hi: int,
     m: int,
     slowdown: float,
-) -> np.ndarray:  # [pp, n_hi + 1]
-    """Slot time of stage k with n layers: DP time + vocabulary work + p2p + exposed
-    side-stream communication + the vocabulary tail spread over the micro-batches."""
-    pp = len(budget)
+) -> tuple[np.ndarray, np.ndarray]:  # [pp, n_hi + 1] seconds and the level that gives them
+    """Slot time of stage k with n layers: DP time (best over transient levels) + vocabulary
+    work + p2p + exposed side-stream communication + the vocabulary tail spread over the
+    micro-batches."""
+    pp = len(ex.inflight)
+    layers = np.full((pp, n_hi + 1), np.inf)
+    which = np.zeros((pp, n_hi + 1), dtype=np.int64)
+    for j, level in enumerate(levels):
+        budget = level.budgets[v]
+        for k in range(pp):
+            dp = level.dps.get(int(ex.inflight[k]))
+            if dp is None or budget[k] < 0:
+                continue
+            here = dp.best[:, budget[k]]
+            better = here < layers[k]
+            layers[k] = np.where(better, here, layers[k])
+            which[k] = np.where(better, j, which[k])
     slot = np.full((pp, n_hi + 1), np.inf)
     for k in range(pp):
-        dp = dps.get(int(ex.inflight[k]))
-        if dp is None or budget[k] < 0:
-            continue
-        layers = dp.best[:, budget[k]]
         tail = max(0.0, slowdown * ex.grad_sync_s[k] - ex.backward_s[k])
         tail += ex.optimizer_s[k] + max(0.0, ex.param_gather_s[k] - ex.forward_s[k])
-        hidden = np.maximum(0.0, slowdown * ex.overlap_comm_s[k] - layers)
-        slot[k] = layers + ex.forward_s[k] + ex.backward_s[k] + 2 * ex.p2p_s[k] + hidden + tail / m
-    return slot
+        hidden = np.maximum(0.0, slowdown * ex.overlap_comm_s[k] - layers[k])
+        slot[k] = (
+            layers[k] + ex.forward_s[k] + ex.backward_s[k] + 2 * ex.p2p_s[k] + hidden + tail / m
+        )
+    return slot, which
 
 
 def _backtrack(
-    table: StrategyTable,
-    objective: np.ndarray,
-    max_switch: MaxSwitch,
-    costs: LayerCosts,
+    levels: list[_Level],
     unit: float,
-    vocab: VocabStrategy,
     ex: StageExtras,
-    budget: np.ndarray,
+    v: int,
+    which: np.ndarray,
     counts: list[int],
-    mbs: int,
-) -> Layout:
-    """Per-layer strategies of a partition: rerun each stage's DP keeping its choices."""
-    layers = []
-    stages = []
-    cache: dict[tuple[int, int, int], list[int]] = {}
+) -> list[list[int]]:
+    """Per-layer strategies (indices into the kept table) of a partition: rerun each stage's
+    DP at its level keeping its choices."""
+    out = []
+    cache: dict[tuple[int, int, int, int], list[int]] = {}
     for k, n in enumerate(counts):
-        key = (int(ex.inflight[k]), int(n), int(budget[k]))
+        j = int(which[k, n])
+        level = levels[j]
+        key = (j, int(ex.inflight[k]), int(n), int(level.budgets[v][k]))
         if key not in cache:
-            mem_units = np.ceil(costs.memory_bytes(key[0]) / unit).astype(np.int64)
+            ms = level.max_switch
+            mem_units = np.ceil(level.costs.memory_bytes(key[1]) / unit).astype(np.int64)
             dp = layer_dp(
-                objective,
+                level.objective,
                 mem_units,
-                max_switch.matrix()[np.ix_(table.layout, table.layout)],
-                num_layers=key[1],
-                budget_units=key[2],
-                layout=table.layout,
-                max_switch=max_switch,
+                ms.matrix()[np.ix_(level.table.layout, level.table.layout)],
+                num_layers=key[2],
+                budget_units=key[3],
+                layout=level.table.layout,
+                max_switch=ms,
                 keep_choices=True,
             )
-            cache[key] = dp.picks(key[1], key[2])
-        layers += [table.strategies[i] for i in cache[key]]
-        stages.append((len(layers) - n, len(layers)))
-    return Layout(
-        pp=len(counts),
-        micro_batch_size=mbs,
-        stages=tuple(stages),
-        layers=tuple(layers),
-        vocab=vocab,
-    )
+            cache[key] = [int(level.index[i]) for i in dp.picks(key[2], key[3])]
+        out.append(cache[key])
+    return out
+
+
+class _ExactStage:
+    """Exact (unquantised) memory of a stage and a repair pass over it.
+
+    The DP rounds each layer's memory up to whole units, so a stage it fills may still have
+    room for a faster strategy on a layer or two. The repair changes one layer at a time to
+    the strategy that lowers the DP objective (layer time + switch costs) the most while the
+    stage's exact memory (fixed + states + in-flight activations + largest transient) fits,
+    until no change helps."""
+
+    def __init__(
+        self,
+        cm: CostModel,
+        table: StrategyTable,
+        costs: LayerCosts,
+        objective: np.ndarray,
+        mbs: int,
+        m: int,
+    ) -> None:
+        self.cm, self.table, self.costs, self.objective = cm, table, costs, objective
+        self.mbs, self.m = mbs, m
+        self.switch = cm.transition_s(table, mbs)
+
+    def repair(self, picks: list[int], fixed: float, inflight: int) -> list[int]:
+        picks = list(picks)
+        mem = self.costs.memory_bytes(inflight)
+        trans = self.costs.transient_bytes
+        cap = self.cm.memory_cap_bytes - fixed
+        obj, sw = self.objective, self.switch
+        n = len(picks)
+        for _ in range(4 * n * len(obj)):
+            arr = np.array(picks)
+            base = float(mem[arr].sum())
+            best_gain, best_move = 1e-12 * float(obj[arr].sum()), None
+            for i, s in enumerate(picks):
+                rest_t = np.delete(trans[arr], i).max(initial=0.0)
+                fits = base - mem[s] + mem + np.maximum(rest_t, trans) <= cap
+                gain = obj[s] - obj
+                if i > 0:
+                    gain += sw[picks[i - 1], s] - sw[picks[i - 1]]
+                if i + 1 < n:
+                    gain += sw[s, picks[i + 1]] - sw[:, picks[i + 1]]
+                gain = np.where(fits, gain, -np.inf)
+                j = int(np.argmax(gain))
+                if gain[j] > best_gain:
+                    best_gain, best_move = float(gain[j]), (i, j)
+            if best_move is None:
+                break
+            picks[best_move[0]] = best_move[1]
+        return picks
+
+    def layout(self, picks: list[list[int]], vocab: VocabStrategy, ex: StageExtras) -> Layout:
+        """The backtracked layout, repaired stage by stage (the better of the two exactly)."""
+        first = self._to_layout(picks, vocab)
+        repaired = [
+            self.repair(p, float(ex.fixed_bytes[k]), int(ex.inflight[k]))
+            for k, p in enumerate(picks)
+        ]
+        if repaired == picks:
+            return first
+        second = self._to_layout(repaired, vocab)
+        a, b = first.evaluate(self.cm), second.evaluate(self.cm)
+        if b.feasible and (not a.feasible or b.iteration_s < a.iteration_s):
+            return second
+        return first
+
+    def _to_layout(self, picks: list[list[int]], vocab: VocabStrategy) -> Layout:
+        layers, stages = [], []
+        for p in picks:
+            stages.append((len(layers), len(layers) + len(p)))
+            layers += [self.table.strategies[i] for i in p]
+        return Layout(
+            pp=len(picks),
+            micro_batch_size=self.mbs,
+            stages=tuple(stages),
+            layers=tuple(layers),
+            vocab=vocab,
+        )
