@@ -17,7 +17,13 @@ from pathlib import Path
 
 from megatron_ext.errors import PlanError
 from megatron_ext.flags.emit import plan_to_megatron_args
-from megatron_ext.presets import cluster_preset, model_from_file, model_preset
+from megatron_ext.presets import (
+    CLUSTER_PRESETS,
+    MODEL_PRESETS,
+    cluster_preset,
+    model_from_file,
+    model_preset,
+)
 from megatron_ext.specs import ModelSpec
 
 DEFAULT_MODEL = "llama2-7b"
@@ -29,13 +35,21 @@ DEFAULT_SEQ = 4096
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("search", help="search the fastest parallel layout that fits; write a plan")
     model = p.add_mutually_exclusive_group()
-    model.add_argument("--model", help=f"model preset (default {DEFAULT_MODEL})")
+    model.add_argument(
+        "--model",
+        metavar="PRESET",
+        help=f"model preset: {', '.join(MODEL_PRESETS)} (default {DEFAULT_MODEL})",
+    )
     model.add_argument(
         "--model-config",
         help="HuggingFace config.json, ModelSpec JSON, or a file of Megatron-LM model flags",
     )
     cluster = p.add_mutually_exclusive_group()
-    cluster.add_argument("--cluster", help=f"cluster preset (default {DEFAULT_CLUSTER})")
+    cluster.add_argument(
+        "--cluster",
+        metavar="PRESET",
+        help=f"cluster preset: {', '.join(CLUSTER_PRESETS)} (default {DEFAULT_CLUSTER})",
+    )
     cluster.add_argument(
         "--cluster-profile", help="cluster profile JSON (megatron-ext profile hardware)"
     )
@@ -46,9 +60,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--nodes", type=int, default=None, help="nodes (default 1, or the profile's)")
     p.add_argument("--memory-gib", type=float, default=None, help="usable memory per GPU")
-    p.add_argument("--global-batch-size", type=int, default=DEFAULT_GLOBAL_BATCH)
-    p.add_argument("--seq-length", type=int, default=DEFAULT_SEQ)
-    p.add_argument("--precision", choices=("bf16", "fp16", "fp32"), default="bf16")
+    p.add_argument(
+        "--global-batch-size",
+        type=int,
+        default=DEFAULT_GLOBAL_BATCH,
+        help="samples per optimizer step (default %(default)s)",
+    )
+    p.add_argument(
+        "--seq-length",
+        type=int,
+        default=DEFAULT_SEQ,
+        help="tokens per sample (default %(default)s)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=("bf16", "fp16", "fp32"),
+        default="bf16",
+        help="(default %(default)s)",
+    )
     vocab = p.add_mutually_exclusive_group()
     vocab.add_argument(
         "--allow-vocab-parallel",
@@ -101,6 +130,11 @@ def _model(args: argparse.Namespace) -> ModelSpec:
     return dataclasses.replace(model, name=path.stem)
 
 
+def _nodes(args: argparse.Namespace) -> int:
+    """--nodes, 1 when omitted; 0 or less is refused by cluster_preset (never read as 1)."""
+    return 1 if args.nodes is None else args.nodes
+
+
 def _cost_model(args: argparse.Namespace, model: ModelSpec):
     from megatron_ext.planner.cost.model import CostModel
     from megatron_ext.planner.training import TrainingSpec
@@ -114,7 +148,7 @@ def _cost_model(args: argparse.Namespace, model: ModelSpec):
     )
     if not args.cluster_profile and not args.model_profile:
         cluster = cluster_preset(
-            args.cluster or DEFAULT_CLUSTER, num_nodes=args.nodes or 1, memory_gib=args.memory_gib
+            args.cluster or DEFAULT_CLUSTER, num_nodes=_nodes(args), memory_gib=args.memory_gib
         )
         return CostModel(model, cluster, training)
     from megatron_ext.planner.profile.cost import ProfiledCostModel
@@ -133,7 +167,7 @@ def _cost_model(args: argparse.Namespace, model: ModelSpec):
             cluster = dataclasses.replace(cluster, memory_gib=args.memory_gib)
     else:
         cluster = cluster_preset(
-            args.cluster or DEFAULT_CLUSTER, num_nodes=args.nodes or 1, memory_gib=args.memory_gib
+            args.cluster or DEFAULT_CLUSTER, num_nodes=_nodes(args), memory_gib=args.memory_gib
         )
     model_profile = ModelProfile.load(args.model_profile) if args.model_profile else None
     return ProfiledCostModel(model, cluster, training, comm=profile, model_profile=model_profile)
@@ -153,14 +187,17 @@ class _Progress:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_ext.planner.report import explain, plan_table, plot_plan
+    from megatron_ext.planner.report import check_plot_support, explain, plan_table, plot_plan
     from megatron_ext.planner.search import SearchOptions, search
 
+    if args.plot:  # before the search and --out: a missing matplotlib costs nothing
+        check_plot_support()
     model = _model(args)
     cm = _cost_model(args, model)
     c = cm.cluster
+    nodes = f"{c.num_nodes} node{'s' if c.num_nodes != 1 else ''}"
     sys.stderr.write(
-        f"search: {model.name} on {c.num_gpus} x {c.name} GPUs ({c.num_nodes} nodes, "
+        f"search: {model.name} on {c.num_gpus} x {c.name} GPUs ({nodes}, "
         f"{c.memory_gib:g} GiB), global batch {args.global_batch_size}, "
         f"seq {args.seq_length}, {args.precision}"
         + (", uniform layouts only" if args.uniform else "")

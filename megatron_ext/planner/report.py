@@ -5,6 +5,7 @@ Plain aligned text without ANSI codes (Slurm logs are files).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_ext.errors import PlanError
@@ -22,15 +23,39 @@ def describe_vocab(vocab: VocabStrategy, pp: int) -> str:
     return f"tensor-parallel tp={vocab.tp} on {where}"
 
 
+def _significant(value: float) -> str:
+    """3 decimals, or 3 significant digits below 0.1 (a tiny plan never shows 0.000)."""
+    return f"{value:.3f}" if value >= 0.1 or value == 0 else f"{value:.3g}"
+
+
+def format_duration(value_s: float) -> str:
+    """`1.234 s` from a second up, `12.3 ms` / `0.0123 ms` below: never `0.000 s`."""
+    if value_s >= 1.0 or value_s == 0:
+        return f"{value_s:.3f} s"
+    ms = value_s * 1e3
+    return f"{ms:.1f} ms" if ms >= 1.0 else f"{ms:.3g} ms"
+
+
+def format_percent(fraction: float) -> str:
+    """`47.4%`, or 2 significant digits under 1% (`0.012%`), never `0.0%` for a non-zero value."""
+    pct = 100.0 * fraction
+    return f"{pct:.1f}%" if pct >= 1.0 or pct == 0 else f"{pct:.2g}%"
+
+
 def plan_table(plan: ParallelPlan) -> str:
     """Stage / layer-range table with per-stage memory and time, then the prediction."""
     pred = plan.prediction
-    rows = [("stage", "layers", "strategy", "mem GiB", "busy s")]
+    # Units follow the plan's size: MiB and ms when every stage stays under 1 GiB / 1 s.
+    mib = pred is not None and max(pred.stage_peak_memory_gib) < 1.0
+    ms = pred is not None and max(pred.stage_time_s) < 1.0
+    rows = [("stage", "layers", "strategy", "mem MiB" if mib else "mem GiB",
+             "busy ms" if ms else "busy s")]
     for start, end, strategy in plan.layer_runs():
         stage = plan.stage_of_layer(start)
         first = start == plan.stages[stage][0]
-        mem = f"{pred.stage_peak_memory_gib[stage]:.1f}" if pred and first else ""
-        busy = f"{pred.stage_time_s[stage]:.3f}" if pred and first else ""
+        mem = (f"{pred.stage_peak_memory_gib[stage] * (1024 if mib else 1):.1f}"
+               if pred and first else "")
+        busy = _significant(pred.stage_time_s[stage] * (1e3 if ms else 1)) if pred and first else ""
         rows.append(
             (str(stage) if first else "", f"[{start}, {end})", strategy.describe(), mem, busy)
         )
@@ -47,8 +72,8 @@ def plan_table(plan: ParallelPlan) -> str:
     )
     if pred is not None:
         lines.append(
-            f"predicted: iteration {pred.iteration_time_s:.3f} s, "
-            f"{pred.tokens_per_s:,.0f} tokens/s, MFU {100 * pred.mfu:.1f}%"
+            f"predicted: iteration {format_duration(pred.iteration_time_s)}, "
+            f"{pred.tokens_per_s:,.0f} tokens/s, MFU {format_percent(pred.mfu)}"
         )
     return "\n".join(lines) + "\n"
 
@@ -128,41 +153,120 @@ def _reasons(uniform_ev: Evaluation, ev: Evaluation) -> list[str]:
     return out
 
 
-def plot_plan(plan: ParallelPlan, path: str | Path) -> None:
-    """Per-layer strategies and per-stage memory/time bars (needs matplotlib)."""
+def check_plot_support() -> None:
+    """Raise the one-line --plot error now when matplotlib is missing (before any work)."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401
     except ImportError:
         raise PlanError(
-            "--plot needs matplotlib; install it with pip install 'megatron_ext[plot]'"
+            "--plot needs matplotlib; install it with pip install 'megatron_ext[plot]' "
+            "or drop --plot"
         ) from None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlotLayout:
+    """What the --plot picture shows, kept apart from matplotlib so it can be tested."""
+
+    title: str
+    """Model, GPUs, pipeline stages and the predicted iteration."""
+    legend: tuple[tuple[str, str], ...]
+    """(matplotlib colour, strategy) for every strategy the plan uses, in layer order."""
+    layer_colors: tuple[str, ...]
+    """Colour of each layer's bar."""
+    memory_unit: str
+    """GiB, or MiB when every stage peaks under 1 GiB (tiny plans: bars stay readable)."""
+    stage_memory: tuple[float, ...]
+    """Predicted peak memory per stage, in memory_unit."""
+    memory_limit: float | None
+    """Memory per GPU in memory_unit, None when the plan carries no cluster."""
+    memory_limit_label: str
+    """Legend text of the memory-per-GPU line."""
+    memory_ylim: float
+    """Top of the memory axis: the limit when the bars are at least a quarter of it, else
+    just above the tallest bar (the limit is then off scale and its label says so)."""
+    time_unit: str
+    """s, or ms when every stage is busy under a second."""
+    stage_time: tuple[float, ...]
+    """Predicted busy time per stage per iteration, in time_unit."""
+
+
+def plot_layout(plan: ParallelPlan) -> PlotLayout:
     names = list(dict.fromkeys(s.describe() for s in plan.layers))
-    fig, axes = plt.subplots(3, 1, figsize=(10, 8), constrained_layout=True)
-    axes[0].bar(
-        range(len(plan.layers)),
-        [1] * len(plan.layers),
-        color=[f"C{names.index(s.describe()) % 10}" for s in plan.layers],
-        width=1.0,
+    colors = {n: f"C{i % 10}" for i, n in enumerate(names)}
+    pred = plan.prediction
+    peaks_gib = tuple(pred.stage_peak_memory_gib) if pred else ()
+    times_s = tuple(pred.stage_time_s) if pred else ()
+    mib = bool(peaks_gib) and max(peaks_gib) < 1.0
+    scale, unit = (1024.0, "MiB") if mib else (1.0, "GiB")
+    memory = tuple(v * scale for v in peaks_gib)
+    limit = plan.cluster.memory_gib * scale if plan.cluster is not None else None
+    top = max(memory, default=0.0) * 1.15 or 1.0
+    label = ""
+    if limit is not None:
+        on_scale = max(memory, default=0.0) >= 0.25 * limit
+        top = max(top, limit * 1.05) if on_scale else top
+        label = f"memory per GPU {plan.cluster.memory_gib:g} GiB" + (
+            "" if on_scale else " (off scale)")
+    ms = bool(times_s) and max(times_s) < 1.0
+    title = f"{plan.model.name} on {plan.world_size} GPUs, pp={plan.pp}"
+    if pred is not None:
+        title += f", predicted iteration {format_duration(pred.iteration_time_s)}"
+    return PlotLayout(
+        title=title,
+        legend=tuple((colors[n], n) for n in names),
+        layer_colors=tuple(colors[s.describe()] for s in plan.layers),
+        memory_unit=unit,
+        stage_memory=memory,
+        memory_limit=limit,
+        memory_limit_label=label,
+        memory_ylim=top,
+        time_unit="ms" if ms else "s",
+        stage_time=tuple(t * (1e3 if ms else 1.0) for t in times_s),
     )
+
+
+def plot_plan(plan: ParallelPlan, path: str | Path) -> None:
+    """Per-layer strategies (with a legend) and per-stage memory/time bars (needs matplotlib)."""
+    check_plot_support()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    layout = plot_layout(plan)
+    fig, axes = plt.subplots(3, 1, figsize=(10, 8), constrained_layout=True)
+    fig.suptitle(layout.title)
+    axes[0].bar(range(len(plan.layers)), [1] * len(plan.layers), color=layout.layer_colors,
+                width=1.0)
     for start, _ in plan.stages[1:]:
         axes[0].axvline(start - 0.5, color="black")
-    axes[0].set_title(
-        "strategy per layer: " + "; ".join(f"C{i % 10}={n}" for i, n in enumerate(names)),
-        fontsize=8,
-    )
+    handles = [Patch(color=c, label=n) for c, n in layout.legend]
+    handles.append(Line2D([], [], color="black", label="stage boundary"))
+    axes[0].legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    axes[0].set_title("strategy per layer", fontsize=10)
     axes[0].set_yticks([])
-    axes[0].set_xlabel("layer (black lines: stage boundaries)")
-    pred = plan.prediction
-    if pred is not None:
-        axes[1].bar(range(plan.pp), pred.stage_peak_memory_gib)
-        if plan.cluster is not None:
-            axes[1].axhline(plan.cluster.memory_gib, color="red", linestyle="--")
-        axes[1].set_ylabel("peak GiB")
-        axes[2].bar(range(plan.pp), pred.stage_time_s)
-        axes[2].set_ylabel("busy s / iteration")
+    axes[0].set_xlabel("layer")
+    if layout.stage_memory:
+        bars = axes[1].bar(range(plan.pp), layout.stage_memory, label="predicted peak")
+        axes[1].bar_label(bars, fmt="%.3g", fontsize=8)
+        if layout.memory_limit is not None:
+            if layout.memory_limit <= layout.memory_ylim:
+                axes[1].axhline(layout.memory_limit, color="red", linestyle="--",
+                                label=layout.memory_limit_label)
+            else:
+                axes[1].plot([], [], color="red", linestyle="--", label=layout.memory_limit_label)
+        axes[1].set_ylim(0, layout.memory_ylim)
+        axes[1].set_ylabel(f"peak {layout.memory_unit}")
+        axes[1].set_title("predicted peak memory per stage", fontsize=10)
+        axes[1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+        bars = axes[2].bar(range(plan.pp), layout.stage_time)
+        axes[2].bar_label(bars, fmt="%.3g", fontsize=8)
+        axes[2].margins(y=0.15)
+        axes[2].set_ylabel(f"busy {layout.time_unit} / iteration")
+        axes[2].set_title("predicted busy time per stage", fontsize=10)
         axes[2].set_xlabel("pipeline stage")
         for ax in axes[1:]:
             ax.set_xticks(range(plan.pp))
