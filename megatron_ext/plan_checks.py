@@ -2,6 +2,12 @@
 
 Kept apart from plan.py so the rules read as a list. Errors name layers as `layers[7]` or
 `layers[8:16]` (global, zero-based, half-open), the same indexing the JSON ranges use.
+
+This is the one validity check: every plan is checked here when it is built (so `validate`,
+`args`, `plan-from-args` and the runtime, which all load or build a ParallelPlan, refuse the same
+plans), and the rules that do not need a whole plan are public so the search and the Megatron
+flag checks apply them to their inputs before any work (`check_sequence`,
+`vocab_parallel_split`): no command accepts what another refuses.
 """
 
 from __future__ import annotations
@@ -12,6 +18,42 @@ from megatron_ext.errors import PlanError
 
 if TYPE_CHECKING:
     from megatron_ext.plan import LayerStrategy, ParallelPlan
+
+
+def check_sequence(
+    seq_length: int,
+    max_position_embeddings: int,
+    *,
+    seq_name: str = "seq_length",
+    max_name: str = "model.max_position_embeddings",
+) -> None:
+    """Megatron-LM's validate_args asserts max_position_embeddings >= seq_length for every
+    position embedding type, rope included (megatron/training/arguments.py, core_v0.16.1)."""
+    if seq_length > max_position_embeddings:
+        raise PlanError(
+            f"{seq_name}={seq_length} exceeds {max_name}={max_position_embeddings}; Megatron-LM "
+            f"requires --max-position-embeddings >= --seq-length: raise {max_name} or lower "
+            f"{seq_name}"
+        )
+
+
+def vocab_parallel_split(
+    *, stage_width: int, vocab_tp: int, micro_batch_size: int, seq_length: int
+) -> tuple[int, int]:
+    """(dp, seq) of the vocabulary passes under vocab.mode vocab_parallel: the stage_width /
+    vocab_tp ranks beside each tensor-parallel group split the micro-batch as far as it goes
+    (dp) and the sequence for the rest (seq); runtime/vocab/layout.py builds its layout from
+    this. PlanError when the sequence does not split."""
+    rest = stage_width // vocab_tp
+    dp = max(d for d in range(1, rest + 1) if rest % d == 0 and micro_batch_size % d == 0)
+    seq = rest // dp
+    if seq_length % seq:
+        raise PlanError(
+            f"seq_length={seq_length} cannot be split over the {seq} vocabulary replicas "
+            f"that micro_batch_size={micro_batch_size} leaves; use a micro-batch size that "
+            f"is a multiple of {rest} or a seq_length divisible by {seq}"
+        )
+    return dp, seq
 
 
 def check_plan(plan: ParallelPlan) -> None:
@@ -115,13 +157,7 @@ def _check_batch(plan: ParallelPlan) -> None:
                 "micro_batch_size counts samples over all data-parallel replicas: use a multiple "
                 f"of {s.dp}"
             )
-    if plan.model.position_embedding == "learned_absolute" and (
-        plan.seq_length > plan.model.max_position_embeddings
-    ):
-        raise PlanError(
-            f"seq_length={plan.seq_length} exceeds model.max_position_embeddings="
-            f"{plan.model.max_position_embeddings} of the learned position embedding"
-        )
+    check_sequence(plan.seq_length, plan.model.max_position_embeddings)
 
 
 def _check_vocab(plan: ParallelPlan) -> None:
@@ -133,6 +169,13 @@ def _check_vocab(plan: ParallelPlan) -> None:
         raise PlanError(
             "vocab.mode='vocab_parallel' needs pp > 1 (it spreads the vocabulary over pipeline "
             "stages); use mode 'tp' with pp=1"
+        )
+    if plan.vocab.mode == "vocab_parallel":
+        vocab_parallel_split(
+            stage_width=plan.stage_width,
+            vocab_tp=plan.vocab.tp,
+            micro_batch_size=plan.micro_batch_size,
+            seq_length=plan.seq_length,
         )
 
 

@@ -136,9 +136,11 @@ def _nodes(args: argparse.Namespace) -> int:
 
 
 def _cost_model(args: argparse.Namespace, model: ModelSpec):
+    from megatron_ext.plan_checks import check_sequence
     from megatron_ext.planner.cost.model import CostModel
     from megatron_ext.planner.training import TrainingSpec
 
+    check_sequence(args.seq_length, model.max_position_embeddings, seq_name="--seq-length")
     training = TrainingSpec(
         global_batch_size=args.global_batch_size,
         seq_length=args.seq_length,

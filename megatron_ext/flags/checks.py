@@ -15,6 +15,7 @@ import logging
 
 from megatron_ext.errors import PlanError
 from megatron_ext.flags.to_plan import data_parallel_size, stage_sizes
+from megatron_ext.plan_checks import check_sequence
 
 logger = logging.getLogger(__name__)
 
@@ -93,10 +94,12 @@ def _check_model(ns: argparse.Namespace, derived: set[str]) -> None:
             f"--position-embedding-type {ns.position_embedding_type} is a Megatron setting "
             "megatron_ext does not support yet; use rope or learned_absolute"
         )
-    if ns.seq_length is not None and ns.seq_length > ns.max_position_embeddings:
-        raise PlanError(
-            f"--max-position-embeddings={ns.max_position_embeddings} must be >= --seq-length="
-            f"{ns.seq_length} (Megatron-LM requires it)"
+    if ns.seq_length is not None:
+        check_sequence(
+            ns.seq_length,
+            ns.max_position_embeddings,
+            seq_name="--seq-length",
+            max_name="--max-position-embeddings",
         )
 
 

@@ -94,13 +94,8 @@ def megatron_values(plan: ParallelPlan) -> MegatronView:
 
 
 def plan_to_megatron_args(plan: ParallelPlan, *, plan_path: str | None = None) -> MegatronArgs:
-    """Megatron-LM flags for `plan`; `plan_path` is printed after --strategy-config if needed."""
-    if plan.seq_length > plan.model.max_position_embeddings:
-        raise PlanError(
-            f"seq_length={plan.seq_length} exceeds model.max_position_embeddings="
-            f"{plan.model.max_position_embeddings}; Megatron-LM requires --max-position-embeddings "
-            ">= --seq-length: raise model.max_position_embeddings"
-        )
+    """Megatron-LM flags for `plan`; `plan_path` is printed after --strategy-config if needed.
+    (Building `plan` ran plan_checks.check_plan, Megatron-LM's own rules on its fields included.)"""
     view = megatron_values(plan)
     values = {k: v for k, v in view.values.items() if v is not PLAN_ONLY}
     if view.reasons:

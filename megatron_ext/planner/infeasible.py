@@ -64,7 +64,11 @@ def min_allocated_bytes(cm) -> float:
             transient = costs.transient_bytes[order]
             m = t.global_batch_size // mbs
             options = vocab_options(
-                width=width, pp=pp, gpus_per_node=cluster.gpus_per_node, training=t
+                width=width,
+                pp=pp,
+                gpus_per_node=cluster.gpus_per_node,
+                training=t,
+                micro_batch_size=mbs,
             )
             for vocab in options:
                 ex = stage_extras(cm, vocab, pp, mbs, m, vocab_zero=1)

@@ -36,6 +36,7 @@ import numpy as np
 
 from megatron_ext.errors import InfeasiblePlanError
 from megatron_ext.plan import ParallelPlan, VocabStrategy
+from megatron_ext.plan_checks import check_sequence
 from megatron_ext.planner.bounds import combo_bound
 from megatron_ext.planner.cost.evaluate import Evaluation
 from megatron_ext.planner.cost.model import CostModel, LayerCosts
@@ -105,7 +106,11 @@ class _Combo:
 def search(
     cm: CostModel, *, options: SearchOptions = SearchOptions(), progress: Progress | None = None
 ) -> SearchResult:
-    """Find the fastest layout that fits; raises InfeasiblePlanError if none does."""
+    """Find the fastest layout that fits; raises InfeasiblePlanError if none does, PlanError
+    (before any work) if the inputs break a rule every plan must keep."""
+    check_sequence(
+        cm.training.seq_length, cm.model.max_position_embeddings, seq_name="--seq-length"
+    )
     start = time.perf_counter()
     stats = {"combos": 0, "combos_pruned": 0, "dp_runs": 0, "exact_evaluations": 0}
     uniform = search_uniform(cm, progress=progress)
@@ -280,7 +285,11 @@ def _solve_combo(
     table, costs = combo.table.subset(keep), _take(combo.costs, keep)
     objective = objective_all[keep]
     vocabs = vocab_options(
-        width=cm.cluster.num_gpus // pp, pp=pp, gpus_per_node=cm.cluster.gpus_per_node, training=t
+        width=cm.cluster.num_gpus // pp,
+        pp=pp,
+        gpus_per_node=cm.cluster.gpus_per_node,
+        training=t,
+        micro_batch_size=mbs,
     )
     extras = [stage_extras(cm, v, pp, mbs, m, vocab_zero=1) for v in vocabs]
     n_hi = model.num_layers - pp + 1

@@ -31,7 +31,9 @@ from itertools import product
 
 import numpy as np
 
+from megatron_ext.errors import PlanError
 from megatron_ext.plan import LayerStrategy, VocabStrategy
+from megatron_ext.plan_checks import vocab_parallel_split
 from megatron_ext.planner.cost.memory import RECOMPUTE_CODES
 from megatron_ext.planner.training import TrainingSpec
 from megatron_ext.specs import ModelSpec
@@ -231,17 +233,29 @@ def vocab_options(
     pp: int,
     gpus_per_node: int,
     training: TrainingSpec,
+    micro_batch_size: int,
     uniform_tp: int | None = None,
 ) -> list[VocabStrategy]:
     """Vocabulary layouts: tensor-parallel on the first/last stage (any tp inside a node), or
-    vocabulary parallelism over all pp x tp ranks when pp > 1 and allowed. uniform_tp pins
+    vocabulary parallelism over all pp x tp ranks when pp > 1, allowed, and the sequence splits
+    over its replicas (plan_checks.vocab_parallel_split, the plan's own rule). uniform_tp pins
     Megatron's choice (vocabulary tp = layer tp, never vocabulary parallel)."""
     if uniform_tp is not None:
         return [VocabStrategy(mode="tp", tp=uniform_tp)]
     tps = [t for t in divisors(width) if t <= gpus_per_node]
     out = [VocabStrategy(mode="tp", tp=t) for t in tps]
     if pp > 1 and training.allow_vocab_parallel:
-        out += [VocabStrategy(mode="vocab_parallel", tp=t, algorithm=1) for t in tps]
+        for t in tps:
+            try:
+                vocab_parallel_split(
+                    stage_width=width,
+                    vocab_tp=t,
+                    micro_batch_size=micro_batch_size,
+                    seq_length=training.seq_length,
+                )
+            except PlanError:
+                continue
+            out.append(VocabStrategy(mode="vocab_parallel", tp=t, algorithm=1))
     return out
 
 

@@ -153,7 +153,11 @@ def oracle(cm) -> OracleLayout | None:
             switch = cm.transition_s(table, mbs)
             m = t.global_batch_size // mbs
             for vocab in vocab_options(
-                width=width, pp=pp, gpus_per_node=cluster.gpus_per_node, training=t
+                width=width,
+                pp=pp,
+                gpus_per_node=cluster.gpus_per_node,
+                training=t,
+                micro_batch_size=mbs,
             ):
                 (_pp1 if pp == 1 else _pp2)(cm, table, costs, switch, mbs, m, vocab, best)
     return best[0] if math.isfinite(best[0].iteration_s) else None

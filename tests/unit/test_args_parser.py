@@ -98,7 +98,7 @@ def test_unknown_and_unsupported_flags(flags: list[str], message: str) -> None:
         (["--group-query-attention", "--num-query-groups", "3"], None,
          "--num-query-groups=3 does not divide --num-attention-heads=4"),
         (["--seq-length", "512"], None,
-         "--max-position-embeddings=256 must be >= --seq-length=512"),
+         "--seq-length=512 exceeds --max-position-embeddings=256"),
         (["--context-parallel-size", "2", "--seq-length", "66"], None,
          "--seq-length=66 must be a multiple of 2 x --context-parallel-size=4"),
         (["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p"], None,

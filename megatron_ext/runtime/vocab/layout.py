@@ -15,8 +15,8 @@ body re-layouts from / to it (runtime/redistribute.py).
 
 from __future__ import annotations
 
-from megatron_ext.errors import PlanError
 from megatron_ext.plan import ParallelPlan
+from megatron_ext.plan_checks import vocab_parallel_split
 from megatron_ext.runtime.layout import Layout
 
 __all__ = ["vocab_parallel_layout", "vocab_stage_roots"]
@@ -25,17 +25,13 @@ __all__ = ["vocab_parallel_layout", "vocab_stage_roots"]
 def vocab_parallel_layout(plan: ParallelPlan) -> Layout:
     """Layout of the summed input embedding (first stage), the final-norm output (last stage)
     and the vocabulary weights' replicas (every stage)."""
-    vtp = plan.vocab.tp
-    rest = plan.stage_width // vtp
-    dp = max(d for d in range(1, rest + 1) if rest % d == 0 and plan.micro_batch_size % d == 0)
-    seq = rest // dp
-    if plan.seq_length % seq:
-        raise PlanError(
-            f"seq_length={plan.seq_length} cannot be split over the {seq} vocabulary replicas "
-            f"that micro_batch_size={plan.micro_batch_size} leaves; use a micro-batch size that "
-            f"is a multiple of {rest} or a seq_length divisible by {seq}"
-        )
-    return Layout(tp=vtp, sp=False, seq=seq, dp=dp)
+    dp, seq = vocab_parallel_split(
+        stage_width=plan.stage_width,
+        vocab_tp=plan.vocab.tp,
+        micro_batch_size=plan.micro_batch_size,
+        seq_length=plan.seq_length,
+    )
+    return Layout(tp=plan.vocab.tp, sp=False, seq=seq, dp=dp)
 
 
 def vocab_stage_roots(plan: ParallelPlan) -> tuple[int, int]:
