@@ -332,6 +332,11 @@ REFUSED: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("--skip-train",), "evaluation-only runs", "drop it"),
     (("--num-distributed-optimizer-instances",), "several distributed-optimizer instances",
      "use 1"),
+    (("--use-megatron-fsdp",), "Megatron FSDP", "use --use-torch-fsdp2 or a plan with zero=3"),
+    (("--ckpt-format",), "checkpoint formats other than torch_dist",
+     "use torch_dist (the format that reshards across plans)"),
+    (("--rotary-seq-len-interpolation-factor",), "RoPE sequence-length interpolation",
+     "drop it, or --use-rope-scaling for Llama 3 scaling"),
 )
 REFUSED_PREFIXES: tuple[tuple[str, str, str], ...] = (
     ("--moe-", "mixture of experts (MoE)", _DENSE),

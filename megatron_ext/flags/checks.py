@@ -3,9 +3,10 @@ core_v0.16.1) and `TransformerConfig.__post_init__`, plus megatron_ext's own lim
 
 Each failed rule is a one-line PlanError naming the flags. Derived defaults are filled in as
 Megatron-LM fills them (ffn_hidden_size, kv_channels, global_batch_size) and listed in
-`ns.derived_args`. Where Megatron-LM silently ignores a flag (--num-query-groups without
---group-query-attention, --recompute-method without --recompute-granularity), megatron_ext refuses
-it instead; where Megatron-LM warns and corrects (--sequence-parallel at tp=1) it does the same.
+`ns.derived_args`. Where Megatron-LM silently ignores a flag, megatron_ext ignores it too and
+says so (--recompute-method without --recompute-granularity) or refuses it (--num-query-groups
+without --group-query-attention); where Megatron-LM warns and corrects (--sequence-parallel at
+tp=1) it does the same.
 """
 
 from __future__ import annotations
@@ -89,6 +90,11 @@ def _check_model(ns: argparse.Namespace, derived: set[str]) -> None:
             )
         ns.kv_channels = ns.hidden_size // heads
         derived.add("kv_channels")
+    if not ns.add_position_embedding and ns.position_embedding_type != "rope":
+        raise PlanError("--no-position-embedding is deprecated, use --position-embedding-type "
+                        "(Megatron-LM accepts it only with rope)")
+    if ns.apply_query_key_layer_scaling:  # Megatron-LM's validate_args does the same
+        ns.attention_softmax_in_fp32 = True
     if ns.position_embedding_type not in ("rope", "learned_absolute"):
         raise PlanError(
             f"--position-embedding-type {ns.position_embedding_type} is a Megatron setting "
@@ -160,10 +166,11 @@ def _check_recompute(ns: argparse.Namespace) -> None:
     granularity, method, count = (ns.recompute_granularity, ns.recompute_method,
                                   ns.recompute_num_layers)
     if granularity is None and (method is not None or count is not None):
-        raise PlanError(
-            "--recompute-method/--recompute-num-layers have no effect without "
-            "--recompute-granularity full; add it"
-        )
+        # Megatron-LM's validate_args and TransformerConfig only read them under full recompute
+        logger.warning("--recompute-method/--recompute-num-layers are ignored without "
+                       "--recompute-granularity full, as Megatron-LM ignores them")
+        ns.recompute_method = ns.recompute_num_layers = None
+        return
     if granularity == "selective" and (method is not None or count is not None):
         raise PlanError(
             "--recompute-granularity selective takes no --recompute-method or "

@@ -4,9 +4,14 @@ Flag names, dests, defaults and choices follow Megatron-LM core_v0.16.1
 `megatron/training/arguments.py`, so a Megatron launch script works unchanged with
 megatron_ext's pretrain_gpt.py; cross-flag rules Megatron-LM enforces in `validate_args` and
 `TransformerConfig.__post_init__` are checked in flags/checks.py. megatron_ext adds
---strategy-config, --vocab-parallel, --flexsp and --cpu. Every problem is a one-line PlanError
-that names the flag: unknown flags, flags Megatron-LM has but megatron_ext does not support
-yet, bad values and inconsistent combinations. Nothing here imports megatron.
+--strategy-config, --vocab-parallel, --flexsp and --cpu.
+
+The groups below define the honoured flags with their real types. Every other Megatron-LM flag
+is added from flags/catalog.py's table (Megatron's dest, nargs and default; values kept as text)
+and then either noted as having no effect here (`ns.no_effect_notes`, logged once by
+pretrain_gpt.py) or refused when given a value other than Megatron-LM's default. Every problem
+is a one-line PlanError that names the flag: strings that are not Megatron flags, refused
+flags, bad values and inconsistent combinations. Nothing here imports megatron.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from megatron_ext.flags.checks import (
     apply_aliases,
     validate_megatron_args,
 )
-from megatron_ext.flags.table import is_unsupported_megatron_flag
+from megatron_ext.flags.catalog import Entry, catalog, check_unhonoured, megatron_flags
 from megatron_ext.flags.to_plan import (
     apply_strategy_config,
     plan_from_megatron_args,
@@ -47,6 +52,12 @@ def positive_int(text: str) -> int:
 
 
 def build_megatron_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
+    parser = _honoured_parser(prog)
+    _add_unhonoured(parser, honoured_options())
+    return parser
+
+
+def _honoured_parser(prog: str) -> argparse.ArgumentParser:
     parser = MegatronArgumentParser(
         prog=prog, allow_abbrev=False,
         description="Megatron-LM pretrain_gpt.py arguments accepted by megatron_ext",
@@ -57,6 +68,42 @@ def build_megatron_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentPar
     add_training_groups(parser)
     _add_megatron_ext(parser)
     return parser
+
+
+def honoured_options() -> frozenset[str]:
+    """Option strings the parser defines with their meaning (catalog.py may still refuse some
+    of them until the training path implements them)."""
+    global _HONOURED
+    if _HONOURED is None:
+        parser = _honoured_parser("pretrain_gpt.py")
+        _HONOURED = frozenset(o for a in parser._actions for o in a.option_strings)
+    return _HONOURED
+
+
+_HONOURED: frozenset[str] | None = None
+
+
+def flag_catalog() -> dict[str, Entry]:
+    """Every Megatron-LM option -> its class (honoured, no effect here, refused)."""
+    return catalog(honoured_options())
+
+
+def _add_unhonoured(parser: argparse.ArgumentParser, honoured: frozenset[str]) -> None:
+    """Megatron-LM's other flags, so that they parse; catalog.py decides what each one does."""
+    g = parser.add_argument_group(
+        "other Megatron-LM flags: no effect here, or refused unless given their default "
+        "(megatron-ext args --flags lists each one's class)")
+    for option, flag in megatron_flags().items():
+        if option in honoured:
+            continue
+        default = flag.default_value()
+        if flag.nargs == 0:
+            const = (not default) if isinstance(default, bool) else True
+            g.add_argument(option, dest=flag.dest, action="store_const", const=const,
+                           default=default, help=argparse.SUPPRESS)
+        else:
+            g.add_argument(option, dest=flag.dest, nargs=flag.nargs, default=default,
+                           help=argparse.SUPPRESS)
 
 
 def parse_megatron_args(
@@ -81,6 +128,8 @@ def parse_megatron_args(
     explicit.set_defaults(**dict.fromkeys(vars(ns), unset))
     given = vars(explicit.parse_known_args(argv)[0])
     ns.explicit_args = frozenset(dest for dest, value in given.items() if value is not unset)
+    ns.no_effect_notes = tuple(entry.note()
+                               for entry in check_unhonoured(ns, argv, flag_catalog()))
     apply_aliases(ns)
     if ns.strategy_config is not None:
         apply_strategy_config(ns, parser, world_size=world_size)
@@ -92,8 +141,6 @@ def _unknown_message(extra: list[str]) -> str:
     for token in extra:
         if token.startswith("-") and not _is_number(token):
             flag = token.split("=", 1)[0]
-            if is_unsupported_megatron_flag(flag):
-                return f"{flag} is a Megatron flag megatron_ext does not support yet"
             return (
                 f"{flag} is not a Megatron flag megatron_ext accepts; check the spelling "
                 "(pretrain_gpt.py --help lists them)"
@@ -129,15 +176,22 @@ def _add_model(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--rotary-percent", type=float, default=1.0)
     g.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None)
+    g.add_argument("--no-position-embedding", action="store_false",
+                   dest="add_position_embedding",
+                   help="deprecated: only valid with --position-embedding-type rope")
     g.add_argument("--use-rope-scaling", action="store_true", help="Llama 3.x rope scaling")
     g.add_argument("--rope-scaling-factor", type=float, default=8.0)
     g.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128)
     g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--norm-epsilon", type=float, default=1e-5, dest="layernorm_epsilon")
     g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP instead of GeLU")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     g.add_argument("--add-qkv-bias", action="store_true", dest="add_qkv_bias")
+    g.add_argument("--qk-layernorm", action="store_true", help="norm on queries and keys")
+    g.add_argument("--apply-query-key-layer-scaling", action="store_true",
+                   help="scale Q.K by the layer number (fp16 headroom); implies "
+                   "--attention-softmax-in-fp32")
     g.add_argument("--vocab-size", type=positive_int, default=None,
                    help="vocabulary before padding; Megatron-LM reads it with NullTokenizer")
 

@@ -90,7 +90,7 @@ def _add_run_length(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-duration-in-mins", type=int, default=None)
     g.add_argument("--eval-iters", type=int, default=100)
-    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-interval", type=int, default=None)
     g.add_argument("--skip-train", action="store_true", default=False)
 
 
@@ -108,7 +108,7 @@ def _add_checkpointing(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--ckpt-format", default="torch_dist",
                    choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"])
     g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true")
-    g.add_argument("--async-save", action="store_true", default=None)
+    g.add_argument("--async-save", action="store_true", default=False)
 
 
 def _add_data(parser: argparse.ArgumentParser) -> None:

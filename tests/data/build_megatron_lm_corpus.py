@@ -12,7 +12,8 @@ source passes to its training script:
   shell does.
 - functional tests (tests/functional_tests/test_cases/gpt/*/model_config.yaml): MODEL_ARGS turned
   into flags by the rules of tests/functional_tests/shell_test_utils/_run_training.sh (true: the
-  bare flag; "": left out; a list: its items; a value with spaces or parentheses: one token),
+  bare flag; "": left out; a list or a "[a b]" string: its items; any other value with spaces
+  or parentheses: one token),
   with the ${...} paths the CI recipe sets. The training script comes from the CI recipes
   (tests/test_utils/recipes/*/gpt*.yaml, TRAINING_SCRIPT_PATH).
 """
@@ -37,6 +38,7 @@ CI_PATHS = {
     "TENSORBOARD_PATH": "/workspace/output/tensorboard",
     "CHECKPOINT_SAVE_PATH": "/workspace/checkpoints",
     "CHECKPOINT_LOAD_PATH": "/mnt/artifacts/",
+    "REPEAT": "1",  # the runner's repeat counter
 }
 
 
@@ -102,6 +104,9 @@ def functional_argv(pairs) -> list[str]:
             argv.append(key)
         elif value == "":
             continue
+        elif re.fullmatch(r"\[[^]]+\]", value):  # "[2 2]": brackets stripped, words split
+            argv.append(key)
+            argv.extend(_expand(value[1:-1]).split())
         else:
             argv.extend([key, _expand(value)])
     return argv

@@ -48,9 +48,9 @@ def test_megatron_defaults() -> None:
         "hidden_dropout": 0.1, "init_method_std": 0.02, "weight_decay": 0.01, "clip_grad": 1.0,
         "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_eps": 1e-8, "lr": None, "min_lr": 0.0,
         "lr_decay_style": "linear", "lr_warmup_iters": 0, "seed": 1234, "log_interval": 100,
-        "eval_iters": 100, "eval_interval": 1000, "ckpt_format": "torch_dist",
+        "eval_iters": 100, "eval_interval": None, "ckpt_format": "torch_dist",
         "transformer_impl": "transformer_engine", "distributed_backend": "nccl",
-        "num_workers": 2, "rotary_base": 10000, "norm_epsilon": 1e-5, "global_batch_size": None,
+        "num_workers": 2, "rotary_base": 10000, "layernorm_epsilon": 1e-5, "global_batch_size": None,
         "gradient_accumulation_fusion": True, "data_parallel_sharding_strategy": "no_shard",
         "strategy_config": None, "vocab_parallel": False, "flexsp": False, "cpu": False,
     }
@@ -73,11 +73,12 @@ def test_derived_defaults_follow_megatron() -> None:
         (["--foo", "3"], "--foo is not a Megatron flag megatron_ext accepts"),
         (["--foo=3"], "--foo is not a Megatron flag megatron_ext accepts"),
         (["--tensor-model", "2"], "--tensor-model is not a Megatron flag megatron_ext accepts"),
-        (["--num-experts", "8"], "--num-experts is a Megatron flag megatron_ext does not support"),
-        (["--moe-router-topk", "2"], "--moe-router-topk is a Megatron flag megatron_ext does not"),
+        (["--num-experts", "8"], "--num-experts 8: mixture of experts (MoE) is not supported"),
+        (["--moe-router-pre-softmax"], "--moe-router-pre-softmax: mixture of experts (MoE) is "
+         "not supported"),
         (["--num-layers-per-virtual-pipeline-stage", "2"],
-         "--num-layers-per-virtual-pipeline-stage is a Megatron flag megatron_ext does not"),
-        (["--fp8-format", "hybrid"], "--fp8-format is a Megatron flag megatron_ext does not"),
+         "--num-layers-per-virtual-pipeline-stage 2: the interleaved (virtual) pipeline"),
+        (["--fp8-format", "hybrid"], "--fp8-format hybrid: fp8 / fp4 training"),
         (["stray"], "unexpected argument 'stray'"),
         (["--tensor-model-parallel-size", "0"],
          "argument --tensor-model-parallel-size: must be a positive integer, got '0'"),
@@ -105,8 +106,6 @@ def test_unknown_and_unsupported_flags(flags: list[str], message: str) -> None:
          "--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes"),
         (["--context-parallel-size", "4", "--hierarchical-context-parallel-sizes", "2", "3"],
          None, "--hierarchical-context-parallel-sizes 2 3 must multiply to"),
-        (["--recompute-method", "uniform"], None, ("--recompute-method/--recompute-num-layers have "
-         "no effect without --recompute-granularity full")),
         (["--recompute-granularity", "full"], None, ("--recompute-granularity full needs "
          "--recompute-method")),
         (["--recompute-activations", "--recompute-method", "block"], None,
@@ -130,7 +129,8 @@ def test_unknown_and_unsupported_flags(flags: list[str], message: str) -> None:
         (["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"], None,
          "--use-torch-fsdp2 needs --no-gradient-accumulation-fusion"),
         (["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"], None,
-         "--data-parallel-sharding-strategy optim_grads (ZeRO-2) is not supported yet"),
+         "--use-megatron-fsdp: Megatron FSDP is not supported by megatron_ext; use "
+         "--use-torch-fsdp2"),
         (["--overlap-param-gather"], None, ("--overlap-param-gather needs "
          "--use-distributed-optimizer")),
         (["--position-embedding-type", "none"], None, ("--position-embedding-type none is a "
@@ -186,13 +186,9 @@ def test_context_parallel_kinds_map_to_cp_and_ulysses() -> None:
 def test_zero_levels() -> None:
     fsdp2 = ("--use-torch-fsdp2", "--untie-embeddings-and-output-weights",
              "--no-gradient-accumulation-fusion")
-    megatron_fsdp = ("--use-megatron-fsdp", "--ckpt-format", "fsdp_dtensor",
-                     "--data-parallel-sharding-strategy")
     assert plan_of().layers[0].zero == 0
     assert plan_of("--use-distributed-optimizer").layers[0].zero == 1
     assert plan_of(*fsdp2).layers[0].zero == 3
-    assert plan_of(*megatron_fsdp, "optim").layers[0].zero == 1
-    assert plan_of(*megatron_fsdp, "optim_grads_params").layers[0].zero == 3
 
 
 def test_recompute_is_per_pipeline_stage() -> None:

@@ -93,7 +93,7 @@ def transformer_config(
         activation_func=F.silu if swiglu else F.gelu,
         add_bias_linear=model.add_bias_linear,
         add_qkv_bias=bool(_flag(args, "add_qkv_bias", False)),
-        layernorm_epsilon=_flag(args, "norm_epsilon", 1e-5),
+        layernorm_epsilon=_flag(args, "layernorm_epsilon", 1e-5),
         hidden_dropout=_flag(args, "hidden_dropout", 0.1),
         attention_dropout=_flag(args, "attention_dropout", 0.1),
         init_method_std=_flag(args, "init_method_std", 0.02),

@@ -89,31 +89,8 @@ def _padded_vocab(args: argparse.Namespace, plan: ParallelPlan, vocab_size: int,
     return padded_vocab_size(vocab_size, args, multiple)
 
 
-# Megatron-LM flags the parser accepts but this loop does not implement: (dest, unset value, fix).
-_UNSUPPORTED = (
-    ("train_samples", None, "use --train-iters"),
-    ("exit_duration_in_mins", None, "use --exit-interval"),
-    ("async_save", None, "drop it; saves are synchronous"),
-    ("calculate_per_token_loss", False, "drop it"),
-    ("skip_train", False, "drop it"),
-    ("lr_decay_samples", None, "use --lr-decay-iters"),
-    ("lr_wsd_decay_samples", None, "use --lr-wsd-decay-iters"),
-    ("num_distributed_optimizer_instances", 1, "drop it"),
-    ("use_megatron_fsdp", False, "use --use-torch-fsdp2 or a plan with zero=3"),
-)
-
-
 def check_supported(args: argparse.Namespace) -> None:
-    for dest, unset, fix in _UNSUPPORTED:
-        value = getattr(args, dest, unset)
-        if value is not None and value != unset:
-            raise PlanError(f"--{dest.replace('_', '-')}={value} is not supported by "
-                            f"megatron_ext's pretrain_gpt.py; {fix}")
-    if getattr(args, "lr_warmup_samples", 0):
-        raise PlanError("--lr-warmup-samples is not supported; use --lr-warmup-iters")
-    if getattr(args, "ckpt_format", "torch_dist") != "torch_dist":
-        raise PlanError(f"--ckpt-format={args.ckpt_format} is not supported; use torch_dist "
-                        "(the only format that reshards across plans)")
+    """What this loop needs beyond the flag table (flags/catalog.py refuses what it lacks)."""
     if not getattr(args, "train_iters", None):
         raise PlanError("--train-iters is required")
     if getattr(args, "lr", None) is None:
@@ -185,6 +162,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     init_distributed(args)
     if dist.get_rank() != 0:  # megatron-core's INFO lines (DDP buckets, ...) once, not per rank
         logging.getLogger("megatron.core").setLevel(logging.WARNING)
+    else:
+        for note in args.no_effect_notes:  # flags/catalog.py: accepted, once, with the reason
+            logger.info(note)
     try:
         tokenizer = tokenizer_from_args(args)
         plan = plan_from_megatron_args(args, dist.get_world_size(),

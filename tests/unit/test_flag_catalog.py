@@ -1,0 +1,134 @@
+"""The flag table (flags/catalog.py) against Megatron-LM core_v0.16.1's own parser listing.
+
+megatron_ext/flags/megatron_lm_core_v0.16.1_flags.json lists every option of Megatron-LM's
+`megatron/training/arguments.py` with its dest and default. Every option must have exactly one
+class; every honoured option must be parsed with Megatron-LM's dest and default; no Megatron-LM
+option may be called "not a Megatron flag"; refused options fail in one line naming the option.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from megatron_ext.errors import PlanError
+from megatron_ext.flags.catalog import class_sizes, megatron_flags
+from megatron_ext.flags.parser import build_megatron_parser, flag_catalog, parse_megatron_args
+from megatron_ext.flags.table import EMIT_TABLE
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--max-position-embeddings", "128", "--seq-length", "128", "--micro-batch-size", "1"]
+
+
+def _parser_actions():
+    parser = build_megatron_parser()
+    return {o: a for a in parser._actions for o in a.option_strings}
+
+
+def test_every_megatron_flag_has_exactly_one_class():
+    table = flag_catalog()
+    assert set(table) == set(megatron_flags())
+    assert {e.kind for e in table.values()} == {"honoured", "no_effect", "refused"}
+    sizes = class_sizes(table)
+    assert sum(sizes.values()) == len(megatron_flags()) == 682
+    for entry in table.values():
+        if entry.kind != "honoured":
+            assert entry.reason, entry.flag.option
+        if entry.kind == "refused":
+            assert entry.instead, entry.flag.option
+
+
+def _megatron_default(text: str):
+    enum = re.fullmatch(r"<\w+\.(\w+): .*>", text)  # <AttnBackend.auto: 5> -> 'auto'
+    return repr(enum.group(1)) if enum else text
+
+
+def test_honoured_flags_have_megatron_dest_and_default():
+    actions = _parser_actions()
+    for option, entry in flag_catalog().items():
+        if entry.kind != "honoured":
+            continue
+        action = actions[option]
+        assert action.dest == entry.flag.dest, option
+        assert repr(action.default) == _megatron_default(entry.flag.default), option
+
+
+def _with_value(entry) -> list[str]:
+    flag = entry.flag
+    if flag.nargs == 0:
+        return [flag.option]
+    choices = _parser_actions()[flag.option].choices
+    if choices:  # a refused value among the parser's choices
+        return [flag.option, next(c for c in choices if c != flag.default_value())]
+    return [flag.option] + ["3"] * (flag.nargs if isinstance(flag.nargs, int) else 1)
+
+
+def test_no_effect_flags_parse_and_are_noted():
+    entries = [e for o, e in flag_catalog().items()
+               if e.kind == "no_effect" and o not in ("-h", "--help")]
+    ns = parse_megatron_args(BASE + [token for e in entries for token in _with_value(e)])
+    assert set(ns.no_effect_notes) == {e.note() for e in entries}
+
+
+def test_refused_flags_fail_in_one_line_naming_the_flag():
+    for option, entry in flag_catalog().items():
+        if entry.kind != "refused":
+            continue
+        argv = BASE + _with_value(entry)
+        if str(entry.flag.default_value()) in ("3", "3.0"):
+            parse_megatron_args(argv)  # given its default: nothing to refuse
+            continue
+        with pytest.raises(PlanError) as err:
+            parse_megatron_args(argv)
+        message = str(err.value)
+        assert message.startswith(option) and "\n" not in message, message
+        assert "not a Megatron flag" not in message
+
+
+def test_refused_flag_given_its_default_passes():
+    parse_megatron_args(BASE + ["--expert-model-parallel-size", "1", "--moe-router-topk", "2",
+                                "--main-grads-dtype", "fp32", "--ckpt-format", "torch_dist"])
+
+
+def test_refusal_names_feature_and_what_to_use():
+    with pytest.raises(PlanError, match=r"^--num-experts 8: mixture of experts \(MoE\) is not "
+                       r"supported by megatron_ext; "):
+        parse_megatron_args(BASE + ["--num-experts", "8"])
+    with pytest.raises(PlanError, match=r"^--fp8-format hybrid: fp8 .* use --bf16 or --fp16"):
+        parse_megatron_args(BASE + ["--fp8-format", "hybrid"])
+
+
+def test_only_strings_outside_the_file_are_not_megatron_flags():
+    with pytest.raises(PlanError, match="--num-layer is not a Megatron flag"):
+        parse_megatron_args(BASE + ["--num-layer", "3"])
+
+
+def test_no_effect_flags_are_noted_once_with_their_reason():
+    ns = parse_megatron_args(BASE + ["--log-num-zeros-in-grad", "--manual-gc",
+                                     "--dist-ckpt-strictness", "log_all"])
+    assert len(ns.no_effect_notes) == 3
+    assert ns.no_effect_notes[0].startswith("--log-num-zeros-in-grad has no effect here: ")
+
+
+def test_emitted_flags_are_honoured():
+    table = flag_catalog()
+    for _, _, flag, _ in EMIT_TABLE:
+        if flag in table:
+            assert table[flag].kind == "honoured", flag
+
+
+def test_recompute_method_without_full_granularity_is_ignored_as_megatron_does():
+    ns = parse_megatron_args(BASE + ["--recompute-method", "uniform",
+                                     "--recompute-num-layers", "1"])
+    assert ns.recompute_granularity is None and ns.recompute_method is None
+    with pytest.raises(PlanError, match="selective takes no --recompute-method"):
+        parse_megatron_args(BASE + ["--recompute-activations", "--recompute-method", "uniform"])
+
+
+def test_no_position_embedding_only_with_rope():
+    ns = parse_megatron_args(BASE + ["--position-embedding-type", "rope",
+                                     "--no-position-embedding"])
+    assert not ns.add_position_embedding
+    with pytest.raises(PlanError, match="--no-position-embedding is deprecated"):
+        parse_megatron_args(BASE + ["--no-position-embedding"])
