@@ -20,11 +20,11 @@ import argparse
 from collections.abc import Sequence
 
 from megatron_ext.errors import PlanError
+from megatron_ext.flags.catalog import Entry, catalog, check_unhonoured, megatron_flags
 from megatron_ext.flags.checks import (
     apply_aliases,
     validate_megatron_args,
 )
-from megatron_ext.flags.catalog import Entry, catalog, check_unhonoured, megatron_flags
 from megatron_ext.flags.to_plan import (
     apply_strategy_config,
     plan_from_megatron_args,

@@ -118,7 +118,8 @@ def recipe_scripts(repo: str, tag: str) -> dict[str, str]:
         recipe = yaml.safe_load(git(repo, "show", f"{tag}:{path}"))
         if not isinstance(recipe, dict) or recipe.get("spec", {}).get("model") != "gpt":
             continue
-        match = re.search(r'TRAINING_SCRIPT_PATH=\\?"?([^"\s]+(?: [^"\s]+)*)', recipe["spec"]["script"])
+        match = re.search(r'TRAINING_SCRIPT_PATH=\\?"?([^"\s]+(?: [^"\s]+)*)',
+                          recipe["spec"]["script"])
         for product in recipe.get("products", []):
             for case in product.get("test_case", []):
                 scripts.setdefault(case, match.group(1) if match else "?")

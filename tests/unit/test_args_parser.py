@@ -50,7 +50,8 @@ def test_megatron_defaults() -> None:
         "lr_decay_style": "linear", "lr_warmup_iters": 0, "seed": 1234, "log_interval": 100,
         "eval_iters": 100, "eval_interval": None, "ckpt_format": "torch_dist",
         "transformer_impl": "transformer_engine", "distributed_backend": "nccl",
-        "num_workers": 2, "rotary_base": 10000, "layernorm_epsilon": 1e-5, "global_batch_size": None,
+        "num_workers": 2, "rotary_base": 10000, "layernorm_epsilon": 1e-5,
+        "global_batch_size": None,
         "gradient_accumulation_fusion": True, "data_parallel_sharding_strategy": "no_shard",
         "strategy_config": None, "vocab_parallel": False, "flexsp": False, "cpu": False,
     }
