@@ -53,12 +53,20 @@ def one_f_one_b(
     optimizer_s: np.ndarray,
     num_microbatches: int,
     overlap_slowdown: float = OVERLAP_SLOWDOWN,
+    virtual_stages: int = 1,
 ) -> PipelineTime:
-    """Iteration time of 1F1B over stage arrays of shape [..., p] (see the module docstring)."""
+    """Iteration time of 1F1B over stage arrays of shape [..., p] (see the module docstring).
+
+    `virtual_stages` v > 1 prices Megatron's interleaved schedule approximately (plans have no
+    virtual stages yet; tools/bench_published.py passes the degree a published run used): each
+    stage holds v chunks, so fill and drain shrink to 1/v and every micro-batch crosses v times
+    as many stage boundaries: slot_k = f_k + b_k + 2 v c_k,
+    T_pipe = sum_k slot_k / v + (m - 1/v) max_k slot_k  ((m + (p-1)/v) t for equal stages)."""
     f, b, c = np.asarray(forward_s), np.asarray(backward_s), np.asarray(p2p_s)
-    slot = f + b + 2.0 * c
-    pipe = slot.sum(axis=-1) + (num_microbatches - 1) * slot.max(axis=-1)
-    before = np.cumsum(b + c, axis=-1) - (b + c)
+    v = float(virtual_stages)
+    slot = f + b + 2.0 * v * c
+    pipe = slot.sum(axis=-1) / v + (num_microbatches - 1.0 / v) * slot.max(axis=-1)
+    before = (np.cumsum(b + c, axis=-1) - (b + c)) / v
     finish = pipe[..., None] - before
     tail = gradient_tail_s(f, b, grad_sync_s, param_gather_s, optimizer_s, overlap_slowdown)
     iteration = (finish + tail).max(axis=-1)
