@@ -26,6 +26,8 @@ What the rows do not state is filled in by fixed rules (no per-row choice):
   - flash attention only where the source says so (MosaicML); sources from 2020-2022 without
     it keep the attention scores unless recomputed;
   - dropout on (Megatron's 0.1) except MosaicML MPT (dropout 0);
+  - DeepSpeed ZeRO-3 rows hold at most DeepSpeed's default 1e9 gathered parameters
+    (stage3_max_live_parameters), FSDP rows two whole layers;
   - Megatron rows keep plain DDP (zero=0, the 2020-2022 code had no distributed optimizer in
     these runs); DeepSpeed ZeRO-3 and PyTorch FSDP FULL_SHARD rows are zero=3.
 """
@@ -36,7 +38,6 @@ import argparse
 import dataclasses
 import json
 import math
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -60,6 +61,9 @@ except ImportError:  # pragma: no cover - before the layout commit
 
 DEFAULT_DATA = "/work/shared/data/published_runs_a100.json"
 GIB = 2**30
+DEEPSPEED_MAX_LIVE_PARAMS = 1e9
+"""DeepSpeed ZeRO-3's default stage3_max_live_parameters: it gathers module by module and holds
+at most this many parameters gathered, where FSDP2 holds two whole layers."""
 
 
 # ---- row -> run description -------------------------------------------------------------
@@ -178,6 +182,8 @@ def predict(row: dict[str, Any], plan: ParallelPlan) -> dict[str, Any]:
         allow_zero3=True,
     )
     cm = CostModel(plan.model, cluster, training)
+    if "DeepSpeed" in str(row.get("dp_sharding")):
+        cm.zero3_live_params = DEEPSPEED_MAX_LIVE_PARAMS
     sums = stage_sums(cm, pp=plan.pp, stages=plan.stages, layers=plan.layers, vocab=plan.vocab,
                       micro_batch_size=plan.micro_batch_size)
     arr = sums.arr

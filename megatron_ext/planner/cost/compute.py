@@ -38,8 +38,13 @@ _HBM_BYTES_PER_S = {
 class ComputeProfile:
     """Efficiencies of the GPU on this model's kernels; a model profile overrides the defaults."""
 
-    gemm_efficiency: float = 0.68
-    """Fraction of dense peak a large GEMM reaches."""
+    gemm_efficiency: float = 0.72
+    """Fraction of dense peak a large GEMM reaches. Calibrated on the 55 published A100 runs
+    (tools/bench_published.py, docs/benchmarks.md): a grid over (0.68-0.80) x gemm_half_dim
+    (64-256) x attention_efficiency (0.55, 0.65) puts 0.72 / 128 / 0.55 at the lowest median
+    |error|; the rows that pin it are the single-GPU and single-node TP runs without
+    communication to hide (Megatron-LM README 2020 mp1-mp8, Korthikanti et al. 22B) and the
+    PTD-P runs of SC'21 Tables 1-2."""
     gemm_half_dim: float = 128.0
     """A GEMM whose smallest dimension is x reaches gemm_efficiency * x / (x + gemm_half_dim)."""
     attention_efficiency: float = 0.55
@@ -136,11 +141,33 @@ def layer_gemm_forward_flops(model: ModelSpec, tokens: ArrayLike, tp: ArrayLike)
 
 
 def attention_forward_flops(
-    model: ModelSpec, b: ArrayLike, seq_length: int, shards: ArrayLike
+    model: ModelSpec, b: ArrayLike, seq_length: int, shards: ArrayLike, flash: bool = True
 ) -> ArrayLike:
-    """Causal QK^T and AV: 2 * b * s^2 * q per replica (half of 4 b s^2 q), split over
-    `shards` = tp * cp * ulysses GPUs."""
-    return 2.0 * b * seq_length**2 * q_dim(model) / shards
+    """Causal QK^T and AV: 2 * b * s^2 * q per replica with flash attention (half of
+    4 b s^2 q: it skips masked blocks), the full 4 b s^2 q without it (batched GEMMs over the
+    whole score matrix), split over `shards` = tp * cp * ulysses GPUs."""
+    return (2.0 if flash else 4.0) * b * seq_length**2 * q_dim(model) / shards
+
+
+SCORE_BYTES_FORWARD = 12.0
+"""Unfused attention, HBM bytes per score element forward (half precision): the QK^T GEMM
+writes the scores (2), the fused scale-mask-softmax reads and writes them (4), dropout reads the
+probabilities and writes them and a 1-byte mask (5), the AV GEMM reads them (2); rounded down."""
+SCORE_BYTES_BACKWARD = 20.0
+"""Unfused attention backward per score element: grad of the probabilities written and read
+through dropout (5) and softmax (6, it also reads the probabilities), read twice by the QK^T
+backward (4), the AV backward re-reads the probabilities (2); rounded up for the mask."""
+
+
+def attention_score_bytes(
+    model: ModelSpec, b: ArrayLike, seq_length: int, shards: ArrayLike, flash: bool
+) -> tuple[ArrayLike, ArrayLike]:
+    """(forward, backward) HBM bytes of the [b, a, s, s] score matrix on one GPU: zero with flash
+    attention (scores stay in SRAM); otherwise SCORE_BYTES_* per element of its 1/shards part."""
+    if flash:
+        return 0.0, 0.0
+    elements = b * model.num_attention_heads * seq_length**2 / shards
+    return SCORE_BYTES_FORWARD * elements, SCORE_BYTES_BACKWARD * elements
 
 
 def layer_elementwise_bytes(
@@ -158,6 +185,32 @@ def layer_elementwise_bytes(
         else 0.0
     )
     return element_bytes * (hidden + act + rope)
+
+
+def layer_gemms(model: ModelSpec, tp: ArrayLike) -> list[tuple[ArrayLike, ArrayLike]]:
+    """(k, n) of the layer's four weight GEMMs on one GPU ([tokens, k] x [k, n]): QKV and MLP-in
+    are column-parallel (n / t), the output projection and MLP-out row-parallel (k / t)."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    f_in = f * (2 if model.activation == "swiglu" else 1)
+    return [
+        (h, (q_dim(model) + 2 * kv_dim(model)) / tp),
+        (q_dim(model) / tp, h),
+        (h, f_in / tp),
+        (f / tp, h),
+    ]
+
+
+def layer_gemm_forward_s(
+    model: ModelSpec, profile: ComputeProfile, *, tokens: ArrayLike, tp: ArrayLike, peak: float
+) -> ArrayLike:
+    """Forward seconds of the four weight GEMMs, each at the efficiency of its own smallest
+    dimension (a TP shard narrows one dimension per GEMM, not all of them); the FLOPs add up to
+    layer_gemm_forward_flops."""
+    total = 0.0
+    for k, n in layer_gemms(model, tp):
+        smallest = np.minimum(np.minimum(tokens, k), n)
+        total = total + 2.0 * tokens * k * n / (peak * gemm_efficiency(profile, smallest))
+    return total
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -183,20 +236,26 @@ def layer_compute(
     sp: ArrayLike,
     seq_shards: ArrayLike,
     element_bytes: int,
+    flash_attention: bool = True,
 ) -> LayerCompute:
-    """Per-GPU compute time of one transformer layer; `seq_shards` = cp * ulysses."""
+    """Per-GPU compute time of one transformer layer; `seq_shards` = cp * ulysses. Without
+    flash attention the score matrix is computed in full and goes through HBM
+    (attention_score_bytes)."""
     peak = cluster.peak_flops * (1.0 if element_bytes == 2 else profile.fp32_flops_ratio)
     tokens = b * seq_length / seq_shards
-    smallest = np.minimum(tokens, min(model.hidden_size, q_dim(model), model.ffn_hidden_size) / tp)
-    gemm_s = layer_gemm_forward_flops(model, tokens, tp) / (
-        peak * gemm_efficiency(profile, smallest)
+    gemm_s = layer_gemm_forward_s(model, profile, tokens=tokens, tp=tp, peak=peak)
+    attn_flops = attention_forward_flops(model, b, seq_length, tp * seq_shards, flash_attention)
+    score_f, score_b = attention_score_bytes(
+        model, b, seq_length, tp * seq_shards, flash_attention
     )
-    attn_flops = attention_forward_flops(model, b, seq_length, tp * seq_shards)
-    attn_s = attn_flops / (peak * profile.attention_efficiency)
-    attn_bwd_s = 2.5 * attn_flops / (peak * profile.attention_backward_efficiency)
-    elem_s = layer_elementwise_bytes(model, tokens, tp, sp, element_bytes) / profile.hbm_for(
-        cluster
-    )
+    hbm = profile.hbm_for(cluster)
+    if flash_attention:  # the fused kernel recomputes the scores in backward
+        attn_s = attn_flops / (peak * profile.attention_efficiency)
+        attn_bwd_s = 2.5 * attn_flops / (peak * profile.attention_backward_efficiency)
+    else:  # batched GEMMs (backward: 2x forward FLOPs) plus the score traffic
+        attn_s = attn_flops / (peak * profile.attention_efficiency) + score_f / hbm
+        attn_bwd_s = 2.0 * attn_flops / (peak * profile.attention_efficiency) + score_b / hbm
+    elem_s = layer_elementwise_bytes(model, tokens, tp, sp, element_bytes) / hbm
     return LayerCompute(
         forward_s=gemm_s + attn_s + elem_s,
         backward_s=2.0 * gemm_s + attn_bwd_s + 2.0 * elem_s,

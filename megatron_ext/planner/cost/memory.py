@@ -120,9 +120,15 @@ def layer_transient_bytes(
     zero: ArrayLike,
     params_per_gpu: ArrayLike,
     element_bytes: int,
+    zero3_live_params: float | None = None,
 ) -> ArrayLike:
     """Short-lived memory while one layer runs its backward: the activations recomputation
     rebuilds (act_none - act_kept), plus under ZeRO-3 two gathered copies of the layer's
-    weights (the running layer and the prefetched next one)."""
-    gathered = np.where(np.asarray(zero) == 3, 2.0 * params_per_gpu * element_bytes, 0.0)
+    weights (the running layer and the prefetched next one, as FSDP2 wraps each layer), or at
+    most `zero3_live_params` gathered parameters where the implementation caps them (DeepSpeed
+    ZeRO-3 gathers module by module up to stage3_max_live_parameters)."""
+    live = 2.0 * np.asarray(params_per_gpu, dtype=float)
+    if zero3_live_params is not None:
+        live = np.minimum(live, zero3_live_params)
+    gathered = np.where(np.asarray(zero) == 3, live * element_bytes, 0.0)
     return (act_none - act_kept) + gathered

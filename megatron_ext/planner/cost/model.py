@@ -19,10 +19,12 @@ import numpy as np
 
 from megatron_ext.planner.cost import compute as C
 from megatron_ext.planner.cost.comm import (
+    ZERO3_NICS_PER_GPU,
     AlphaBetaComm,
     CommModel,
     GroupLayout,
     group_layout,
+    zero3_exposed_s,
 )
 from megatron_ext.planner.cost.memory import (
     layer_activation_bytes,
@@ -98,6 +100,10 @@ class CostModel:
         self.layer_params = C.layer_params(model)
         self.overlap_slowdown = float(getattr(self.comm, "overlap_slowdown", OVERLAP_SLOWDOWN))
         """Slowdown of overlapped communication: measured by a cluster profile, else default."""
+        self.zero3_live_params: float | None = None
+        """Most parameters ZeRO-3 holds gathered at once; None: two whole layers (FSDP2 and
+        Megatron-FSDP gather layer by layer). DeepSpeed ZeRO-3 caps it
+        (stage3_max_live_parameters, 1e9 by default)."""
 
     def with_cluster(self, cluster: ClusterSpec) -> CostModel:
         """The same cost model on another cluster (more nodes, other memory); measured
@@ -125,9 +131,16 @@ class CostModel:
         return group_layout(int(size), int(stride), self.cluster.gpus_per_node)
 
     def collective_s(
-        self, collective: str, num_bytes: np.ndarray, sizes: np.ndarray, strides: np.ndarray
+        self,
+        collective: str,
+        num_bytes: np.ndarray,
+        sizes: np.ndarray,
+        strides: np.ndarray,
+        nics_per_gpu: float | None = None,
     ) -> np.ndarray:
-        """Vectorised over strategies: one call per distinct (size, stride) group."""
+        """Vectorised over strategies: one call per distinct (size, stride) group.
+        `nics_per_gpu` caps how many members per node drive their NICs in parallel when the
+        group crosses nodes (None: all of them; ZeRO-3 passes ZERO3_NICS_PER_GPU)."""
         sizes = np.broadcast_to(sizes, np.shape(num_bytes))
         strides = np.broadcast_to(strides, np.shape(num_bytes))
         out = np.zeros(np.shape(num_bytes))
@@ -135,10 +148,14 @@ class CostModel:
             if size == 1:
                 continue
             sel = (sizes == size) & (strides == stride)
+            layout = self.layout(size, stride)
+            if nics_per_gpu is not None and layout.crosses_nodes:
+                layout = GroupLayout(size=layout.size, ranks_per_node=layout.ranks_per_node,
+                                     nics_in_parallel=nics_per_gpu)
             out[sel] = self.comm.time_s(
                 collective,
                 np.asarray(num_bytes)[sel],  # type: ignore[arg-type]
-                self.layout(size, stride),
+                layout,
             )
         return out
 
@@ -174,6 +191,7 @@ class CostModel:
             sp=table.sp,
             seq_shards=shards,
             element_bytes=e,
+            flash_attention=t.flash_attention,
         )
         # TP: 2 all-reduces (or all-gather + reduce-scatter under SP) of [rows, h] each way.
         hidden_bytes = rows * m.hidden_size * e
@@ -184,10 +202,12 @@ class CostModel:
         uly_bytes = rows * (2 * C.q_dim(m) + 2 * C.kv_dim(m)) / table.tp * e
         uly_one_way = self.collective_s("all_to_all", uly_bytes, table.ulysses, table.tp * table.cp)
         cp_fwd, cp_bwd = self._cp_exposed_s(table, rows, comp)
-        z3_fwd, z3_bwd, sync, gather = self._data_parallel_s(table, comp)
         rc_full = table.recompute == 2
         recompute = np.where(rc_full, comp.forward_s + tp_one_way + uly_one_way + cp_fwd, 0.0)
         recompute = recompute + np.where(table.recompute == 1, comp.attention_forward_s, 0.0)
+        z3_fwd, z3_bwd, sync, gather = self._data_parallel_s(
+            table, comp.forward_s, comp.backward_s + recompute
+        )
         fwd = comp.forward_s + tp_one_way + uly_one_way + cp_fwd + z3_fwd
         bwd = comp.backward_s + tp_one_way + uly_one_way + cp_bwd + z3_bwd + recompute
         comm = 2 * (tp_one_way + uly_one_way) + cp_fwd + cp_bwd + z3_fwd + z3_bwd
@@ -232,9 +252,12 @@ class CostModel:
         bwd = np.maximum(0.0, 2 * fwd_comm - 2.5 * comp.attention_forward_s)
         return fwd, bwd
 
-    def _data_parallel_s(self, table: StrategyTable, comp: C.LayerCompute):
+    def _data_parallel_s(
+        self, table: StrategyTable, forward_s: np.ndarray, backward_s: np.ndarray
+    ):
         """Gradient reduction, ZeRO-1 weight all-gather and ZeRO-3 per-micro-batch traffic over
-        the d = dp*cp*ulysses ranks sharing a shard (stride tp)."""
+        the d = dp*cp*ulysses ranks sharing a shard (stride tp). `forward_s` / `backward_s`:
+        the layer's compute that ZeRO-3 traffic can hide behind (backward incl. recompute)."""
         params = self._params_per_gpu(table)
         d, zero = table.shard_ranks, table.zero
         grads = self.collective_s("reduce_scatter", params * GRAD_BYTES, d, table.tp)
@@ -242,11 +265,17 @@ class CostModel:
         all_reduce = self.collective_s("all_reduce", params * GRAD_BYTES, d, table.tp)
         sync = np.where(zero == 0, all_reduce, np.where(zero == 1, grads, 0.0))
         gather = np.where(zero == 1, weights, 0.0)
-        # ZeRO-3 gathers weights before forward and again before backward and reduce-scatters
-        # gradients every micro-batch; prefetching hides it behind the neighbouring layer.
+        # ZeRO-3 gathers weights before forward and again before backward (the recompute
+        # forward and the backward share that gather) and reduce-scatters fp32 gradients every
+        # micro-batch; prefetching hides it behind the layer's own compute. Across nodes these
+        # per-layer collectives run at ZERO3_NICS_PER_GPU NICs per GPU (comm.py).
         z3 = zero == 3
-        z3_fwd = np.where(z3, np.maximum(0.0, weights - comp.forward_s), 0.0)
-        z3_bwd = np.where(z3, np.maximum(0.0, weights + grads - comp.backward_s), 0.0)
+        z3_ag = self.collective_s("all_gather", params * self.element_bytes, d, table.tp,
+                                  nics_per_gpu=ZERO3_NICS_PER_GPU)
+        z3_rs = self.collective_s("reduce_scatter", params * GRAD_BYTES, d, table.tp,
+                                  nics_per_gpu=ZERO3_NICS_PER_GPU)
+        z3_fwd = np.where(z3, zero3_exposed_s(z3_ag, forward_s), 0.0)
+        z3_bwd = np.where(z3, zero3_exposed_s(z3_ag + z3_rs, backward_s), 0.0)
         return z3_fwd, z3_bwd, sync, gather
 
     def _layer_memory(self, table: StrategyTable, b: np.ndarray) -> dict[str, np.ndarray]:
@@ -274,7 +303,12 @@ class CostModel:
             num_optimizer_states=t.num_optimizer_states,
         )
         transient = layer_transient_bytes(
-            act_none, act, zero=table.zero, params_per_gpu=params, element_bytes=self.element_bytes
+            act_none,
+            act,
+            zero=table.zero,
+            params_per_gpu=params,
+            element_bytes=self.element_bytes,
+            zero3_live_params=self.zero3_live_params,
         )
         return {
             "state_bytes": params * per_param,
