@@ -4,6 +4,9 @@ Model shapes are the published configurations. Cluster link bandwidths are achie
 bandwidths per GPU (NCCL all-reduce busbw), not the marketing bidirectional figure:
 A100 NVLink3 600 GB/s bidirectional -> ~230 GB/s busbw; H100/H200 NVLink4 900 GB/s -> ~360 GB/s;
 inter-node one HDR 200 Gb/s NIC per GPU -> ~22 GB/s, one NDR 400 Gb/s NIC per GPU -> ~45 GB/s.
+The dgx-a100 constants are checked against 55 published A100 runs (tools/bench_published.py,
+docs/benchmarks.md): TP over NVLink and DP over one NIC per GPU by the PTD-P runs of SC'21
+Tables 1-2 (within 1-5%), 22 GB/s per GPU by SC'21 Table 2's ZeRO-3 runs (21-23 GB/s measured).
 """
 
 from __future__ import annotations

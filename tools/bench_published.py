@@ -43,21 +43,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from megatron_ext.flags.parser import parse_megatron_args
+from megatron_ext.flags.to_plan import plan_from_megatron_args
 from megatron_ext.plan import ParallelPlan
 from megatron_ext.planner.cost.evaluate import stage_sums
 from megatron_ext.planner.cost.model import CostModel
 from megatron_ext.planner.cost.pipeline import one_f_one_b
 from megatron_ext.planner.training import TrainingSpec
 from megatron_ext.presets import cluster_preset
-
-try:  # the package layout after issue 12
-    from megatron_ext.flags.parser import parse_megatron_args
-    from megatron_ext.flags.to_plan import plan_from_megatron_args
-except ImportError:  # pragma: no cover - before the layout commit
-    from megatron_ext.megatron_adapter.arguments import (
-        parse_megatron_args,
-        plan_from_megatron_args,
-    )
 
 DEFAULT_DATA = "/work/shared/data/published_runs_a100.json"
 GIB = 2**30
