@@ -4,8 +4,8 @@
 
 Each row of the data file (default /work/shared/data/published_runs_a100.json, `about` says
 what it holds) is one measured run of a dense GPT model with its layout. For every row this
-  1. writes the run as Megatron-LM flags and builds its plan with plan-from-args (ZeRO-3 rows use
-     --use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params);
+  1. writes the run as Megatron-LM flags and builds its plan with plan-from-args (ZeRO-3 rows:
+     --use-distributed-optimizer, then zero=3 on every layer, see build_plan);
   2. predicts the iteration time with the cost model on the cluster preset the run used
      (dgx-a100-80g, or dgx-a100-40g for 40 GB GPUs and the 2020 DGX A100), with Megatron's
      interleaved schedule priced approximately where the run used it (`virtual_stages`);
@@ -121,15 +121,22 @@ def megatron_flags(row: dict[str, Any]) -> list[str]:
         flags += ["--recompute-granularity", "full", "--recompute-method", "uniform",
                   "--recompute-num-layers", "1"]
     if is_zero3(row):
-        flags += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
-                  "optim_grads_params", "--ckpt-format", "fsdp_dtensor"]
+        flags.append("--use-distributed-optimizer")  # raised to zero=3 by build_plan
     return [str(f) for f in flags]
 
 
 def build_plan(row: dict[str, Any]) -> ParallelPlan:
+    """plan-from-args on the row's flags. ZeRO-3 rows: Megatron-LM's --use-torch-fsdp2 requires
+    untied embeddings, which these GPT runs did not have, so their flags say
+    --use-distributed-optimizer and every layer's zero is raised to 3 here."""
     world = int(row["num_gpus"])
     ns = parse_megatron_args(megatron_flags(row), world_size=world)
-    return plan_from_megatron_args(ns, world)
+    plan = plan_from_megatron_args(ns, world)
+    if is_zero3(row):
+        plan = dataclasses.replace(
+            plan, layers=tuple(dataclasses.replace(s, zero=3) for s in plan.layers)
+        )
+    return plan
 
 
 # ---- measured figure -> seconds per iteration ---------------------------------------------
