@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 
+from megatron_ext.commands.evaluate import add_evaluate_arguments, evaluate_plan
 from megatron_ext.errors import PlanError
 from megatron_ext.flags.emit import plan_to_megatron_args
 from megatron_ext.flags.parser import (
@@ -40,6 +41,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--world-size", type=int, default=None,
                    help="ranks of the job (default: $WORLD_SIZE, else tp*pp*cp, i.e. dp=1)")
     q.add_argument("--out", default=None, help="write the plan here instead of stdout")
+    q.add_argument("--evaluate", action="store_true",
+                   help="also predict the plan's memory and time per stage (as megatron-ext "
+                   "evaluate; the cluster from --cluster/--nodes or --cluster-profile)")
+    add_evaluate_arguments(q)
     q.add_argument("megatron_args", nargs=argparse.REMAINDER,
                    help="Megatron-LM pretrain_gpt.py flags, after --")
     q.set_defaults(run=run_plan_from_args)
@@ -63,6 +68,7 @@ def run_plan_from_args(args: argparse.Namespace) -> int:
         argv = argv[1:]
     if not argv:
         raise PlanError("no Megatron flags given; use plan-from-args [--world-size N] -- <flags>")
+    _check_evaluate_flags(args)
     world_size = _world_size(args.world_size)
     ns = parse_megatron_args(argv, world_size=world_size)
     if world_size is None:
@@ -82,7 +88,24 @@ def run_plan_from_args(args: argparse.Namespace) -> int:
     for start, end, strategy in plan.layer_runs():
         sys.stderr.write(f"  [{start:>3}, {end:>3})  stage {plan.stage_of_layer(start)}  "
                          f"{strategy.describe()}\n")
+    if args.evaluate:
+        return evaluate_plan(plan, args, label=args.out or "plan from the Megatron flags")
     return 0
+
+
+EVALUATE_FLAGS = ("cluster", "cluster_profile", "model_profile", "nodes", "memory_gib",
+                  "against_search", "json")
+
+
+def _check_evaluate_flags(args: argparse.Namespace) -> None:
+    """The evaluate flags mean something only with --evaluate; --json - needs stdout free."""
+    given = [name for name in EVALUATE_FLAGS if getattr(args, name) not in (None, False)]
+    if given and not args.evaluate:
+        flag = "--" + given[0].replace("_", "-")
+        raise PlanError(f"{flag} is an option of --evaluate; add --evaluate or drop {flag}")
+    if args.evaluate and args.json == "-" and not args.out:
+        raise PlanError("--json - and the plan would both go to stdout; add --out PLAN.json or "
+                        "give --json a path")
 
 
 def _world_size(given: int | None) -> int | None:

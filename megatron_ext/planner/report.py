@@ -78,7 +78,7 @@ def plan_table(plan: ParallelPlan) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _summary(plan: ParallelPlan) -> dict[str, str]:
+def plan_summary(plan: ParallelPlan) -> dict[str, str]:
     recompute = sum(1 for s in plan.layers if s.recompute != "none")
     zeros = sorted({s.zero for s in plan.layers})
     return {
@@ -102,7 +102,7 @@ def explain(
             "explain: no uniform Megatron-LM layout fits this memory; only the layerwise one does\n"
         )
     lines = ["explain: best uniform Megatron-LM layout vs the chosen plan"]
-    a, b = _summary(uniform), _summary(plan)
+    a, b = plan_summary(uniform), plan_summary(plan)
     rows = [("", "uniform", "plan")] + [(k, a[k], b[k]) for k in a]
     keys = sorted(set(uniform_ev.breakdown) | set(ev.breakdown))
     rows += [

@@ -38,7 +38,7 @@ def test_sequence_longer_than_rope_positions_is_refused_everywhere(tmp_path, cap
     and validate used to accept such a plan that args then refused."""
     plan = _broken_copy(tmp_path, UNIFORM, seq_length=8192)
     rule = "max_position_embeddings=4096"
-    for argv in (["validate", plan], ["args", plan]):
+    for argv in (["validate", plan], ["args", plan], ["evaluate", plan]):
         _one_line_error(capsys, argv, "seq_length=8192 exceeds model." + rule)
     with pytest.raises(PlanError, match="seq_length=8192 exceeds model.max_position"):
         ParallelPlan.load(plan)  # what the runtime and pretrain_gpt.py load plans with
@@ -71,5 +71,5 @@ def test_vocab_parallel_sequence_split_is_a_plan_rule(tmp_path, capsys):
     data["seq_length"] = 63
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps(data))
-    for argv in (["validate", str(plan)], ["args", str(plan)]):
+    for argv in (["validate", str(plan)], ["args", str(plan)], ["evaluate", str(plan)]):
         _one_line_error(capsys, argv, "seq_length=63 cannot be split over the 2 vocabulary")

@@ -20,7 +20,7 @@ import numpy as np
 
 from megatron_ext.plan import LayerStrategy, Prediction, VocabStrategy
 from megatron_ext.planner.cost.compute import model_flops_per_token
-from megatron_ext.planner.cost.pipeline import mfu, one_f_one_b
+from megatron_ext.planner.cost.pipeline import PipelineTime, mfu, one_f_one_b
 from megatron_ext.planner.cost.vocab import stage_extras
 from megatron_ext.planner.space import StrategyTable
 
@@ -120,18 +120,23 @@ def evaluate(
     """Score a layout with CostModel `cm` (see the module docstring)."""
     sums = stage_sums(cm, pp=pp, stages=stages, layers=layers, vocab=vocab,
                       micro_batch_size=micro_batch_size)
-    arr, ex, m = sums.arr, sums.extras, sums.num_microbatches
-    pipe = one_f_one_b(
+    return _finish(cm, pipeline_of(cm, sums), sums.arr, sums.extras, sums.num_microbatches)
+
+
+def pipeline_of(cm, sums: StageSums) -> PipelineTime:
+    """The 1F1B schedule of the stage sums (what `evaluate` scores; cost/breakdown.py reads it
+    too)."""
+    arr, ex = sums.arr, sums.extras
+    return one_f_one_b(
         arr["f"],
         arr["b"],
         ex.p2p_s,
         arr["sync"],
         arr["gather"],
         arr["opt"],
-        m,
+        sums.num_microbatches,
         overlap_slowdown=cm.overlap_slowdown,
     )
-    return _finish(cm, pipe, arr, ex, m)
 
 
 def _finish(cm, pipe, arr: dict[str, np.ndarray], ex, m: int) -> Evaluation:

@@ -53,6 +53,24 @@ def state_bytes_per_param(
     return float(out) if out.ndim == 0 else out
 
 
+def state_bytes_breakdown(
+    zero: ArrayLike, shard_ranks: ArrayLike, *, half_precision: bool, num_optimizer_states: int = 2
+) -> tuple[ArrayLike, ArrayLike, ArrayLike]:
+    """`state_bytes_per_param` split into (weights, gradients, optimizer states) bytes per
+    parameter; the optimizer part holds the fp32 master copy (mixed precision) and the states.
+    The three always sum to state_bytes_per_param."""
+    zero = np.asarray(zero)
+    d = np.asarray(shard_ranks, dtype=float)
+    weight = 2.0 if half_precision else 4.0
+    weights = np.where(zero == 3, weight / d, weight)
+    grads = np.where(zero == 3, 4.0 / d, 4.0)
+    optim = 4.0 * num_optimizer_states + (4.0 if half_precision else 0.0)
+    optim = np.where(zero >= 1, optim / d, optim)
+    if weights.ndim == 0:
+        return float(weights), float(grads), float(optim)
+    return weights, grads, optim
+
+
 def layer_activation_bytes(
     model: ModelSpec,
     *,

@@ -1,0 +1,297 @@
+"""`megatron-ext evaluate PLAN.json`: will this plan fit, and how fast is it, without running it.
+
+Scores a plan with the same cost model the search uses (planner/cost/breakdown.py): per-stage
+memory (weights, gradients, optimizer states, activations, vocabulary, transient, reserve),
+per-stage time (compute, recomputation, exposed communication, optimizer, bubble), the
+bottleneck, tokens/s and MFU. The cluster is the plan's `cluster`, or --cluster/--nodes/
+--memory-gib or --cluster-profile as for `search`. --against-search runs the search on the same
+model, cluster, batch, sequence and precision and shows both side by side. The report goes to
+stderr, --json PATH (or - for stdout) writes it machine-readable. Exit 0 if the plan fits, 3 if
+it does not (the report says which stage and by how much), 2 on bad input.
+`megatron-ext plan-from-args --evaluate ... -- <flags>` scores the plan a Megatron command line
+describes the same way (commands/args.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Any
+
+from megatron_ext.errors import PlanError
+from megatron_ext.plan import ParallelPlan
+from megatron_ext.presets import CLUSTER_PRESETS, cluster_preset
+from megatron_ext.specs import ClusterSpec
+
+GIB = 2**30
+EXIT_DOES_NOT_FIT = 3
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "evaluate",
+        help="predict a plan's memory per stage, time per stage, bottleneck, tokens/s and MFU",
+    )
+    p.add_argument("plan", help="plan JSON file (megatron-ext search --out, plan-from-args)")
+    add_evaluate_arguments(p)
+    p.set_defaults(run=run)
+
+
+def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
+    """The cluster and output flags `evaluate` and `plan-from-args --evaluate` share."""
+    cluster = p.add_mutually_exclusive_group()
+    cluster.add_argument(
+        "--cluster",
+        metavar="PRESET",
+        help=f"cluster preset: {', '.join(CLUSTER_PRESETS)} (default: the plan's cluster)",
+    )
+    cluster.add_argument(
+        "--cluster-profile", help="cluster profile JSON (megatron-ext profile hardware)"
+    )
+    p.add_argument(
+        "--model-profile",
+        help="model profile JSON (megatron-ext profile model): measured layer times replace "
+        "the analytic compute",
+    )
+    p.add_argument(
+        "--nodes", type=int, default=None,
+        help="nodes (default: the plan's world size / GPUs per node)",
+    )
+    p.add_argument("--memory-gib", type=float, default=None, help="usable memory per GPU")
+    p.add_argument(
+        "--against-search",
+        action="store_true",
+        help="also search the fastest layout on the same inputs and show both side by side",
+    )
+    p.add_argument(
+        "--json", default=None, metavar="PATH",
+        help="write the evaluation as JSON here (- for stdout)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = ParallelPlan.load(args.plan)
+    return evaluate_plan(plan, args, label=args.plan)
+
+
+def evaluate_plan(plan: ParallelPlan, args: argparse.Namespace, *, label: str) -> int:
+    """Score `plan` on the cluster the flags (or the plan) give, print and write the report."""
+    if plan.flexsp is not None:
+        raise PlanError(
+            "plan.flexsp is set: evaluate scores layerwise plans; `megatron-ext flexsp` "
+            "predicts FlexSP steps"
+        )
+    cm = _cost_model(plan, args)
+    c = cm.cluster
+    sys.stderr.write(
+        f"evaluate: {label}: {plan.model.name} on {c.num_gpus} x {c.name} GPUs "
+        f"({c.num_nodes} node{'s' if c.num_nodes > 1 else ''}, {c.memory_gib:g} GiB), "
+        f"global batch {plan.global_batch_size}, seq {plan.seq_length}, {plan.precision}\n"
+    )
+    mine = _breakdown(cm, plan)
+    sys.stderr.write(report_text(plan, mine))
+    out: dict[str, Any] = {
+        "plan": label,
+        "model": plan.model.name,
+        "cluster": c.to_dict(),
+        "evaluation": report_dict(plan, mine),
+    }
+    if args.against_search:
+        from megatron_ext.planner.report import plan_summary
+        from megatron_ext.planner.search import search
+
+        # the same model, cluster, batch, sequence and precision; the search's default space
+        # (ZeRO-3 too when the plan uses it)
+        found = search(cm)
+        theirs = _breakdown(cm, found.plan)
+        sys.stderr.write(f"searched plan (search took {found.search_s:.2f} s):\n")
+        sys.stderr.write(report_text(found.plan, theirs))
+        sys.stderr.write(_side_by_side(plan_summary(plan), mine, plan_summary(found.plan), theirs))
+        out["search"] = {**report_dict(found.plan, theirs), "plan": found.plan.to_dict()}
+    if args.json == "-":
+        sys.stdout.write(json.dumps(out, indent=2) + "\n")
+    elif args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(out, fh, indent=2)
+        sys.stderr.write(f"wrote {args.json}\n")
+    return 0 if mine.evaluation.feasible else EXIT_DOES_NOT_FIT
+
+
+def _cluster(plan: ParallelPlan, args: argparse.Namespace) -> tuple[ClusterSpec, Any]:
+    """(cluster, measured profile or None): --cluster-profile, --cluster, else the plan's."""
+    if args.nodes is not None and args.nodes < 1:
+        raise PlanError(f"--nodes={args.nodes} must be >= 1")
+    if args.memory_gib is not None and not args.memory_gib > 0:
+        raise PlanError(f"--memory-gib={args.memory_gib} must be > 0")
+    profile = None
+    if args.cluster_profile:
+        from megatron_ext.planner.profile.profiles import ClusterProfile
+
+        profile = ClusterProfile.load(args.cluster_profile)
+        base, source = profile.cluster, f"--cluster-profile {args.cluster_profile}"
+    elif args.cluster:
+        base, source = cluster_preset(args.cluster), f"--cluster {args.cluster}"
+    elif plan.cluster is not None:
+        base, source = plan.cluster, "the plan's cluster"
+    else:
+        raise PlanError(
+            "the plan has no cluster; pass --cluster PRESET (with --nodes N) or "
+            "--cluster-profile FILE"
+        )
+    nodes = args.nodes
+    if nodes is None:
+        if plan.world_size % base.gpus_per_node:
+            raise PlanError(
+                f"world_size={plan.world_size} is not a whole number of {source}'s nodes of "
+                f"{base.gpus_per_node} GPUs; pass a cluster with a matching node size"
+            )
+        nodes = plan.world_size // base.gpus_per_node
+    cluster = dataclasses.replace(base, num_nodes=nodes)
+    if args.memory_gib is not None:
+        cluster = dataclasses.replace(cluster, memory_gib=args.memory_gib)
+    if cluster.num_gpus != plan.world_size:
+        raise PlanError(
+            f"--nodes={nodes} x {cluster.gpus_per_node} GPUs = {cluster.num_gpus} but the plan "
+            f"has world_size={plan.world_size}; pass --nodes "
+            f"{plan.world_size // cluster.gpus_per_node or 1} or re-plan"
+        )
+    return cluster, profile
+
+
+def _cost_model(plan: ParallelPlan, args: argparse.Namespace):
+    from megatron_ext.planner.cost.model import CostModel
+    from megatron_ext.planner.training import TrainingSpec
+
+    cluster, profile = _cluster(plan, args)
+    training = TrainingSpec(
+        global_batch_size=plan.global_batch_size,
+        seq_length=plan.seq_length,
+        precision=plan.precision,
+        allow_zero3=any(s.zero == 3 for s in plan.layers),
+    )
+    if profile is None and not args.model_profile:
+        return CostModel(plan.model, cluster, training)
+    from megatron_ext.planner.profile.cost import ProfiledCostModel
+    from megatron_ext.planner.profile.profiles import ModelProfile
+
+    model_profile = ModelProfile.load(args.model_profile) if args.model_profile else None
+    return ProfiledCostModel(
+        plan.model, cluster, training, comm=profile, model_profile=model_profile
+    )
+
+
+def _breakdown(cm, plan: ParallelPlan):
+    from megatron_ext.planner.cost.breakdown import breakdown
+
+    return breakdown(
+        cm,
+        pp=plan.pp,
+        stages=plan.stages,
+        layers=plan.layers,
+        vocab=plan.vocab,
+        micro_batch_size=plan.micro_batch_size,
+    )
+
+
+def report_dict(plan: ParallelPlan, b) -> dict[str, Any]:
+    """The machine-readable evaluation of one plan (GiB and seconds)."""
+    ev = b.evaluation
+    return {
+        "pp": plan.pp,
+        "micro_batch_size": plan.micro_batch_size,
+        "vocab": {"mode": plan.vocab.mode, "tp": plan.vocab.tp},
+        "iteration_s": ev.iteration_s,
+        "tokens_per_s": ev.tokens_per_s,
+        "mfu": ev.mfu,
+        "fits": ev.feasible,
+        "memory_cap_gib": b.memory_cap_bytes / GIB,
+        "bottleneck_stage": b.bottleneck_stage,
+        "bottleneck": b.bottleneck,
+        "stages": [
+            {
+                "stage": k,
+                "layers": list(s.layers),
+                "memory_gib": {
+                    **{name: v / GIB for name, v in s.memory_bytes.items()},
+                    "reserve": s.reserve_bytes / GIB,
+                },
+                "peak_gib": s.peak_bytes / GIB,
+                "time_s": dict(s.time_s),
+                "slot_s": s.slot_s,
+            }
+            for k, s in enumerate(b.stages)
+        ],
+    }
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        for r in rows
+    ]
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:.2f}"
+
+
+def report_text(plan: ParallelPlan, b) -> str:
+    ev = b.evaluation
+    mem_rows = [
+        ("memory/GPU GiB", "weights", "grads", "optim", "activ", "vocab", "trans", "reserve",
+         "peak", "of cap")
+    ]
+    time_rows = [
+        ("time/iteration s", "compute", "recomp", "exp.comm", "optim", "bubble", "slot/mb")
+    ]
+    for k, s in enumerate(b.stages):
+        name = f"stage {k} [{s.layers[0]}, {s.layers[1]})"
+        m = s.memory_bytes
+        mem_rows.append(
+            (name, _gib(m["weights"]), _gib(m["gradients"]), _gib(m["optimizer_states"]),
+             _gib(m["activations"]), _gib(m["vocabulary"]), _gib(m["transient"]),
+             _gib(s.reserve_bytes), _gib(s.peak_bytes), _gib(b.memory_cap_bytes))
+        )
+        t = s.time_s
+        time_rows.append(
+            (name, f"{t['compute']:.3f}", f"{t['recompute']:.3f}", f"{t['exposed_comm']:.3f}",
+             f"{t['optimizer']:.3f}", f"{t['bubble']:.3f}", f"{s.slot_s:.4f}")
+        )
+    lines = _table(mem_rows) + _table(time_rows)
+    strategies = sorted({s.describe() for s in plan.layers})
+    lines.append(
+        f"layout: pp={plan.pp}, micro-batch {plan.micro_batch_size} x "
+        f"{plan.global_batch_size // plan.micro_batch_size}, vocabulary {plan.vocab.mode} "
+        f"tp={plan.vocab.tp}; layers: {' | '.join(strategies)}"
+    )
+    fits = "fits" if ev.feasible else "DOES NOT FIT"
+    free = min(b.memory_cap_bytes - s.peak_bytes for s in b.stages)
+    lines.append(
+        f"predicted: iteration {ev.iteration_s:.3f} s, {ev.tokens_per_s:,.0f} tokens/s, "
+        f"MFU {100 * ev.mfu:.1f}%; {fits} "
+        + (f"({free / GIB:.2f} GiB left on the fullest stage)" if ev.feasible
+           else f"({-free / GIB:.2f} GiB over on the fullest stage)")
+    )
+    lines.append(f"bottleneck: {b.bottleneck}")
+    return "\n".join(lines) + "\n"
+
+
+def _side_by_side(mine_summary: dict, mine, theirs_summary: dict, theirs) -> str:
+    rows = [("", "plan", "searched")]
+    rows += [(k, mine_summary[k], theirs_summary[k]) for k in mine_summary if k != "peak GiB"]
+    a, b = mine.evaluation, theirs.evaluation
+    rows += [
+        ("iteration s", f"{a.iteration_s:.3f}", f"{b.iteration_s:.3f}"),
+        ("tokens/s", f"{a.tokens_per_s:,.0f}", f"{b.tokens_per_s:,.0f}"),
+        ("MFU %", f"{100 * a.mfu:.1f}", f"{100 * b.mfu:.1f}"),
+        ("fits", str(a.feasible), str(b.feasible)),
+        ("peak GiB", _gib(max(s.peak_bytes for s in mine.stages)),
+         _gib(max(s.peak_bytes for s in theirs.stages))),
+    ]
+    speed = a.iteration_s / b.iteration_s
+    lines = ["plan vs searched:"] + ["  " + line for line in _table(rows)]
+    lines.append(f"  the searched plan is {speed:.3f}x the plan's speed")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,138 @@
+"""`megatron-ext evaluate` and `plan-from-args --evaluate`: the per-stage parts add up to the
+cost model's score, the JSON carries them, --against-search shows the searched plan beside, and
+bad input is one line with exit 2 (a plan that does not fit: the report, then exit 3)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from megatron_ext.cli import main
+from megatron_ext.flags.emit import plan_to_megatron_args
+from megatron_ext.plan import ParallelPlan
+from megatron_ext.planner.cost.breakdown import MEMORY_PARTS, breakdown
+from megatron_ext.planner.cost.model import CostModel
+from megatron_ext.planner.training import TrainingSpec
+from megatron_ext.presets import cluster_preset
+
+HETERO = "examples/plans/llama2-7b_hetero_pp2.json"  # 3 strategies, recompute, pp=2
+PLANS = [
+    HETERO,
+    "examples/plans/llama2-13b_tp4_pp2_block_recompute.json",
+    "examples/plans/llama3-8b_ulysses4_cp2_zero3.json",
+    "examples/plans/gpt3-1.3b_tp2_pp4_layout.json",
+]
+
+
+def _cost_model(plan: ParallelPlan) -> CostModel:
+    cluster = plan.cluster or cluster_preset(
+        "dgx-a100-80g", num_nodes=max(1, plan.world_size // 8)
+    )
+    training = TrainingSpec(
+        global_batch_size=plan.global_batch_size,
+        seq_length=plan.seq_length,
+        precision=plan.precision,
+    )
+    return CostModel(plan.model, cluster, training)
+
+
+@pytest.mark.parametrize("path", PLANS)
+def test_parts_add_up_to_the_score(path):
+    """Memory parts sum to evaluate's per-stage peak; on every stage compute + exposed
+    communication + optimizer + bubble is the iteration time (rel 1e-9: float sums)."""
+    plan = ParallelPlan.load(path)
+    if plan.world_size % 8:
+        pytest.skip("needs whole 8-GPU nodes")
+    cm = _cost_model(plan)
+    b = breakdown(cm, pp=plan.pp, stages=plan.stages, layers=plan.layers, vocab=plan.vocab,
+                  micro_batch_size=plan.micro_batch_size)
+    ev = b.evaluation
+    for k, stage in enumerate(b.stages):
+        assert set(stage.memory_bytes) == set(MEMORY_PARTS)
+        assert all(v >= 0 for v in stage.memory_bytes.values())
+        assert stage.peak_bytes == pytest.approx(ev.stage_peak_bytes[k], rel=1e-9)
+        t = stage.time_s
+        total = t["compute"] + t["exposed_comm"] + t["optimizer"] + t["bubble"]
+        assert total == pytest.approx(ev.iteration_s, rel=1e-9)
+        assert 0 <= t["recompute"] <= t["compute"]
+    slots = [s.slot_s for s in b.stages]
+    assert b.bottleneck_stage == slots.index(max(slots))
+
+
+def test_evaluate_json_and_against_search(tmp_path, capsys):
+    out = tmp_path / "ev.json"
+    assert main(["evaluate", HETERO, "--against-search", "--json", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "bottleneck:" in err and "plan vs searched" in err
+    data = json.loads(out.read_text())
+    mine, found = data["evaluation"], data["search"]
+    plan = ParallelPlan.load(HETERO)
+    assert len(mine["stages"]) == plan.pp and mine["fits"]
+    assert mine["tokens_per_s"] == pytest.approx(
+        plan.global_batch_size * plan.seq_length / mine["iteration_s"]
+    )
+    for stage in mine["stages"]:
+        assert set(stage["memory_gib"]) == set(MEMORY_PARTS) | {"reserve"}
+        assert stage["peak_gib"] <= mine["memory_cap_gib"]
+    searched = ParallelPlan.from_dict(found["plan"])  # a valid plan on the same inputs
+    assert searched.global_batch_size == plan.global_batch_size
+    assert searched.seq_length == plan.seq_length and searched.model == plan.model
+    assert math.isfinite(found["iteration_s"]) and found["fits"]
+
+
+def test_plan_that_does_not_fit_reports_then_exits_3(capsys):
+    assert main(["evaluate", HETERO, "--memory-gib", "20", "--json", "-"]) == 3
+    captured = capsys.readouterr()
+    assert "DOES NOT FIT" in captured.err
+    data = json.loads(captured.out)["evaluation"]
+    assert not data["fits"] and data["bottleneck"].startswith("memory: stage")
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--nodes", "3"], "--nodes=3 x 8 GPUs = 24 but the plan has world_size=8"),
+        (["--nodes", "0"], "--nodes=0 must be >= 1"),
+        (["--memory-gib", "-1"], "--memory-gib=-1.0 must be > 0"),
+        (["--cluster", "nope"], "--cluster='nope' is not a preset"),
+        (["--cluster-profile", "/nonexistent.json"], "/nonexistent.json"),
+    ],
+)
+def test_bad_input_is_one_line(argv, needle, capsys):
+    assert main(["evaluate", HETERO, *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and needle in err, err
+
+
+def test_plan_without_cluster_needs_one(tmp_path, capsys):
+    data = json.loads(open(HETERO, encoding="utf-8").read())
+    data["cluster"] = None
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    assert main(["evaluate", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--cluster PRESET" in err
+    assert main(["evaluate", str(path), "--cluster", "dgx-h100"]) == 0
+
+
+def test_plan_from_args_evaluate(tmp_path, capsys):
+    """The plan a Megatron command line describes is scored the same way as its file."""
+    uniform = ParallelPlan.load("examples/plans/llama2-7b_uniform_tp2_pp2.json")
+    argv = list(plan_to_megatron_args(uniform).argv)
+    direct = tmp_path / "direct.json"
+    assert main(["evaluate", "examples/plans/llama2-7b_uniform_tp2_pp2.json",
+                 "--json", str(direct)]) == 0
+    via = tmp_path / "via.json"
+    assert main(["plan-from-args", "--world-size", str(uniform.world_size), "--evaluate",
+                 "--cluster", "dgx-h100", "--out", str(tmp_path / "p.json"), "--json", str(via),
+                 "--", *argv]) == 0
+    a = json.loads(direct.read_text())["evaluation"]
+    b = json.loads(via.read_text())["evaluation"]
+    assert b["iteration_s"] == pytest.approx(a["iteration_s"], rel=1e-12)
+    capsys.readouterr()
+    # evaluate flags without --evaluate are refused, not ignored
+    assert main(["plan-from-args", "--world-size", "8", "--cluster", "dgx-h100", "--",
+                 *argv]) == 2
+    assert "--cluster is an option of --evaluate" in capsys.readouterr().err
