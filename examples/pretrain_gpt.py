@@ -5,7 +5,8 @@
     torchrun --nproc_per_node 8 examples/pretrain_gpt.py <Megatron-LM flags> [--strategy-config
     plan.json]
 
-All logic lives in megatron_ext.megatron_adapter.training.
+All logic lives in megatron_ext.megatron_adapter.training (entry.main checks the flags before
+torch and megatron-core are imported).
 """
 
 import sys
@@ -14,6 +15,6 @@ import sys
 # a spawn-context Manager whose child re-imports this file (mcore_cpu.md section 8.2); keeping
 # the import here makes that child start in milliseconds instead of re-importing megatron-core.
 if __name__ == "__main__":
-    from megatron_ext.megatron_adapter.training.pretrain import main
+    from megatron_ext.megatron_adapter.training.entry import main
 
     sys.exit(main())

@@ -157,6 +157,9 @@ def _add_logging(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-memory-to-tensorboard", action="store_true")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true")
     g.add_argument("--timing-log-level", type=int, default=0, choices=range(3))
+    g.add_argument("--logging-level", type=int, default=None,
+                   help="root logger level on every rank, as Megatron-LM (20 shows megatron-core's "
+                   "configuration dumps); default: rank 0's training log and warnings only")
 
 
 def _add_kernels(parser: argparse.ArgumentParser) -> None:

@@ -65,8 +65,10 @@ def _torchrun(argv: list[str], *, entry: Path = PRETRAIN,
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
            str(entry), *argv]
     # Generous: four ranks share two cores with whatever else runs on the machine.
-    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, **(env or {})}, cwd=REPO)
+    result = subprocess.run(cmd, check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, timeout=900, env={**os.environ, **(env or {})}, cwd=REPO)
+    result.stderr = result.stdout  # one stream in order: the log (stdout) and errors (stderr)
+    return result
 
 
 def _losses(result: subprocess.CompletedProcess[str]) -> dict[int, str]:

@@ -33,6 +33,6 @@ def _install_crash(crash_at: int) -> None:
 
 if __name__ == "__main__":
     _install_crash(int(os.environ["MEGATRON_EXT_TEST_CRASH_AT_SAVE"]))
-    from megatron_ext.megatron_adapter.training.pretrain import main
+    from megatron_ext.megatron_adapter.training.entry import main
 
     sys.exit(main())

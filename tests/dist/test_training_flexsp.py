@@ -54,8 +54,9 @@ def test_pretrain_gpt_flexsp_trains(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            "4", str(REPO / "examples" / "pretrain_gpt.py"), *argv]
     # generous: four ranks share two cores with whatever else runs on the machine
-    result = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600,
-                            env=dict(os.environ), cwd=REPO)
+    result = subprocess.run(cmd, check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, timeout=600, env=dict(os.environ), cwd=REPO)
+    result.stderr = result.stdout  # one stream in order: the log (stdout) and errors (stderr)
     assert result.returncode == 0, result.stderr[-4000:]
     losses = [float(x) for _, x in sorted((int(i), x) for i, x in
                                           LOSS_LINE.findall(result.stderr))]

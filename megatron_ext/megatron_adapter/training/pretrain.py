@@ -2,7 +2,7 @@
 
 Order (mcore_cpu.md section 7.2): init the process group, apply the CPU patches when running on
 gloo, derive the plan, build tokenizer -> model/optimizer -> scheduler, load a checkpoint, build
-datasets, train. A bad flag or plan ends with one line on stderr and exit code 2.
+datasets, train. The flags arrive parsed and checked by entry.py, which also prints errors.
 """
 
 from __future__ import annotations
@@ -11,15 +11,15 @@ import argparse
 import logging
 import os
 import socket
-import sys
-from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from megatron_ext.errors import PlanError
+from megatron_ext.flags.to_plan import plan_from_megatron_args
 from megatron_ext.megatron_adapter.training.checkpoint import (
     TrainState,
     check_optimizer_layout,
@@ -33,9 +33,9 @@ from megatron_ext.megatron_adapter.training.model_config import padded_vocab_siz
 from megatron_ext.megatron_adapter.training.select import build_backend
 from megatron_ext.megatron_adapter.training.tokenizer import build_tokenizer
 from megatron_ext.plan import ParallelPlan
+from megatron_ext.planner.report import format_duration
 
 logger = logging.getLogger("megatron_ext.pretrain")
-LOG_FORMAT = "[megatron_ext] %(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def _free_port() -> int:
@@ -49,7 +49,7 @@ def init_distributed(args: argparse.Namespace) -> None:
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
-    on_cpu = bool(getattr(args, "cpu", False)) or not torch.cuda.is_available()
+    on_cpu = bool(getattr(args, "cpu", False))  # without it entry.check_device required CUDA
     if not on_cpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     minutes = getattr(args, "distributed_timeout_minutes", None) or 10
@@ -60,20 +60,33 @@ def init_distributed(args: argparse.Namespace) -> None:
         cpu_compat.apply(force=True)
 
 
-def _log_plan(plan: ParallelPlan) -> None:
+def _log_startup(args: argparse.Namespace, plan: ParallelPlan, tokenizer: Any) -> None:
+    """Rank 0's first lines: plan, ranks, device, precision, layers, data, what gets loaded."""
     if dist.get_rank() != 0:
         return
-    head = (f"plan: {plan.model.name} on {plan.world_size} ranks, pp={plan.pp}, micro batch "
-            f"{plan.micro_batch_size} (all replicas), global batch {plan.global_batch_size}, "
-            f"seq {plan.seq_length}, {plan.precision}")
-    lines = [head]
+    device = (f"{torch.cuda.get_device_name()}, nccl" if dist.get_backend() == "nccl"
+              else "cpu, gloo")
+    lines = [f"plan: {plan.model.name} on {plan.world_size} ranks ({device}), pp={plan.pp}, "
+             f"micro batch {plan.micro_batch_size} (all replicas), global batch "
+             f"{plan.global_batch_size}, seq {plan.seq_length}, {plan.precision}"]
     for start, end, strategy in plan.layer_runs():
         lines.append(f"  layers [{start:>3}, {end:>3})  stage {plan.stage_of_layer(start)}  "
                      f"{strategy.describe()}")
     if plan.prediction is not None:
-        lines.append(f"  predicted iteration {plan.prediction.iteration_time_s * 1e3:.1f} ms, "
+        lines.append(f"  predicted iteration {format_duration(plan.prediction.iteration_time_s)}, "
                      f"{plan.prediction.tokens_per_s:.0f} tokens/s")
+    data = "mock data" if getattr(args, "mock_data", False) else " ".join(
+        getattr(args, "data_path", None) or ["per-split paths"])
+    lines.append(f"  data: {_shorten(data)}; tokenizer {getattr(args, 'tokenizer_type', None)}, "
+                 f"vocab {tokenizer.vocab_size}")
+    load = getattr(args, "load", None)
+    lines.append(f"  load: {_shorten(load)}" if load else "  load: none (random initialisation)")
     logger.info("\n".join(lines))
+
+
+def _shorten(text: str, limit: int = 120) -> str:
+    """Keep a line under ~200 characters: long paths keep their start and end."""
+    return text if len(text) <= limit else f"{text[:limit // 2 - 2]}...{text[-(limit // 2 - 1):]}"
 
 
 def _padded_vocab(args: argparse.Namespace, plan: ParallelPlan, vocab_size: int,
@@ -89,14 +102,6 @@ def _padded_vocab(args: argparse.Namespace, plan: ParallelPlan, vocab_size: int,
     return padded_vocab_size(vocab_size, args, multiple)
 
 
-def check_supported(args: argparse.Namespace) -> None:
-    """What this loop needs beyond the flag table (flags/catalog.py refuses what it lacks)."""
-    if not getattr(args, "train_iters", None):
-        raise PlanError("--train-iters is required")
-    if getattr(args, "lr", None) is None:
-        raise PlanError("--lr is required")
-
-
 def tokenizer_from_args(args: argparse.Namespace) -> Any:
     return build_tokenizer(
         tokenizer_type=getattr(args, "tokenizer_type", None),
@@ -107,7 +112,7 @@ def tokenizer_from_args(args: argparse.Namespace) -> Any:
 
 def run(args: argparse.Namespace, plan: ParallelPlan, tokenizer: Any) -> TrainState:
     """Train under `plan`; the process group is initialised."""
-    _log_plan(plan)
+    _log_startup(args, plan, tokenizer)
     # With --strategy-config the plan carries the batch shape; the loop reads it from args.
     args.global_batch_size = plan.global_batch_size
     args.seq_length = plan.seq_length
@@ -137,44 +142,17 @@ def run(args: argparse.Namespace, plan: ParallelPlan, tokenizer: Any) -> TrainSt
     return train(args, plan, backend, scheduler, datasets, state)
 
 
-def _error(message: str) -> int:
-    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
-    if rank == 0:
-        sys.stderr.write(f"pretrain_gpt.py: error: {message}\n")
-    return 2
+def launch(args: argparse.Namespace) -> int:
+    """Join the process group, derive the plan, train; `args` are parsed and checked (entry.py).
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Parse Megatron-LM flags, train, return the exit code."""
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=LOG_FORMAT)
-    from megatron_ext.flags.parser import (
-        parse_megatron_args,
-        plan_from_megatron_args,
-    )
-
-    argv = sys.argv[1:] if argv is None else list(argv)
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        args = parse_megatron_args(argv, world_size=world_size)
-        check_supported(args)
-    except PlanError as err:
-        return _error(str(err))
+    A PlanError propagates to the entry point, which prints it once."""
     init_distributed(args)
-    if dist.get_rank() != 0:  # megatron-core's INFO lines (DDP buckets, ...) once, not per rank
-        logging.getLogger("megatron.core").setLevel(logging.WARNING)
-    else:
-        for note in args.no_effect_notes:  # flags/catalog.py: accepted, once, with the reason
-            logger.info(note)
     try:
         tokenizer = tokenizer_from_args(args)
         plan = plan_from_megatron_args(args, dist.get_world_size(),
                                        vocab_size=tokenizer.vocab_size)
         run(args, plan, tokenizer)
-    except PlanError as err:
-        return _error(str(err))
     finally:
-        from megatron.core import parallel_state
-
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
     return 0

@@ -1,0 +1,168 @@
+"""What pretrain_gpt.py prints: warning filters, log handlers, and errors that torchrun shows last.
+
+Imports neither torch nor megatron (the entry point sets this up before either is imported, so
+argument errors come back in well under a second).
+
+- Warnings: megatron-core's import-time notes on a build without Transformer Engine / Apex and
+  deprecations inside megatron-core and torch that a user cannot act on are filtered
+  (`KNOWN_WARNINGS`; pytest.ini filters the same ones for the tests). Other warnings go through
+  logging (`py.warnings`), so they follow the rank rule below.
+- Logging: the training log (INFO) goes to stdout, so `| tee train.log` keeps it; warnings and
+  errors go to stderr. Rank 0 logs; the other ranks log errors only. megatron-core's INFO lines
+  (configuration dumps, every parameter name of each gradient bucket, dataset building) show only
+  with Megatron-LM's `--logging-level` (or `MEGATRON_LOGGING_LEVEL`), which sets the root logger
+  level on every rank as Megatron-LM's `setup_logging` does. Lines are
+  `[YYYY-mm-dd HH:MM:SS] message`, the prefix of Megatron-LM's iteration line; warnings add the
+  level and the logger name.
+- Errors: a user error (PlanError) is one line on stderr from one rank and, on every rank that
+  hit it, torchrun's error file (TORCHELASTIC_ERROR_FILE, the JSON layout of torch's
+  `torch/distributed/elastic/multiprocessing/errors/error_handler.py`), so the root-cause block
+  torchrun prints last shows that line instead of "To enable traceback see ...".
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import sys
+import time
+import warnings
+
+PROG = "pretrain_gpt.py"
+
+# (message regex, category): third-party warnings with nothing for a user to do.
+KNOWN_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
+    # megatron-core without Transformer Engine / Apex (CPU builds): it falls back and says so.
+    ("Apex is not installed", UserWarning),
+    ("Transformer Engine and Apex are not installed", UserWarning),
+    # megatron-core 0.16.1 internals.
+    ("full scope is deprecated", UserWarning),
+    ("`torch.jit.script_method` is deprecated", DeprecationWarning),
+    ("The following imports from `dynamic_context.py`", DeprecationWarning),
+    ("The 'megatron.core.transformer.custom_layers.transformer_engine'", DeprecationWarning),
+    # megatron-core's DDP calls torch's old collective names.
+    (r"`torch.distributed.reduce_scatter_tensor` is deprecated", FutureWarning),
+    (r"`torch.distributed.all_gather_into_tensor` is deprecated", FutureWarning),
+    # megatron-core's optimizer probes `.grad` of its fp32 views (optimizer.py:66).
+    ("The .grad attribute of a Tensor that is not a leaf Tensor is being accessed", UserWarning),
+)
+
+# megatron-core log records that repeat at default verbosity without anything to act on.
+KNOWN_LOG_NOISE = (
+    re.compile(r"Unable to save \w+ indexes because path_to_cache is None"),
+)
+
+
+# Advice that only applies on GPUs: filtered when training on CPU (--cpu).
+CPU_ONLY_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
+    ("When using async grad allreduce it is recommended to set the environment variable "
+     "CUDA_DEVICE_MAX_CONNECTIONS", UserWarning),
+)
+
+
+def install_warning_filters(*, cpu: bool = False) -> None:
+    for message, category in KNOWN_WARNINGS + (CPU_ONLY_WARNINGS if cpu else ()):
+        warnings.filterwarnings("ignore", message=message, category=category)
+
+
+def rank_from_env() -> int:
+    """Global rank as torchrun / Slurm set it; 0 for a single process."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def logging_level(explicit: int | None) -> int | None:
+    """Megatron-LM's precedence: --logging-level, then MEGATRON_LOGGING_LEVEL, else None."""
+    if explicit is not None:
+        return explicit
+    env = os.environ.get("MEGATRON_LOGGING_LEVEL")
+    return int(env) if env else None
+
+
+class _Below(logging.Filter):
+    def __init__(self, level: int) -> None:
+        super().__init__()
+        self.level = level
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < self.level
+
+
+class _DropKnownNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(p.search(message) for p in KNOWN_LOG_NOISE)
+
+
+class ConsoleFormatter(logging.Formatter):
+    """`[date time] message` for INFO; warnings and errors also name their level and logger."""
+
+    def __init__(self) -> None:
+        super().__init__(datefmt="%Y-%m-%d %H:%M:%S")
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = record.getMessage()
+        if record.exc_info:
+            text += "\n" + self.formatException(record.exc_info)
+        head = f"[{self.formatTime(record, self.datefmt)}]"
+        if record.levelno >= logging.WARNING:
+            head += f" {record.levelname} {record.name}:"
+        return f"{head} {text}"
+
+
+def setup_logging(*, rank: int, level: int | None) -> None:
+    """Handlers for the whole process; `level` is the resolved --logging-level (or None)."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    formatter = ConsoleFormatter()
+    out = logging.StreamHandler(sys.stdout)
+    out.addFilter(_Below(logging.WARNING))
+    err = logging.StreamHandler(sys.stderr)
+    err.setLevel(logging.WARNING)
+    for handler in (out, err):
+        handler.setFormatter(formatter)
+        root.addHandler(handler)
+    logging.captureWarnings(True)  # Python warnings obey the rank rule below too
+    if level is not None:  # Megatron-LM: the root level on every rank, nothing else
+        root.setLevel(level)
+        logging.getLogger("megatron").setLevel(logging.NOTSET)
+        return
+    root.setLevel(logging.INFO if rank == 0 else logging.ERROR)
+    logging.getLogger("megatron").setLevel(logging.WARNING)
+    for handler in (out, err):
+        handler.addFilter(_DropKnownNoise())
+
+
+def report_user_error(message: str, *, rank: int | None = None) -> int:
+    """One line from rank 0, the error file on every rank that hit it; returns exit code 2."""
+    rank = rank_from_env() if rank is None else rank
+    line = f"{PROG}: error: {message}"
+    if rank == 0:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    write_error_file(f"PlanError: {message}", line)
+    return 2
+
+
+def write_error_file(message: str, shown: str) -> None:
+    """torchrun's error file: torch's `ErrorHandler.record_exception` layout, with `shown` (what
+    torchrun prints as the failure's "traceback") in place of a Python traceback."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": message,
+                        "extraInfo": {"py_callstack": shown, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w", encoding="utf-8") as fp:
+            json.dump(data, fp)
+    except OSError:
+        pass  # torchrun then shows its generic note; the line above is already on stderr
+
+
+def record_exception(err: BaseException) -> None:
+    """An unexpected exception: torch's own recorder (traceback in the error file)."""
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    get_error_handler().record_exception(err)
