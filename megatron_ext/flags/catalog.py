@@ -94,7 +94,7 @@ NO_EFFECT: tuple[tuple[tuple[str, ...], str], ...] = (
     (("--log-progress", "--timing-log-option", "--no-log-loss-scale-to-tensorboard",
       "--disable-log-loss-scale-to-tensorboard", "--log-memory-interval",
       "--log-device-memory-used", "--log-num-zeros-in-grad", "--log-max-attention-logit",
-      "--no-barrier-with-level-1-timing", "--log-world-size-to-tensorboard", "--logging-level",
+      "--no-barrier-with-level-1-timing", "--log-world-size-to-tensorboard",
       "--log-energy", "--config-logger-dir", "--app-tag-run-name", "--app-tag-run-version",
       "--no-one-logger", "--one-logger-project", "--one-logger-run-name", "--one-logger-async",
       "--wandb-project", "--wandb-exp-name", "--wandb-save-dir", "--wandb-entity",
