@@ -1,4 +1,5 @@
-"""Built-in model and cluster presets, and readers for HuggingFace `config.json` model files.
+"""Built-in model and cluster presets, and the model-file reader (HuggingFace `config.json`
+files through hf_config.py).
 
 Model shapes are the published configurations. Cluster link bandwidths are achievable bus
 bandwidths per GPU (NCCL all-reduce busbw), not the marketing bidirectional figure:
@@ -13,9 +14,9 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any
 
 from megatron_ext.errors import PlanError
+from megatron_ext.hf_config import model_from_hf_config
 from megatron_ext.schema import load_json_file
 from megatron_ext.specs import ClusterSpec, LinkSpec, ModelSpec
 
@@ -50,12 +51,16 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         _llama("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096),
         _llama("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096),
         _llama("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096),
-        _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
-        _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
-        _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192),
-        dataclasses.replace(
-            _llama("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064, 32768), add_bias_linear=False
-        ),
+        dataclasses.replace(_llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192),
+                            rotary_base=500000),
+        dataclasses.replace(_llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192),
+                            rotary_base=500000),
+        # Llama 3.1 405B: RoPE base 500000 with Llama 3 scaling (factor 8)
+        dataclasses.replace(_llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192),
+                            rotary_base=500000, rope_scaling=True),
+        # Qwen2.5-7B: q/k/v biases, RoPE base 1e6, RMSNorm eps 1e-6 (its config.json)
+        dataclasses.replace(_llama("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064, 32768),
+                            add_qkv_bias=True, rotary_base=1000000, norm_epsilon=1e-6),
         # Small enough to train on CPU under gloo: tests, examples and the CPU walk-through.
         _llama("tiny-llama", 4, 64, 4, 2, 176, 512, 256),
         dataclasses.replace(_gpt3("tiny-gpt", 4, 64, 4), vocab_size=512,
@@ -109,46 +114,17 @@ def cluster_preset(name: str, *, num_nodes: int = 1,
     return cluster
 
 
-# HuggingFace config.json key -> ModelSpec field.
-_HF_KEYS = {
-    "num_hidden_layers": "num_layers",
-    "hidden_size": "hidden_size",
-    "intermediate_size": "ffn_hidden_size",
-    "num_attention_heads": "num_attention_heads",
-    "num_key_value_heads": "num_query_groups",
-    "vocab_size": "vocab_size",
-    "head_dim": "kv_channels",
-    "tie_word_embeddings": "tied_embeddings",
-    "max_position_embeddings": "max_position_embeddings",
-}
-
-
 def model_from_file(path: str | Path) -> ModelSpec:
-    """A ModelSpec JSON (our field names) or a HuggingFace `config.json` (Llama/Qwen/GPT-2 keys)."""
+    """A ModelSpec JSON (our field names) or a HuggingFace `config.json` (hf_config.py)."""
+    return model_file_with_notes(path)[0]
+
+
+def model_file_with_notes(path: str | Path) -> tuple[ModelSpec, tuple[str, ...]]:
+    """model_from_file, plus the HuggingFace fields read without shaping the model (why)."""
     data = load_json_file(path, "model config")
-    if "num_hidden_layers" in data or "n_layer" in data:
-        return _model_from_hf(data, Path(path).stem)
-    return ModelSpec.from_dict(data, path="model")
-
-
-def _model_from_hf(data: dict[str, Any], label: str) -> ModelSpec:
-    if "n_layer" in data:  # GPT-2 style keys
-        hidden = data.get("n_embd")
-        mapped: dict[str, Any] = {
-            "num_layers": data.get("n_layer"), "hidden_size": hidden,
-            "ffn_hidden_size": (data.get("n_inner")
-                                or (4 * hidden if isinstance(hidden, int) else None)),
-            "num_attention_heads": data.get("n_head"), "vocab_size": data.get("vocab_size"),
-            "tied_embeddings": True, "activation": "gelu", "normalization": "LayerNorm",
-            "position_embedding": "learned_absolute",
-            "max_position_embeddings": data.get("n_positions", 1024), "add_bias_linear": True,
-        }
-    else:
-        mapped = {ours: data[hf] for hf, ours in _HF_KEYS.items() if data.get(hf) is not None}
-        act = data.get("hidden_act", "silu")
-        mapped["activation"] = "swiglu" if act in ("silu", "swiglu") else "gelu"
-        mapped["normalization"] = "RMSNorm" if "rms_norm_eps" in data else "LayerNorm"
-        mapped["position_embedding"] = "rope"
-    mapped["name"] = str(data.get("_name_or_path") or data.get("model_type") or label)
-    mapped = {k: v for k, v in mapped.items() if v is not None}
-    return ModelSpec.from_dict(mapped, path="model-config")
+    if set(data) & {"num_hidden_layers", "n_layer", "model_type", "architectures"}:
+        path = Path(path)  # .../Llama-2-7b-hf/config.json is labelled Llama-2-7b-hf
+        label = path.parent.name if path.stem == "config" and path.parent.name else path.stem
+        hf = model_from_hf_config(data, label)
+        return hf.spec, hf.notes
+    return ModelSpec.from_dict(data, path="model"), ()

@@ -58,6 +58,20 @@ class ModelSpec:
     """--max-position-embeddings: the longest sequence the position embedding covers."""
     add_bias_linear: bool = False
     """Linear layers carry biases (GPT-3: yes; Llama: no). --disable-bias-linear is its negation."""
+    add_qkv_bias: bool = False
+    """Biases on the query/key/value projection only (Qwen2; --add-qkv-bias)."""
+    qk_layernorm: bool = False
+    """A norm on each head's queries and keys (Qwen3; --qk-layernorm)."""
+    norm_epsilon: float = 1e-5
+    """--norm-epsilon (Megatron's args.layernorm_epsilon)."""
+    rotary_base: int = 10000
+    """RoPE base theta (--rotary-base; HuggingFace rope_theta)."""
+    rotary_percent: float = 1.0
+    """Share of each head's channels that get RoPE (--rotary-percent; HF partial_rotary_factor)."""
+    rope_scaling: bool = False
+    """Llama 3.x RoPE frequency scaling (--use-rope-scaling)."""
+    rope_scaling_factor: float = 8.0
+    """Its factor (--rope-scaling-factor; Llama 3.1: 8, Llama 3.2: 32)."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -74,6 +88,13 @@ class ModelSpec:
                 f"model.num_query_groups={self.num_query_groups} does not divide "
                 f"num_attention_heads={self.num_attention_heads}; use a divisor"
             )
+        if not (0 < self.rotary_percent <= 1):
+            raise PlanError(f"model.rotary_percent={self.rotary_percent} must be in (0, 1]")
+        for name in ("norm_epsilon", "rope_scaling_factor"):
+            if not getattr(self, name) > 0:
+                raise PlanError(f"model.{name}={getattr(self, name)} must be > 0")
+        if self.rotary_base < 1:
+            raise PlanError(f"model.rotary_base={self.rotary_base} must be >= 1")
         if self.kv_channels == 0 and self.hidden_size % self.num_attention_heads:
             raise PlanError(
                 f"model.hidden_size={self.hidden_size} is not a multiple of "
@@ -114,6 +135,13 @@ class ModelSpec:
             max_position_embeddings=get_int(data, "max_position_embeddings", path, default=4096,
                                             minimum=1),
             add_bias_linear=get_bool(data, "add_bias_linear", path, default=False),
+            add_qkv_bias=get_bool(data, "add_qkv_bias", path, default=False),
+            qk_layernorm=get_bool(data, "qk_layernorm", path, default=False),
+            norm_epsilon=get_float(data, "norm_epsilon", path, default=1e-5),
+            rotary_base=get_int(data, "rotary_base", path, default=10000, minimum=1),
+            rotary_percent=get_float(data, "rotary_percent", path, default=1.0),
+            rope_scaling=get_bool(data, "rope_scaling", path, default=False),
+            rope_scaling_factor=get_float(data, "rope_scaling_factor", path, default=8.0),
         )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import shlex
 import sys
 import time
@@ -17,11 +18,12 @@ from pathlib import Path
 
 from megatron_ext.errors import PlanError
 from megatron_ext.flags.emit import plan_to_megatron_args
+from megatron_ext.planner.cost.compute import model_parameters
 from megatron_ext.presets import (
     CLUSTER_PRESETS,
     MODEL_PRESETS,
     cluster_preset,
-    model_from_file,
+    model_file_with_notes,
     model_preset,
 )
 from megatron_ext.specs import ModelSpec
@@ -121,7 +123,12 @@ def _model(args: argparse.Namespace) -> ModelSpec:
     except (OSError, UnicodeDecodeError) as err:
         raise PlanError(f"cannot read --model-config {path}: {err}; check the path") from None
     if text.lstrip().startswith("{"):
-        return model_from_file(path)
+        model, notes = model_file_with_notes(path)
+        if notes:  # field: reason; the fields on one line, the reasons are in hf_config.py
+            fields = ", ".join(note.split(":", 1)[0] for note in notes)
+            sys.stderr.write(f"--model-config {path.name}: read, not part of the model's shape: "
+                             f"{fields}\n")
+        return model
     from megatron_ext.flags.parser import parse_megatron_args
     from megatron_ext.flags.to_plan import model_from_args
 
@@ -199,6 +206,12 @@ def run(args: argparse.Namespace) -> int:
     c = cm.cluster
     nodes = f"{c.num_nodes} node{'s' if c.num_nodes != 1 else ''}"
     sys.stderr.write(
+        f"model: {model.name}, {_billions(model_parameters(model))} parameters "
+        f"({model.num_layers} layers, hidden {model.hidden_size}"
+        + (f"; its name says {stated}" if (stated := _stated_size(model.name)) else "")
+        + ")\n"
+    )
+    sys.stderr.write(
         f"search: {model.name} on {c.num_gpus} x {c.name} GPUs ({nodes}, "
         f"{c.memory_gib:g} GiB), global batch {args.global_batch_size}, "
         f"seq {args.seq_length}, {args.precision}"
@@ -221,6 +234,20 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write(f"wrote {args.plot}\n")
     _print_megatron_args(plan, args.out)
     return 0
+
+
+def _billions(count: int) -> str:
+    return f"{count / 1e9:.2f}B" if count >= 1e8 else f"{count / 1e6:.2f}M"
+
+
+def _stated_size(name: str) -> str | None:
+    """The size a model's name states ("Llama-2-7b-hf" -> 7B); None for none or several, or a
+    mixture-of-experts "8x7B" (the name gives the expert size, not the total)."""
+    sizes = re.findall(r"(?<![\dx.])(\d+(?:\.\d+)?)([bBmM])(?![a-zA-Z])", name)
+    if len(sizes) != 1:
+        return None
+    number, unit = sizes[0]
+    return f"{number}{unit.upper()}"
 
 
 def _print_megatron_args(plan, plan_path: str | None) -> None:

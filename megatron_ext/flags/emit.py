@@ -145,8 +145,20 @@ def _model_values(plan: ParallelPlan) -> dict[str, Any]:
         "swiglu": m.activation == "swiglu",
         "untie_embeddings_and_output_weights": not m.tied_embeddings,
         "add_bias_linear": m.add_bias_linear,
+        "add_qkv_bias": m.add_qkv_bias,
+        "qk_layernorm": m.qk_layernorm,
+        # printed only where they differ from Megatron-LM's defaults, to keep the lines short
+        "layernorm_epsilon": _unless(m.norm_epsilon, 1e-5),
+        "rotary_base": _unless(m.rotary_base, 10000),
+        "rotary_percent": _unless(m.rotary_percent, 1.0),
+        "use_rope_scaling": m.rope_scaling,
+        "rope_scaling_factor": _unless(m.rope_scaling_factor, 8.0),
         "vocab_size": m.vocab_size,
     }
+
+
+def _unless(value: Any, default: Any) -> Any:
+    return None if value == default else value
 
 
 def _uniform(plan: ParallelPlan, attr: str, reasons: list[str]) -> Any:

@@ -32,7 +32,10 @@ _MODEL_FLAG = {
     "activation": "--swiglu", "normalization": "--normalization",
     "position_embedding": "--position-embedding-type",
     "max_position_embeddings": "--max-position-embeddings",
-    "add_bias_linear": "--disable-bias-linear",
+    "add_bias_linear": "--disable-bias-linear", "add_qkv_bias": "--add-qkv-bias",
+    "qk_layernorm": "--qk-layernorm", "norm_epsilon": "--norm-epsilon",
+    "rotary_base": "--rotary-base", "rotary_percent": "--rotary-percent",
+    "rope_scaling": "--use-rope-scaling", "rope_scaling_factor": "--rope-scaling-factor",
 }
 
 
@@ -117,7 +120,10 @@ def model_from_args(ns: argparse.Namespace, *, vocab_size: int | None = None) ->
             activation="swiglu" if ns.swiglu else "gelu", normalization=ns.normalization,
             position_embedding=ns.position_embedding_type,
             max_position_embeddings=_need(ns, "max_position_embeddings"),
-            add_bias_linear=ns.add_bias_linear,
+            add_bias_linear=ns.add_bias_linear, add_qkv_bias=ns.add_qkv_bias,
+            qk_layernorm=ns.qk_layernorm, norm_epsilon=ns.layernorm_epsilon,
+            rotary_base=ns.rotary_base, rotary_percent=ns.rotary_percent,
+            rope_scaling=ns.use_rope_scaling, rope_scaling_factor=ns.rope_scaling_factor,
         )
     except PlanError as err:
         raise PlanError(f"these Megatron flags give an invalid model: {err}") from None

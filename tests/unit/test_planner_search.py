@@ -164,6 +164,7 @@ def test_cli_model_config_files(tmp_path, capsys):
     hf.write_text(
         json.dumps(
             {
+                "model_type": "llama",
                 "num_hidden_layers": 8,
                 "hidden_size": 1024,
                 "intermediate_size": 2816,

@@ -112,7 +112,22 @@ def layer_params(model: ModelSpec) -> int:
             + f * (2 if model.activation == "swiglu" else 1)
             + h
         )
+    if model.add_qkv_bias and not model.add_bias_linear:
+        biases = q_dim(model) + 2 * kv_dim(model)
+    if model.qk_layernorm:  # one norm over head_dim for queries, one for keys
+        norms += 2 * model.head_dim * (2 if model.normalization == "LayerNorm" else 1)
     return layer_matmul_params(model) + norms + biases
+
+
+def model_parameters(model: ModelSpec) -> int:
+    """All parameters, unpadded vocabulary: layers, embedding, output layer (untied), learned
+    positions, final norm."""
+    h = model.hidden_size
+    embedding = model.vocab_size * h * (1 if model.tied_embeddings else 2)
+    learned = model.position_embedding == "learned_absolute"
+    positions = model.max_position_embeddings * h if learned else 0
+    final_norm = h * (2 if model.normalization == "LayerNorm" else 1)
+    return model.num_layers * layer_params(model) + embedding + positions + final_norm
 
 
 def padded_vocab_size(model: ModelSpec, num_shards: int) -> int:
