@@ -187,6 +187,14 @@ def _refuse_unsupported(data: dict[str, Any], where: str) -> None:
         if data.get(key) is not None:
             raise PlanError(f"{where} {key}={data[key]}: per-layer attention variants are not "
                             "something Megatron-LM's GPT model can express")
+    scaling = data.get("rope_scaling")
+    if isinstance(scaling, dict):
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind not in ("default", "llama3"):
+            raise PlanError(f"{where} rope_scaling type {kind!r}: only Llama 3's scaling "
+                            "(--use-rope-scaling) is something Megatron-LM can express")
+    elif scaling is not None:
+        raise PlanError(f"{where} rope_scaling={scaling!r} must be an object or null")
     if data.get("lm_head_bias"):
         raise PlanError(f"{where} lm_head_bias=true: Megatron-LM's output layer has no bias")
     if data.get("mlp_type", "default") != "default":
@@ -293,11 +301,8 @@ def _rope(data: dict[str, Any], head_dim: int, where: str) -> dict[str, Any]:
     scaling = data.get("rope_scaling")
     if scaling is not None:
         kind = scaling.get("rope_type", scaling.get("type"))
-        if kind == "default":
+        if kind == "default":  # anything but default and llama3 is refused above
             return out
-        if kind != "llama3":
-            raise PlanError(f"{where} rope_scaling type {kind!r}: only Llama 3's scaling "
-                            "(--use-rope-scaling) is something Megatron-LM can express")
         for key, fixed in _LLAMA3_FIXED.items():
             if float(scaling.get(key, fixed)) != fixed:
                 raise PlanError(f"{where} rope_scaling.{key}={scaling[key]}: Megatron-LM's Llama "

@@ -200,9 +200,11 @@ def _check_data_parallel(ns: argparse.Namespace) -> None:
             (ns.gradient_accumulation_fusion, "--no-gradient-accumulation-fusion"),
             (ns.ckpt_format not in ("torch_dist", "torch_dcp"), "--ckpt-format torch_dist"),
         )
-        for broken, need in rules:
-            if broken:
-                raise PlanError(f"--use-torch-fsdp2 needs {need} (Megatron-LM requires it)")
+        for index, (broken, need) in enumerate(rules):
+            if broken:  # Megatron-LM itself asks only for pp=1 (validate_args); the rest are
+                # limits of megatron_ext's FSDP2 path
+                who = "Megatron-LM requires it" if index == 0 else "a limit of megatron_ext's FSDP2"
+                raise PlanError(f"--use-torch-fsdp2 needs {need} ({who})")
     if ns.use_megatron_fsdp:
         if ns.data_parallel_sharding_strategy == "optim_grads":
             raise PlanError(

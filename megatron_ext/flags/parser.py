@@ -141,6 +141,10 @@ def _unknown_message(extra: list[str]) -> str:
     for token in extra:
         if token.startswith("-") and not _is_number(token):
             flag = token.split("=", 1)[0]
+            if flag.startswith("--export-"):
+                return (f"{flag} is a flag of Megatron-LM's ModelOpt post-training scripts "
+                        "(megatron/post_training/arguments.py), not of pretrain_gpt.py's parser; "
+                        "megatron_ext does not support ModelOpt")
             return (
                 f"{flag} is not a Megatron flag megatron_ext accepts; check the spelling "
                 "(pretrain_gpt.py --help lists them)"

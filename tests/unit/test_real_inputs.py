@@ -1,0 +1,198 @@
+"""Real inputs (tests/data) through plan-from-args, `megatron-ext args` and the HF reader.
+
+Each Megatron-LM core_v0.16.1 launch script, model-flag file and GPT functional-test config must
+give either a plan, unchanged, or a one-line refusal that starts with the flag it refuses, as
+tests/data/megatron_lm/expected.json records. A refusal's message names the feature (the flag
+table's text). When a flag becomes honoured (the training path implements it), its inputs turn
+into plans and expected.json changes with it.
+
+Each HuggingFace config.json must give a model whose parameter count matches the model card's
+within 1%, or a one-line refusal naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from megatron_ext.errors import PlanError
+from megatron_ext.flags.emit import plan_to_megatron_args
+from megatron_ext.flags.parser import parse_megatron_args, plan_from_megatron_args
+from megatron_ext.hf_config import model_from_hf_config
+from megatron_ext.planner.cost.compute import model_parameters
+from megatron_ext.presets import model_file_with_notes
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+MEGATRON = DATA / "megatron_lm"
+EXPECTED = json.loads((MEGATRON / "expected.json").read_text())
+GPT2_BPE_VOCAB = 50257  # what pretrain_gpt.py reads from the GPT-2 vocab file the configs name
+
+
+def _argv(name: str) -> list[str]:
+    record = json.loads((MEGATRON / f"{name}.json").read_text())
+    argv = list(record["argv"])
+    if name.startswith("modelopt_conf/"):
+        # the post-training launcher adds the tokenizer the file's TOKENIZER_MODEL names
+        argv += ["--tokenizer-model", "/tokenizer"]
+    return argv
+
+
+def _world_size(argv: list[str]) -> int:
+    """8 ranks (the CI's 8 GPUs), fewer when the batch does not split over 8."""
+    ns = parse_megatron_args(argv)
+    model_parallel = (ns.tensor_model_parallel_size * ns.pipeline_model_parallel_size
+                      * ns.context_parallel_size)
+    replicas = 8 // model_parallel if 8 % model_parallel == 0 else 1
+    micro_batches = (ns.global_batch_size or 8) // (ns.micro_batch_size or 1)
+    return model_parallel * math.gcd(replicas, micro_batches)
+
+
+def test_corpus_is_complete():
+    files = {str(p.relative_to(MEGATRON))[:-5] for p in MEGATRON.glob("*/*.json")}
+    assert files == set(EXPECTED)
+    assert len([n for n in files if n.startswith("functional_tests/")]) == 142
+    assert len([n for n in files if n.startswith("examples/")]) == 3
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_megatron_lm_input(name: str) -> None:
+    argv, expected = _argv(name), EXPECTED[name]
+    try:
+        world = _world_size(argv)
+        ns = parse_megatron_args(argv, world_size=world)
+        plan = plan_from_megatron_args(ns, world,
+                                       vocab_size=None if ns.vocab_size else GPT2_BPE_VOCAB)
+    except PlanError as err:
+        message = str(err)
+        assert expected != "plan", f"{name} should give a plan: {message}"
+        assert message.startswith(expected) and "\n" not in message, message
+        if " is not supported by megatron_ext" in message:
+            feature = message.split(": ", 1)[1].split(" is not supported")[0]
+            assert feature  # the flag table names what is unsupported
+        return
+    assert expected == "plan", f"{name} gave a plan, expected a refusal starting {expected!r}"
+    # unchanged: the plan is the one the flags describe, and `megatron-ext args` prints flags
+    # that plan-from-args turns back into the same plan
+    assert plan.world_size == world
+    assert plan.global_batch_size == (ns.global_batch_size or ns.micro_batch_size * world)
+    assert plan.model.num_layers == ns.num_layers
+    if plan.is_uniform():
+        again = parse_megatron_args(list(plan_to_megatron_args(plan).argv), world_size=world)
+        assert plan_from_megatron_args(again, world) == plan
+
+
+def test_gpt_and_llama_configs_that_use_only_supported_features_plan():
+    """Done-when of issue 13: the plain GPT/Llama functional tests and launch scripts plan."""
+    plain = [n for n, e in EXPECTED.items() if e == "plan"]
+    assert "functional_tests/gpt3_mcore_tp1_pp2" in plain
+    assert "functional_tests/gpt3_mcore_te_tp2_pp2_cp2" in plain
+    assert "modelopt_conf/meta-llama__Llama-3.1-8B-Instruct" in plain
+    assert "modelopt_conf/Qwen__Qwen2.5-7B-Instruct" in plain
+
+
+def test_llama31_flags_reach_the_plan():
+    ns = parse_megatron_args(_argv("modelopt_conf/meta-llama__Llama-3.1-8B-Instruct"),
+                             world_size=1)
+    model = plan_from_megatron_args(ns, 1, vocab_size=128256).model
+    assert (model.rotary_base, model.rope_scaling, model.rope_scaling_factor) == (500000, True,
+                                                                                 8.0)
+    qwen = parse_megatron_args(_argv("modelopt_conf/Qwen__Qwen2.5-7B-Instruct"), world_size=1)
+    model = plan_from_megatron_args(qwen, 1, vocab_size=152064).model
+    assert model.add_qkv_bias and model.rotary_base == 1000000
+
+
+# HuggingFace configs: the parameter count the model card states (billions), or the refused
+# field. Model cards: meta-llama, mistralai, Qwen, codellama on huggingface.co.
+HF_EXPECTED: dict[str, float | str] = {
+    "Llama-2-7b-hf": 6.74, "Llama-2-70b-hf": 68.98, "CodeLlama-7b-hf": 6.74,
+    "Llama-3.1-8B": 8.03, "Llama-3.1-70B": 70.55, "Llama-3.2-1B": 1.24,
+    "Mistral-7B-v0.3": 7.25, "Qwen2-0.5B": 0.49, "Qwen2-7B": 7.62, "Qwen2.5-3B": 3.09,
+    "Qwen3-0.6B": 0.6, "Qwen3-1.7B": 1.7,
+    "Mistral-7B-v0.1": "sliding_window=4096",
+    "Mixtral-8x7B-v0.1": "num_local_experts=8", "Qwen1.5-MoE-A2.7B": "num_experts=60",
+    "deepseek-moe-16b": "n_routed_experts=64", "DeepSeek-V2-Lite": "n_routed_experts=64",
+    "DeepSeek-V3": "n_routed_experts=256",
+    "gemma-2b": "model_type 'gemma'", "gemma-2-2b": "model_type 'gemma2'",
+    "gemma-2-9b": "model_type 'gemma2'", "gemma-2-27b": "model_type 'gemma2'",
+    "gemma-3-1b-it": "model_type 'gemma3_text'", "gpt-j-6b": "model_type 'gptj'",
+    "phi-2": "model_type 'phi-msft'", "gpt2": "activation_function='gelu_new'",
+    "OLMo-2-1124-7B": "model_type 'olmo2'", "OLMo-2-1124-13B": "model_type 'olmo2'",
+    "starcoder2-7b": "sliding_window=4096",
+    "Phi-3.5-mini-instruct": "rope_scaling type 'longrope'",
+    "Phi-4-mini-instruct": "rope_scaling type 'longrope'",
+}
+
+
+def test_hf_corpus_is_complete():
+    assert {p.stem for p in (DATA / "hf_configs").glob("*.json")} == set(HF_EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(HF_EXPECTED))
+def test_hf_config(name: str) -> None:
+    expected = HF_EXPECTED[name]
+    path = DATA / "hf_configs" / f"{name}.json"
+    if isinstance(expected, str):
+        with pytest.raises(PlanError) as err:
+            model_file_with_notes(path)
+        message = str(err.value)
+        assert message.startswith(f"{name}: config.json {expected}") and "\n" not in message
+        return
+    model, notes = model_file_with_notes(path)
+    billions = model_parameters(model) / 1e9
+    # 1% or the card's rounding (0.6B, 1.7B): the same model, not a misread one
+    assert abs(billions - expected) <= max(0.01 * expected, 0.025), billions
+    data = json.loads(path.read_text())
+    for key in data:  # every field mapped onto the spec or noted with a reason
+        assert key in _mapped_fields() or any(n.startswith(f"{key}: ") for n in notes), key
+
+
+def _mapped_fields() -> set[str]:
+    from megatron_ext.hf_config import _MAPPED
+
+    return set(_MAPPED)
+
+
+def test_hf_fields_reach_the_spec():
+    read = {n: model_file_with_notes(DATA / "hf_configs" / f"{n}.json")[0]
+            for n in ("Llama-3.2-1B", "Qwen2.5-3B", "Qwen3-0.6B", "Llama-2-7b-hf")}
+    llama32 = read["Llama-3.2-1B"]
+    assert llama32.tied_embeddings and llama32.rope_scaling
+    assert (llama32.rotary_base, llama32.rope_scaling_factor) == (500000, 32.0)
+    assert read["Qwen2.5-3B"].add_qkv_bias and read["Qwen2.5-3B"].norm_epsilon == 1e-6
+    assert read["Qwen3-0.6B"].qk_layernorm and read["Qwen3-0.6B"].kv_channels == 128
+    assert not read["Llama-2-7b-hf"].tied_embeddings and read["Llama-2-7b-hf"].rotary_base == 10000
+
+
+def test_hf_defaults_and_unknown_fields():
+    base = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+            "intermediate_size": 128, "vocab_size": 100, "rms_norm_eps": 1e-6}
+    assert model_from_hf_config(base, "x").spec.tied_embeddings  # PretrainedConfig's default
+    assert not model_from_hf_config({**base, "model_type": "llama"}, "x").spec.tied_embeddings
+    with pytest.raises(PlanError, match="field 'new_thing' is not one megatron_ext knows"):
+        model_from_hf_config({**base, "new_thing": 1}, "x")
+    with pytest.raises(PlanError, match="rope_scaling.low_freq_factor=2"):
+        model_from_hf_config({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8,
+                                                        "low_freq_factor": 2}}, "x")
+    with pytest.raises(PlanError, match="attention_bias=true without mlp_bias"):
+        model_from_hf_config({**base, "attention_bias": True}, "x")
+
+
+def test_args_emit_and_read_back_the_new_model_fields(tmp_path: Path):
+    from megatron_ext.planner.cost.model import CostModel
+    from megatron_ext.planner.search import SearchOptions, search
+    from megatron_ext.planner.training import TrainingSpec
+    from megatron_ext.presets import cluster_preset
+
+    model = model_file_with_notes(DATA / "hf_configs" / "Qwen3-0.6B.json")[0]
+    cm = CostModel(model, cluster_preset("dgx-h100"),
+                   TrainingSpec(global_batch_size=16, seq_length=2048))
+    plan = search(cm, options=SearchOptions(uniform_only=True)).plan
+    argv = plan_to_megatron_args(plan).argv
+    assert "--qk-layernorm" in argv and "--rotary-base" in argv
+    back = plan_from_megatron_args(parse_megatron_args(list(argv), world_size=plan.world_size),
+                                   plan.world_size)
+    assert back.model == plan.model.__class__.from_dict({**plan.model.to_dict(),
+                                                         "name": "custom"})
