@@ -65,7 +65,7 @@ SUITE = (
         nodes=1,
         global_batch_size=512,
         seq_length=4096,
-        target_s=2.0,
+        target_s=1.0,
     ),
     Case(
         model="llama2-13b",
@@ -96,7 +96,14 @@ SUITE = (
         nodes=512,
         global_batch_size=2048,
         seq_length=8192,
-        target_s=60.0,
+    ),
+    Case(
+        model="llama3-405b",
+        cluster="dgx-h100",
+        nodes=1024,
+        global_batch_size=2048,
+        seq_length=8192,
+        target_s=10.0,
     ),
     # memory-tight variants
     Case(

@@ -86,6 +86,7 @@ def layer_dp(
     layout: np.ndarray | None = None,  # [S] ids; switch depends only on them, 0 inside one
     max_switch: MaxSwitch | None = None,  # the same switch costs in "max" form (needs layout)
     keep_choices: bool = False,
+    groups: SwitchGroups | None = None,  # switch_groups(switch, layout, max_switch), reused
 ) -> StageDP:
     """Run the recurrence of the module docstring for 1..num_layers layers.
 
@@ -102,7 +103,8 @@ def layer_dp(
     if num == 0 or num_layers == 0:
         return StageDP(best=best, argbest=argbest, choice=choice, mem_units=mem_in)
     assert num < 2**15 and np.all(np.diag(switch) == 0), "switch[i, i] must be 0"
-    groups = _Groups(switch, np.arange(num) if layout is None else np.asarray(layout), max_switch)
+    if groups is None:
+        groups = switch_groups(switch, layout, max_switch)
     order = groups.order
     cost_o, mem = np.asarray(cost, dtype=float)[order], mem_in[order]
     f = np.full((num, units), np.inf)  # [S, U], sorted order
@@ -135,7 +137,16 @@ def _record(
         best[layer] = f.min(axis=0)
 
 
-class _Groups:
+def switch_groups(
+    switch: np.ndarray, layout: np.ndarray | None, max_switch: MaxSwitch | None
+) -> SwitchGroups:
+    """The switch-cost structure `layer_dp` works with; build it once to run several DPs
+    (other memory per layer, other budgets) over the same strategies."""
+    ids = np.arange(len(switch)) if layout is None else np.asarray(layout)
+    return SwitchGroups(switch, ids, max_switch)
+
+
+class SwitchGroups:
     """min_{s'} f[s', u] + switch[s', s] when switch[s', s] = G[layout[s'], layout[s]], G[i, i] = 0:
     first the best member of each layout, then the best layout (dense G x G, or the MaxSwitch
     form). Works on tables whose rows are in `order` (members of a layout contiguous). Arg-minima

@@ -41,7 +41,7 @@ from megatron_ext.planner.bounds import combo_bound
 from megatron_ext.planner.cost.evaluate import Evaluation
 from megatron_ext.planner.cost.model import CostModel, LayerCosts
 from megatron_ext.planner.cost.vocab import StageExtras, stage_extras
-from megatron_ext.planner.dp import MaxSwitch, StageDP, layer_dp
+from megatron_ext.planner.dp import MaxSwitch, StageDP, layer_dp, switch_groups
 from megatron_ext.planner.infeasible import explain_infeasible
 from megatron_ext.planner.partition import best_partition, bmw_partition
 from megatron_ext.planner.space import (
@@ -332,6 +332,7 @@ def _stage_dps(
         for inflight, units in zip(ex.inflight.tolist(), budget.tolist()):
             tops[inflight] = max(tops.get(inflight, -1), units)
     dps = {}
+    groups = switch_groups(switch, level.table.layout, ms)
     for inflight, top in sorted(tops.items()):
         if top >= 0:
             mem_units = np.ceil(level.costs.memory_bytes(inflight) / unit).astype(np.int64)
@@ -343,6 +344,7 @@ def _stage_dps(
                 budget_units=top,
                 layout=level.table.layout,
                 max_switch=ms,
+                groups=groups,
             )
     return dps
 
