@@ -264,8 +264,9 @@ def report_text(plan: ParallelPlan, b) -> str:
     strategies = sorted({s.describe() for s in plan.layers})
     lines.append(
         f"layout: pp={plan.pp}, micro-batch {plan.micro_batch_size} x "
-        f"{plan.global_batch_size // plan.micro_batch_size}, vocabulary {plan.vocab.mode} "
-        f"tp={plan.vocab.tp}; layers: {' | '.join(strategies)}"
+        f"{plan.global_batch_size // plan.micro_batch_size}, vocabulary "
+        f"{'parallel ' if plan.vocab.mode == 'vocab_parallel' else ''}tp={plan.vocab.tp}; "
+        f"layers: {' | '.join(strategies)}"
     )
     fits = "fits" if ev.feasible else "DOES NOT FIT"
     free = min(b.memory_cap_bytes - s.peak_bytes for s in b.stages)
