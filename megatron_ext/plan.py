@@ -33,7 +33,7 @@ from megatron_ext.specs import ClusterSpec, ModelSpec
 SCHEMA_VERSION = 1
 Recompute = Literal["none", "selective", "full"]
 RECOMPUTE_CHOICES: tuple[str, ...] = ("none", "selective", "full")
-ZERO_CHOICES: tuple[int, ...] = (0, 1, 3)
+ZERO_CHOICES: tuple[int, ...] = (0, 1, 2, 3)
 Precision = Literal["bf16", "fp16", "fp32"]
 
 
@@ -52,7 +52,8 @@ class LayerStrategy:
     dp: int = 1
     """Data-parallel degree: replicas of this layer, each on micro_batch_size/dp samples."""
     zero: int = 0
-    """0 = DDP, 1 = distributed optimizer (optimizer states sharded over dp), 3 = fully sharded."""
+    """0 = DDP, 1 = distributed optimizer (optimizer states sharded over dp), 2 = gradients and
+    optimizer states sharded (weights gathered once per micro-batch), 3 = fully sharded."""
     recompute: Recompute = "none"
     """Activation recomputation: none, selective (core attention) or full (the whole layer)."""
 
@@ -63,7 +64,8 @@ class LayerStrategy:
         if self.sp and self.tp == 1:
             raise PlanError("sp=true needs tp > 1; set sp=false or raise tp")
         if self.zero not in ZERO_CHOICES:
-            raise PlanError(f"zero={self.zero} must be 0 (DDP), 1 (distributed optimizer) or 3")
+            raise PlanError(f"zero={self.zero} must be 0 (DDP), 1 (distributed optimizer), "
+                            "2 (sharded gradients) or 3 (fully sharded)")
         if self.recompute not in RECOMPUTE_CHOICES:
             raise PlanError(f"recompute={self.recompute!r} must be none, selective or full")
 

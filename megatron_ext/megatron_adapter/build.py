@@ -69,12 +69,6 @@ def prepare_megatron() -> None:
 
 def check_runtime_support(plan: ParallelPlan, *, embedding: bool, output_layer: bool) -> None:
     """One-line PlanError for plan features this runtime does not run."""
-    for start, end, s in plan.layer_runs():
-        if s.zero == 3:
-            raise PlanError(
-                f"layers[{start}:{end}].zero=3 is not supported by the layerwise runtime yet; "
-                "use zero 0 (DDP) or 1 (distributed optimizer)"
-            )
     if plan.precision == "fp16":
         raise PlanError("precision='fp16' is not supported by the layerwise runtime "
                         "(its loss-scale "

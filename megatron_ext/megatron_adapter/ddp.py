@@ -4,9 +4,10 @@ megatron-core's `DistributedDataParallel` reduces all dense params over one grou
 replicas of a parameter shard of a layer with tensor-parallel degree tp are the stage ranks with
 the same tp rank (its dp x cp x Ulysses ranks), so the gradient group depends on tp alone.
 `HeteroDDP` wraps the stage model once and holds one stock DDP per (tp, zero) class of layers
-(plus the vocabulary layers, classed by vocab.tp and the zero level of their neighbour layer),
-each over its own `dp_cp` group with its own bucketing/overlap, and ZeRO-1
-(`use_distributed_optimizer`) per class. The DDPs own no forward: their per-parameter hooks and
+(plus the vocabulary layers, classed by vocab.tp and the zero level of their neighbour layer,
+at most 1), each over its own `dp_cp` group with its own bucketing/overlap, and ZeRO-1
+(`use_distributed_optimizer`) per class. Classes with zero 2 or 3 are FSDP2-sharded layers
+(`fsdp.ShardedLayers`) over the same group instead of a DDP. The DDPs own no forward: their per-parameter hooks and
 buffers work on the shared layer modules. The API mirrors DDP, so megatron-core schedules and
 `finalize_grads` treat it as one model chunk.
 
@@ -36,9 +37,17 @@ from megatron.core.distributed.finalize_model_grads import (
 )
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from megatron_ext.megatron_adapter.fsdp import ShardedLayers, shard_root
 from megatron_ext.megatron_adapter.model import HeteroGPTModel
 
-__all__ = ["GradClass", "HeteroDDP", "finalize_grads"]
+__all__ = ["GradClass", "HeteroDDP", "finalize_grads", "vocab_zero"]
+
+
+def vocab_zero(layer_zero: int) -> int:
+    """ZeRO level of the vocabulary layers next to a layer with `layer_zero`: they keep
+    megatron's DDP (the embedding is tied across stages and sits outside the layer loop), with
+    the distributed optimizer when the neighbour shards anything."""
+    return min(layer_zero, 1)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,16 +72,17 @@ def grad_classes(model: HeteroGPTModel) -> list[GradClass]:
 
     vocab_pg = model.pg_collection
     if model.pre_process:
-        add(plan.vocab.tp, plan.layers[start].zero, model.embedding, vocab_pg)
+        add(plan.vocab.tp, vocab_zero(plan.layers[start].zero), model.embedding, vocab_pg)
     for build in model.decoder.builds:
         strategy = plan.layers[build.layer_idx]
         add(strategy.tp, strategy.zero, model.decoder.layers[str(build.layer_idx)],
             build.pg_collection)
-    last_zero = plan.layers[end - 1].zero
+    last_zero = vocab_zero(plan.layers[end - 1].zero)
     add(plan.vocab.tp, last_zero, model.decoder.final_layernorm, model.decoder.pg_collection)
     if model.post_process:
         add(plan.vocab.tp, last_zero, model.output_layer, vocab_pg)
-    add(plan.vocab.tp, plan.layers[start].zero, getattr(model, "vocab", None), vocab_pg)
+    add(plan.vocab.tp, vocab_zero(plan.layers[start].zero), getattr(model, "vocab", None),
+        vocab_pg)
     return [GradClass(tp=tp, zero=zero, modules=tuple(mods), pg_collection=pgc)
             for (tp, zero), (mods, pgc) in found.items()]
 
@@ -84,20 +94,28 @@ class HeteroDDP(_BaseDataParallel):
         super().__init__(config=module.config, module=module)
         self.ddp_config = ddp_config
         self.classes = grad_classes(module)
-        self._ddps = [  # a plain list: not submodules, so state dicts stay the model's
-            DistributedDataParallel(
-                config=module.config,
-                ddp_config=dataclasses.replace(ddp_config,
-                                               use_distributed_optimizer=cls.zero >= 1),
-                module=torch.nn.ModuleList(cls.modules),
-                pg_collection=cls.pg_collection,
-            )
-            for cls in self.classes
-        ]
+        self._ddps = [self._wrap(cls, ddp_config) for cls in self.classes]
+        # a plain list above: not submodules, so state dicts stay the model's
+        shard_root(module.decoder, self.sharded)
+
+    def _wrap(self, cls: GradClass, ddp_config: DistributedDataParallelConfig
+              ) -> DistributedDataParallel | ShardedLayers:
+        if cls.zero >= 2:
+            return ShardedLayers(self.module.config, list(cls.modules),
+                                 group=cls.pg_collection.dp_cp, zero=cls.zero)
+        return DistributedDataParallel(
+            config=self.module.config,
+            ddp_config=dataclasses.replace(ddp_config, use_distributed_optimizer=cls.zero >= 1),
+            module=torch.nn.ModuleList(cls.modules), pg_collection=cls.pg_collection)
 
     @property
-    def ddps(self) -> list[DistributedDataParallel]:
+    def ddps(self) -> list[DistributedDataParallel | ShardedLayers]:
         return self._ddps
+
+    @property
+    def sharded(self) -> list[ShardedLayers]:
+        """The ZeRO-2/3 classes."""
+        return [ddp for ddp in self._ddps if isinstance(ddp, ShardedLayers)]
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

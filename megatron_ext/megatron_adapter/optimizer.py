@@ -2,7 +2,8 @@
 
 Each gradient class of `HeteroDDP` (params sharing a dp_cp group and ZeRO level) gets megatron-
 core's own optimizer over its DDP buffers: `DistributedOptimizer` (ZeRO-1, sharded over the
-class's dp_cp group) for zero=1, `FP32Optimizer` / `Float16OptimizerWithFloat16Params` otherwise,
+class's dp_cp group) for zero=1, `FP32Optimizer` / `Float16OptimizerWithFloat16Params` otherwise
+(for zero 2/3 over the FSDP2 shards, so their states are sharded too),
 built by `_get_megatron_optimizer_based_on_param_groups` (optimizer/__init__.py:267). Param groups
 follow `get_megatron_optimizer` (no weight decay on biases and 1-D params) but are aligned over
 the world in one collective: `get_megatron_optimizer` itself does a world `all_gather_object`
@@ -10,7 +11,7 @@ per call, which would mismatch between stages holding different numbers of class
 
 `HeteroChainedOptimizer` de-duplicates the global grad norm: every rank adds the squares of the
 grads it owns (tensor-parallel duplicates dropped per class tp group, DDP replicas counted on
-dp_cp rank 0 only, ZeRO shards counted where they live, the tied output copy dropped as
+dp_cp rank 0 only, ZeRO-1/2/3 shards counted where they live, the tied output copy dropped as
 `shared`), and one world all-reduce sums them.
 """
 
@@ -121,10 +122,11 @@ def build_optimizer(chunks: list[HeteroDDP], config: OptimizerConfig) -> HeteroC
     chained, replicated = [], []
     for (_chunk, cls, ddp), keys in zip(classes, found):
         union = list(dict.fromkeys(k for g in gathered for k in g.get((cls.tp, cls.zero), [])))
-        cls_config = dataclasses.replace(config, use_distributed_optimizer=cls.zero >= 1)
+        cls_config = dataclasses.replace(config, use_distributed_optimizer=cls.zero == 1)
         opt = _get_megatron_optimizer_based_on_param_groups(
             config=cls_config, model_chunks=[ddp], param_groups=_param_groups(union, keys, config),
-            per_model_buffers={0: ddp.buffers}, model_parallel_group=None,
+            per_model_buffers={0: ddp.buffers} if cls.zero <= 1 else None,
+            model_parallel_group=None,
             data_parallel_group=cls.pg_collection.dp_cp, data_parallel_group_gloo=None,
             data_parallel_group_idx=0, intra_dist_opt_group=dist.group.WORLD,
             distributed_optimizer_instance_id=0, pg_collection=cls.pg_collection,

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from megatron_ext.plan import LayerStrategy, ParallelPlan
 from megatron_ext.specs import ModelSpec
@@ -151,7 +152,10 @@ def compare_grads(chunks, optimizer, ref_grads: dict[str, torch.Tensor], *, rtol
         key = "embedding.word_embeddings.weight" if (
             name == "output_layer.weight" and name not in ref_grads) else name
         expected = local_shard(name, ref_grads[key], param, tp, _is_gated(name, model))
-        got = param.main_grad
+        if isinstance(param, DTensor):  # ZeRO-2/3: the summed grad, reassembled from shards
+            got = param.grad.full_tensor()  # collective over the layer's dp_cp group
+        else:
+            got = param.main_grad
         owned = _owned_range(chunks, optimizer, param)
         if owned is not None:
             got, expected = got.reshape(-1)[owned[0]:owned[1]], expected.reshape(-1)[

@@ -1,0 +1,147 @@
+"""ZeRO-2 / ZeRO-3 for one gradient class of layers: PyTorch FSDP2 `fully_shard` per layer on
+the class's own data-parallel (dp_cp) group.
+
+Each `TransformerLayer` of the class becomes an FSDP2 module over a `DeviceMesh` built from the
+class's dp_cp group (`DeviceMesh.from_group`, device type from the parameters: "cpu" under gloo),
+so its parameters, gradients and optimizer states are dim-0 shards (DTensors) of the layer's
+tensor-parallel shard:
+
+- zero=3: parameters all-gathered before the layer's forward, freed after it
+  (`reshard_after_forward=True`), gathered again for its backward;
+- zero=2: gathered once per micro-batch for forward and kept until the layer's backward has
+  run (`reshard_after_forward=False`, FSDP's SHARD_GRAD_OP), so the backward needs no second
+  gather; at rest between steps the parameters are shards as under zero=3.
+
+Gradients are reduce-scattered in each layer's backward (every micro-batch: megatron's `no_sync`
+is not applied, so no full-size gradient is ever kept) and summed, not averaged
+(`set_gradient_divide_factor(1.0)`): the runtime's loss is per token and `finalize_grads` divides
+by the global token count, as for the DDP classes. Adjacent sharded layers of a stage prefetch
+each other's all-gather (forward: the next layer, backward: the previous one).
+
+megatron-core's optimizer steps these parameters as they are (`FP32Optimizer` over the DTensors:
+states are created per shard; grad norms read the local shards through megatron's
+`__fsdp_param__` convention, optimizer/optimizer.py:148). megatron's own FSDP2 wrapper
+(distributed/torch_fully_sharded_data_parallel.py) takes one group for the whole model and a
+"cuda" mesh, so it is not used; its save/restore of custom parameter attributes
+(pytorch/pytorch#136929) is followed here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+__all__ = ["ShardedLayers", "shard_root", "sharded_params"]
+
+
+def _custom_attrs(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
+    return {name: dict(vars(p)) for name, p in module.named_parameters()}
+
+
+class ShardedLayers(_BaseDataParallel):
+    """Layers of one (tp, zero>=2) gradient class, each `fully_shard`ed over `group`.
+
+    Presents the DDP API `HeteroDDP` drives (no_sync, grad sync, scaling, zeroing); gradient
+    reduction itself happens inside FSDP2's backward hooks.
+    """
+
+    def __init__(self, config: TransformerConfig, layers: list[torch.nn.Module], *,
+                 group: dist.ProcessGroup, zero: int) -> None:
+        assert zero in (2, 3), zero
+        module = torch.nn.ModuleList(layers)
+        super().__init__(config=config, module=module)
+        self.ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=False)
+        self.zero = zero
+        self.group = group
+        device = next(module.parameters()).device
+        self.mesh = DeviceMesh.from_group(group, device.type)
+        attrs = _custom_attrs(module)
+        for layer in layers:
+            fully_shard(layer, mesh=self.mesh, reshard_after_forward=zero == 3)
+            layer.set_gradient_divide_factor(1.0)
+            layer.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+        for name, param in module.named_parameters():
+            for key, value in attrs.get(name, {}).items():
+                setattr(param, key, value)
+            param.__fsdp_param__ = True  # megatron reads local grad shards for norms
+        self.layers: list[FSDPModule] = layers
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradients are reduce-scattered every micro-batch (kept sharded): nothing to defer."""
+        yield
+
+    def start_grad_sync(self, *unused: Any) -> None:
+        pass
+
+    def finish_grad_sync(self, force_all_reduce: bool | None = False) -> None:
+        pass  # FSDP2's post-backward callback has waited for the reduce-scatters
+
+    def start_param_sync(self, *unused: Any, force_sync: bool = False,
+                         force_dispatch: bool = False) -> None:
+        pass  # parameters are gathered by each layer's forward pre-hook
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        for param in self.module.parameters():
+            if param.grad is not None:
+                param.grad.mul_(scaling_factor)
+
+    def zero_grad_buffer(self) -> None:
+        for param in self.module.parameters():
+            param.grad = None
+
+    def broadcast_params(self) -> None:
+        pass  # each replica's shard is cut from its own full tensor; identical under
+        # plan-invariant init, and a consistent (if different) init otherwise
+
+    def local_grad(self, param: torch.Tensor) -> torch.Tensor | None:
+        """This rank's shard of a parameter's summed gradient."""
+        return None if param.grad is None else param.grad.to_local()
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """Full (tensor-parallel shard) parameters registered on the layers while inside, e.g.
+        for a state dict in megatron's format; sharded again on exit."""
+        for layer in self.layers:
+            layer.unshard()
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                layer.reshard()
+
+
+def shard_root(block: torch.nn.Module, classes: list[ShardedLayers]) -> None:
+    """Make `block` (the stage's decoder) the FSDP2 root of its sharded layers, holding no
+    parameters itself (the DDP classes' parameters are ignored): the root's forward initialises
+    every layer's FSDP state in one context, so layers can prefetch each other, and its
+    post-backward callback waits for every reduce-scatter.
+
+    Prefetch is explicit along the stage's sharded layers in run order (forward: the next one,
+    backward: the previous one), as megatron's FSDP2 wrapper sets it, so that activation
+    recomputation does not disturb FSDP2's recorded order."""
+    if not classes:
+        return
+    mine = {id(p) for cls in classes for p in cls.module.parameters()}
+    ignored = {p for p in block.parameters() if id(p) not in mine}
+    fully_shard(block, mesh=classes[0].mesh, ignored_params=ignored)
+    sharded = {id(layer) for cls in classes for layer in cls.layers}
+    order = [layer for layer in block.layers if id(layer) in sharded]
+    for prev, nxt in zip(order, order[1:]):
+        prev.set_modules_to_forward_prefetch([nxt])
+        nxt.set_modules_to_backward_prefetch([prev])
+
+
+def sharded_params(chunks: list[torch.nn.Module]) -> set[int]:
+    """ids of the parameters held by `ShardedLayers` classes of `HeteroDDP` chunks."""
+    return {id(p) for chunk in chunks for ddp in getattr(chunk, "ddps", [])
+            if isinstance(ddp, ShardedLayers) for p in ddp.module.parameters()}
