@@ -14,7 +14,9 @@ Mapping decisions (Megatron-LM core_v0.16.1 semantics):
   `--context-parallel-size C*U --cp-comm-type a2a+p2p --hierarchical-context-parallel-sizes U C`
   (a2a inside groups of U ranks, ring p2p across them). Megatron-LM needs transformer-engine
   for any context parallelism.
-- zero: 1 is `--use-distributed-optimizer`; 3 is `--use-torch-fsdp2` (plus the
+- zero: 1 is `--use-distributed-optimizer`; 2 needs --strategy-config (Megatron-LM's only
+  ZeRO-2 is Megatron-FSDP `optim_grads`, which megatron_ext does not run); 3 is
+  `--use-torch-fsdp2` (plus the
   `--no-gradient-accumulation-fusion` Megatron-LM requires with it). Megatron-LM allows FSDP2
   only with pp=1, untied embeddings and no fp16; other zero=3 plans need --strategy-config.
 - recompute: selective is `--recompute-granularity selective` (core attention, Megatron's
@@ -203,6 +205,10 @@ def _context_values(plan: ParallelPlan, cp: Any, uly: Any, reasons: list[str]) -
 def _zero_values(plan: ParallelPlan, zero: Any, reasons: list[str]) -> dict[str, Any]:
     keys = ("use_distributed_optimizer", "use_torch_fsdp2", "gradient_accumulation_fusion")
     if zero is PLAN_ONLY:
+        return dict.fromkeys(keys, PLAN_ONLY)
+    if zero == 2:  # Megatron-LM's ZeRO-2 is Megatron-FSDP optim_grads, which we do not emit
+        reasons.append("zero=2 (Megatron-LM has ZeRO-2 only as Megatron-FSDP's optim_grads, "
+                       "a different implementation from the layerwise runtime's FSDP2)")
         return dict.fromkeys(keys, PLAN_ONLY)
     if zero == 3:
         limits = [

@@ -18,7 +18,9 @@ is not applied, so no full-size gradient is ever kept) and summed, not averaged
 by the global token count, as for the DDP classes. Adjacent sharded layers of a stage prefetch
 each other's all-gather (forward: the next layer, backward: the previous one).
 
-megatron-core's optimizer steps these parameters as they are (`FP32Optimizer` over the DTensors:
+Under bf16 the shards are fp32 and are the master weights: FSDP2 gathers them in bf16
+(`MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`) and reduce-scatters fp32
+gradients, so megatron-core's `FP32Optimizer` steps them as they are (over the DTensors:
 states are created per shard; grad norms read the local shards through megatron's
 `__fsdp_param__` convention, optimizer/optimizer.py:148). megatron's own FSDP2 wrapper
 (distributed/torch_fully_sharded_data_parallel.py) takes one group for the whole model and a
@@ -38,7 +40,7 @@ from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 __all__ = ["ShardedLayers", "shard_root", "sharded_params"]
 
@@ -65,8 +67,15 @@ class ShardedLayers(_BaseDataParallel):
         device = next(module.parameters()).device
         self.mesh = DeviceMesh.from_group(group, device.type)
         attrs = _custom_attrs(module)
+        compute_dtype = config.params_dtype
+        policy = MixedPrecisionPolicy()
+        if compute_dtype != torch.float32:  # fp32 shards are the master weights
+            with torch.no_grad():
+                for param in module.parameters():
+                    param.data = param.data.float()
+            policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
         for layer in layers:
-            fully_shard(layer, mesh=self.mesh, reshard_after_forward=zero == 3)
+            fully_shard(layer, mesh=self.mesh, reshard_after_forward=zero == 3, mp_policy=policy)
             layer.set_gradient_divide_factor(1.0)
             layer.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
         for name, param in module.named_parameters():

@@ -123,6 +123,8 @@ def build_optimizer(chunks: list[HeteroDDP], config: OptimizerConfig) -> HeteroC
     for (_chunk, cls, ddp), keys in zip(classes, found):
         union = list(dict.fromkeys(k for g in gathered for k in g.get((cls.tp, cls.zero), [])))
         cls_config = dataclasses.replace(config, use_distributed_optimizer=cls.zero == 1)
+        if cls.zero >= 2:  # fp32 shards are the master weights (fsdp.py)
+            cls_config = dataclasses.replace(cls_config, bf16=False, fp16=False)
         opt = _get_megatron_optimizer_based_on_param_groups(
             config=cls_config, model_chunks=[ddp], param_groups=_param_groups(union, keys, config),
             per_model_buffers={0: ddp.buffers} if cls.zero <= 1 else None,

@@ -59,12 +59,19 @@ def test_activation_bytes_match_korthikanti():
 
 
 def test_state_bytes_per_zero_level():
-    """Mixed precision Adam: 2 + 4 + 4 + 8 = 18 B/param; ZeRO-1 shards 12, ZeRO-3 all 18."""
+    """Mixed precision Adam: 2 + 4 + 4 + 8 = 18 B/param; ZeRO-1 shards 12; ZeRO-3 (FSDP2, fp32
+    shards are the master) shards 4 + 4 + 8."""
     assert state_bytes_per_param(0, 8, half_precision=True) == 18
     assert state_bytes_per_param(1, 8, half_precision=True) == pytest.approx(6 + 12 / 8)
-    assert state_bytes_per_param(3, 8, half_precision=True) == pytest.approx(18 / 8)
+    assert state_bytes_per_param(3, 8, half_precision=True) == pytest.approx(16 / 8)
+    assert state_bytes_per_param(3, 4, half_precision=False) == pytest.approx(16 / 4)
     assert state_bytes_per_param(0, 4, half_precision=False) == 16
     assert state_bytes_per_param(1, 4, half_precision=False) == pytest.approx(8 + 8 / 4)
+    # ZeRO-2: the ZeRO-3 shards plus the weights gathered between forward and backward.
+    assert state_bytes_per_param(2, 8, half_precision=True) == pytest.approx(2 + 16 / 8)
+    assert state_bytes_per_param(2, 4, half_precision=False) == pytest.approx(4 + 16 / 4)
+    levels = [state_bytes_per_param(z, 8, half_precision=True) for z in (0, 1, 2, 3)]
+    assert levels == sorted(levels, reverse=True)
 
 
 def test_alpha_beta_collectives_know_nodes():

@@ -25,13 +25,17 @@ def _one_line(err: pytest.ExceptionInfo) -> str:
     return message
 
 
-def test_zero3_is_a_plan_error() -> None:
-    from megatron_ext.megatron_adapter.build import build_model
+def test_zero_2_and_3_are_runtime_plans() -> None:
+    """Per-layer ZeRO-2/3 run on the layerwise runtime (parity: tests/dist/test_runtime_zero.py);
+    zero outside 0-3 is a one-line plan error."""
+    from megatron_ext.megatron_adapter.build import check_runtime_support
 
-    plan = _plan([LayerStrategy(dp=4)] * 2 + [LayerStrategy(dp=4, zero=3)] * 2)
+    plan = _plan([LayerStrategy(dp=4, zero=z) for z in (0, 1, 2, 3)])
+    check_runtime_support(plan, embedding=True, output_layer=True)
+    assert ParallelPlan.from_dict(plan.to_dict()) == plan
     with pytest.raises(PlanError) as err:
-        build_model(plan)
-    assert "layers[2:4].zero=3 is not supported" in _one_line(err)
+        LayerStrategy(dp=4, zero=4)
+    assert "zero=4 must be 0 (DDP), 1 (distributed optimizer), 2" in _one_line(err)
 
 
 def test_fp16_is_a_plan_error() -> None:

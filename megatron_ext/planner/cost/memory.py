@@ -35,21 +35,24 @@ def state_bytes_per_param(
 ) -> ArrayLike:
     """Bytes per parameter of weights, gradients and optimizer states on one GPU.
 
-    Mixed precision: half weight 2 + fp32 main grad 4 + fp32 master 4 + 4 per optimizer state.
-    ZeRO-0 keeps everything; ZeRO-1 (Megatron's distributed optimizer) shards master + states
-    over d; ZeRO-3 shards weights, grads, master and states over d. fp32: weight 4 + grad 4 +
-    4 per state; ZeRO-1 shards the states only (there is no separate master copy).
+    ZeRO-0/1 (Megatron DDP / distributed optimizer), mixed precision: half weight 2 + fp32 main
+    grad 4 + fp32 master 4 + 4 per optimizer state; ZeRO-1 shards master + states over d. fp32:
+    weight 4 + grad 4 + 4 per state; ZeRO-1 shards the states only (no separate master copy).
+    ZeRO-2/3 (FSDP2, megatron_adapter/fsdp.py): fp32 weight shards that are the master copy,
+    fp32 gradient shards and the states, all over d: (4 + 4 + states) / d; ZeRO-2 also holds
+    the layer's weights gathered (at the compute precision) from its forward to its backward.
     """
     zero = np.asarray(zero)
     d = np.asarray(shard_ranks, dtype=float)
     states = 4.0 * num_optimizer_states
+    weight = 2.0 if half_precision else 4.0
     if half_precision:
         kept, sharded = 2.0 + 4.0, 4.0 + states
     else:
         kept, sharded = 8.0, states
-    out = np.where(
-        zero == 0, kept + sharded, np.where(zero == 1, kept + sharded / d, (kept + sharded) / d)
-    )
+    fsdp = (4.0 + 4.0 + states) / d
+    out = np.where(zero == 0, kept + sharded, np.where(
+        zero == 1, kept + sharded / d, np.where(zero == 2, weight + fsdp, fsdp)))
     return float(out) if out.ndim == 0 else out
 
 
