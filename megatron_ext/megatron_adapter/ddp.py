@@ -8,8 +8,8 @@ the same tp rank (its dp x cp x Ulysses ranks), so the gradient group depends on
 at most 1), each over its own `dp_cp` group with its own bucketing/overlap, and ZeRO-1
 (`use_distributed_optimizer`) per class. Classes with zero 2 or 3 are FSDP2-sharded layers
 (`fsdp.ShardedLayers`) over the same group instead of a DDP. The DDPs own no forward: their
-per-parameter hooks and buffers work on the shared layer modules. The API mirrors DDP, so megatron-core schedules and
-`finalize_grads` treat it as one model chunk.
+per-parameter hooks and buffers work on the shared layer modules. The API mirrors DDP, so
+megatron-core schedules and `finalize_grads` treat it as one model chunk.
 
 Loss scaling: the runtime always uses per-token loss (`calculate_per_token_loss`): DDPs sum
 gradients and `finalize_grads` divides by the global token count. Averaging per data-parallel

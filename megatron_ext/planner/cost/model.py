@@ -255,7 +255,7 @@ class CostModel:
     def _data_parallel_s(
         self, table: StrategyTable, forward_s: np.ndarray, backward_s: np.ndarray
     ):
-        """Gradient reduction, ZeRO-1 weight all-gather and ZeRO-3 per-micro-batch traffic over
+        """Gradient reduction, ZeRO-1 weight all-gather and ZeRO-2/3 per-micro-batch traffic over
         the d = dp*cp*ulysses ranks sharing a shard (stride tp). `forward_s` / `backward_s`:
         the layer's compute that ZeRO-3 traffic can hide behind (backward incl. recompute)."""
         params = self._params_per_gpu(table)
@@ -268,14 +268,17 @@ class CostModel:
         # ZeRO-3 gathers weights before forward and again before backward (the recompute
         # forward and the backward share that gather) and reduce-scatters fp32 gradients every
         # micro-batch; prefetching hides it behind the layer's own compute. Across nodes these
-        # per-layer collectives run at ZERO3_NICS_PER_GPU NICs per GPU (comm.py).
+        # per-layer collectives run at ZERO3_NICS_PER_GPU NICs per GPU (comm.py). ZeRO-2 (FSDP2
+        # without the re-shard after forward) keeps the forward's gather for the backward.
         z3 = zero == 3
         z3_ag = self.collective_s("all_gather", params * self.element_bytes, d, table.tp,
                                   nics_per_gpu=ZERO3_NICS_PER_GPU)
         z3_rs = self.collective_s("reduce_scatter", params * GRAD_BYTES, d, table.tp,
                                   nics_per_gpu=ZERO3_NICS_PER_GPU)
-        z3_fwd = np.where(z3, zero3_exposed_s(z3_ag, forward_s), 0.0)
-        z3_bwd = np.where(z3, zero3_exposed_s(z3_ag + z3_rs, backward_s), 0.0)
+        fsdp = zero >= 2
+        z3_fwd = np.where(fsdp, zero3_exposed_s(z3_ag, forward_s), 0.0)
+        z3_bwd = np.where(fsdp, zero3_exposed_s(np.where(z3, z3_ag, 0.0) + z3_rs, backward_s),
+                          0.0)
         return z3_fwd, z3_bwd, sync, gather
 
     def _layer_memory(self, table: StrategyTable, b: np.ndarray) -> dict[str, np.ndarray]:
