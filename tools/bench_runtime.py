@@ -5,6 +5,7 @@ step times of heterogeneous plans.
 
     python tools/bench_runtime.py [--world-size 4] [--steps 10] [--uniform-only]
         [--plan PLAN.json ...] [--json bench_runtime.json]
+    python tools/bench_runtime.py --memory [--json bench_memory.json]
 
 Both systems run in the same processes, steps interleaved in alternating order so machine load
 hits both alike. A step's time is the slowest rank's; each system's time is the median
@@ -16,6 +17,12 @@ not inflate. "CPU ms" is that sum. `--plan FILE` (repeatable) adds a plan file, 
 written by `megatron-ext search`, run unchanged on its own model, batch and sequence length (its
 world_size must equal --world-size). Prints a table to stderr and
 writes JSON {summary: {overhead_ratio_uniform, ...}, plans: [...], setup: {...}}.
+
+`--memory`: per-rank model-state memory (parameters + gradients + optimizer states) of layers at
+ZeRO 0/1/2/3 in one model (4 ranks: tp1 dp4 layers, then tp2 dp2 layers; fp32 and bf16),
+measured on the live tensors (`megatron_adapter/state_memory.py`) after the forward of the last
+micro-batch of the second step, against the cost model's `state_bytes_per_param` times the
+layer's parameters per GPU (the planner's own count, `layer_params / tp`).
 """
 
 from __future__ import annotations
@@ -225,6 +232,98 @@ def summarize(per_rank: list[dict], world: int, steps: int) -> dict:
     }
 
 
+def memory_plans() -> dict[str, ParallelPlan]:
+    """One layer per ZeRO level, each its own gradient class (the vocabulary layers' tp differs
+    from the layers', so they class apart)."""
+    import dataclasses
+
+    out = {}
+    for precision in ("fp32", "bf16"):
+        for tp, vtp in ((1, 2), (2, 1)):
+            plan = make_plan([L(tp=tp, dp=4 // tp, zero=z) for z in (0, 1, 2, 3)], world=4,
+                             vtp=vtp)
+            out[f"tp{tp} dp{4 // tp} {precision}"] = dataclasses.replace(plan,
+                                                                        precision=precision)
+    return out
+
+
+def memory_rank(rank: int, world_size: int) -> dict:
+    """Per plan and layer class: measured bytes on this rank."""
+    warnings.filterwarnings("ignore")
+    import dataclasses
+
+    import torch
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megatron_ext.megatron_adapter.build import build_model
+    from megatron_ext.megatron_adapter.optimizer import build_optimizer
+    from megatron_ext.megatron_adapter.state_memory import class_state_bytes
+    from megatron_ext.megatron_adapter.train_step import forward_step, train_step
+
+    out = {}
+    for name, plan in memory_plans().items():
+        half = plan.precision == "bf16"
+        # Megatron-LM reduces bf16 gradients in fp32 unless --grad-reduce-in-bf16.
+        chunks, groups = build_model(plan, ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=half))
+        config = dataclasses.replace(opt_config(), bf16=half, params_dtype=torch.bfloat16
+                                     if half else torch.float32)
+        optimizer = build_optimizer(chunks, config)
+        seen: list = []
+
+        def probe(data_iterator, model, seen=seen, chunks=chunks, optimizer=optimizer,
+                  plan=plan, name=name):
+            result = forward_step(data_iterator, model)
+            seen.append(None)
+            if len(seen) == 2 * plan.num_microbatches:  # last micro-batch of step 2
+                out[name] = class_state_bytes(chunks[0], optimizer)
+            return result
+
+        for _ in range(2):
+            train_step(chunks, optimizer, iter(batches(plan)), groups, forward_step_func=probe)
+    return out
+
+
+def memory_report(per_rank: list[dict]) -> dict:
+    from megatron_ext.planner.cost.compute import layer_params
+    from megatron_ext.planner.cost.memory import state_bytes_per_param
+
+    rows = []
+    for name, plan in memory_plans().items():
+        for i, cls in enumerate(per_rank[0][name]):
+            if not all(m.endswith("TransformerLayer") for m in cls["modules"]):
+                continue  # the vocabulary layers' classes
+            measured = [r[name][i] for r in per_rank]
+            total = max(m["param_bytes"] + m["grad_bytes"] + m["optimizer_bytes"]
+                        for m in measured)
+            d = 4 // cls["tp"]
+            per_param = state_bytes_per_param(cls["zero"], d,
+                                              half_precision=plan.precision != "fp32")
+            predicted = layer_params(plan.model) / cls["tp"] * per_param
+            rows.append({"plan": name, "zero": cls["zero"], "tp": cls["tp"], "d": d,
+                         "measured_bytes": total, "predicted_bytes": predicted,
+                         "ratio": total / predicted,
+                         "param_bytes": measured[0]["param_bytes"],
+                         "grad_bytes": measured[0]["grad_bytes"],
+                         "optimizer_bytes": measured[0]["optimizer_bytes"],
+                         "layer_numel_per_gpu": cls["numel"]})
+    return {"rows": rows, "max_abs_error": max(abs(r["ratio"] - 1) for r in rows),
+            "setup": {"model": BENCH_MODEL.to_dict(), "world_size": 4, "point": "after the "
+                      "forward of the last micro-batch of step 2", "host": platform.node()}}
+
+
+def print_memory(report: dict) -> None:
+    print(f"{'plan':16s} {'zero':>4s} {'d':>2s} {'params MiB':>10s} {'grads MiB':>9s} "
+          f"{'optim MiB':>9s} {'measured':>9s} {'predicted':>9s} {'ratio':>6s}", file=sys.stderr)
+    mib = 2.0 ** 20
+    for r in report["rows"]:
+        print(f"{r['plan']:16s} {r['zero']:4d} {r['d']:2d} {r['param_bytes'] / mib:10.3f} "
+              f"{r['grad_bytes'] / mib:9.3f} {r['optimizer_bytes'] / mib:9.3f} "
+              f"{r['measured_bytes'] / mib:9.3f} {r['predicted_bytes'] / mib:9.3f} "
+              f"{r['ratio']:6.3f}", file=sys.stderr)
+    print(f"max |measured / predicted - 1| = {report['max_abs_error']:.3f}", file=sys.stderr)
+
+
 def load_plan_files(paths: list[Path], world_size: int) -> dict[str, ParallelPlan]:
     """Table name -> plan, checked against the world size before any process starts."""
     plans = {}
@@ -247,7 +346,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the overhead pair (more steps in the same time)")
     parser.add_argument("--plan", action="append", default=[], type=Path,
                         help="also time this plan file unchanged (repeatable)")
+    parser.add_argument("--memory", action="store_true",
+                        help="model-state memory per ZeRO level, measured vs predicted")
     args = parser.parse_args(argv)
+    if args.memory:
+        report = memory_report(run_distributed(memory_rank, world_size=4, timeout_s=1800))
+        print_memory(report)
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=2) + "\n")
+        return 0
     try:
         plan_files = load_plan_files(args.plan, args.world_size)
     except PlanError as err:
