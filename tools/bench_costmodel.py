@@ -18,6 +18,14 @@
    machine, as the profilers keep their fastest repeat); the median is reported too.
 4. Report per plan predicted, measured and error; overall median absolute relative error and
    Spearman rank correlation. JSON top level: `summary` {median_abs_error, spearman, num_plans}.
+
+Load (tools/load_check.py): before the first round, after each phase of each round and at the
+end, the 1-minute load average and a fixed single-process reference loop are recorded (`load`
+in the JSON, a table on stdout). A steady load, even a heavy one, is seen alike by the profiles
+and the runs they predict; a load that changes between them is not. When the slowest reference
+loop exceeds the fastest by more than --max-load-swing (default 1.5x) the benchmark prints the
+plan table marked as not comparable, writes `summary: null`, and exits 4 (--report-anyway
+reports regardless).
 """
 
 from __future__ import annotations
@@ -46,6 +54,7 @@ from bench_costmodel_runs import (
     measure_rank,
     profile_hardware_rank,
 )
+from load_check import LoadLog
 
 from megatron_ext.megatron_adapter.profile_model import ProfileGrid, profile_model
 from megatron_ext.plan import ParallelPlan
@@ -56,10 +65,10 @@ from megatron_ext.planner.training import TrainingSpec
 from megatron_ext.runtime.testing import run_distributed
 
 
-def run_round(args: argparse.Namespace, timings: dict
+def run_round(args: argparse.Namespace, timings: dict, load: LoadLog, index: int
               ) -> tuple[ClusterProfile | None, ModelProfile | None, list[dict] | None]:
     """One round: hardware profile, model profile, every plan measured once (each step skipped
-    when its input was given)."""
+    when its input was given), with a load checkpoint after each."""
     cluster = model = runs = None
     t0 = time.perf_counter()
     if not args.cluster_profile:
@@ -67,6 +76,7 @@ def run_round(args: argparse.Namespace, timings: dict
                               collective_timeout_s=600, min_bytes=2**12, max_bytes=2**24,
                               repeats=args.repeats)
         cluster = ClusterProfile.from_dict(out[0])
+        load.checkpoint(f"round {index} after hardware profile")
     t1 = time.perf_counter()
     if not args.model_profile:
         # every per-replica micro-batch the plans run (1 .. 32): interpolated, not extrapolated
@@ -75,6 +85,7 @@ def run_round(args: argparse.Namespace, timings: dict
         model = profile_model(BENCH_MODEL, precision="fp32", grid=grid,
                               concurrency=args.profile_concurrency or args.world_size,
                               threads=1)
+        load.checkpoint(f"round {index} after model profile")
     t2 = time.perf_counter()
     if not args.reuse_measured:
         runs = run_distributed(measure_rank, world_size=args.world_size, timeout_s=3600,
@@ -82,6 +93,7 @@ def run_round(args: argparse.Namespace, timings: dict
                                plans=[pl.to_dict() for _, pl in bench_plans()], rounds=1,
                                steps=args.steps,
                                overlap_grad_reduce=not args.no_overlap_grad_reduce)[0]
+        load.checkpoint(f"round {index} after runs")
     t3 = time.perf_counter()
     timings.setdefault("load_avg_1m_per_round", []).append(os.getloadavg()[0])
     for key, dt in (("profile_hardware_s", t1 - t0), ("profile_model_s", t2 - t1),
@@ -90,11 +102,13 @@ def run_round(args: argparse.Namespace, timings: dict
     return cluster, model, runs
 
 
-def collect(args: argparse.Namespace) -> tuple[ClusterProfile, ModelProfile, list[dict], dict]:
+def collect(args: argparse.Namespace, load: LoadLog
+            ) -> tuple[ClusterProfile, ModelProfile, list[dict], dict]:
     """`rounds` interleaved rounds of profiling and measuring, so both see the same spread of
     load from other processes; per quantity the least disturbed (fastest) round is kept."""
     timings: dict = {}
-    rounds = [run_round(args, timings) for _ in range(args.rounds)]
+    load.checkpoint("start")
+    rounds = [run_round(args, timings, load, i + 1) for i in range(args.rounds)]
     if args.cluster_profile:
         cluster = ClusterProfile.load(args.cluster_profile)
     else:
@@ -148,9 +162,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-overlap-grad-reduce", action="store_true")
     p.add_argument("--reuse-measured", default=None,
                    help="take measured times from this earlier --json instead of running")
+    p.add_argument("--max-load-swing", type=float, default=1.5,
+                   help="refuse to report when the slowest reference loop exceeds the fastest "
+                   "by more than this factor (default %(default)s)")
+    p.add_argument("--report-anyway", action="store_true",
+                   help="report the figures even when the load changed during the run")
     args = p.parse_args(argv)
     t_start = time.perf_counter()
-    cluster, model_prof, runs, timings = collect(args)
+    load = LoadLog(max_swing=args.max_load_swing)
+    cluster, model_prof, runs, timings = collect(args, load)
+    load.checkpoint("end")
+    report = load.stable() or args.report_anyway
     training = TrainingSpec(global_batch_size=GLOBAL_BATCH, seq_length=SEQ_LENGTH,
                             precision="fp32", dropout=False, flash_attention=False)
     profiled = ProfiledCostModel(BENCH_MODEL, cluster.cluster, training, comm=cluster,
@@ -167,11 +189,16 @@ def main(argv: list[str] | None = None) -> int:
     meas = [r["measured_s"] for r in rows]
     summary = summarize(pred, meas)
     analytic_summary = summarize([r["analytic_s"] for r in rows], meas)
-    print_table(rows, summary, analytic_summary, cluster, model_prof)
+    print_table(rows, summary, analytic_summary, cluster, model_prof, report)
+    print(load.table())
+    print(load.verdict())
     timings["total_s"] = time.perf_counter() - t_start
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "summary": summary, "analytic_summary": analytic_summary, "plans": rows,
+            "summary": summary if report else None,
+            "analytic_summary": analytic_summary if report else None,
+            "unreported_summary": None if report else summary,
+            "load": load.to_dict(), "plans": rows,
             "overlap_slowdown": cluster.overlap_slowdown,
             "compute_slots_per_node": cluster.compute_slots_per_node,
             "sharing_slowdown": model_prof.sharing_slowdown,
@@ -184,11 +211,11 @@ def main(argv: list[str] | None = None) -> int:
             "world_size": args.world_size, "model": BENCH_MODEL.to_dict(),
         }, indent=1) + "\n")
         print(f"wrote {args.json}")
-    return 0
+    return 0 if report else 4
 
 
 def print_table(rows: list[dict], summary: dict, analytic: dict, cluster: ClusterProfile,
-                model: ModelProfile) -> None:
+                model: ModelProfile, report: bool) -> None:
     print(f"{cluster.device}, {cluster.backend} x {cluster.cluster.gpus_per_node} ranks: peak "
           f"{cluster.cluster.peak_flops / 1e9:.1f} GFLOP/s per rank, overlap slowdown "
           f"{cluster.overlap_slowdown:.2f}, {cluster.compute_slots_per_node} matmul slots; "
@@ -200,6 +227,9 @@ def print_table(rows: list[dict], summary: dict, analytic: dict, cluster: Cluste
     for r in rows:
         print(f"{r['plan']:<30}{r['predicted_s']:>12.3f}{r['measured_s']:>12.3f}"
               f"{r['error']:>+9.1%}{r['analytic_s']:>12.3f}{r['analytic_error']:>+9.1%}")
+    if not report:
+        print("NOT COMPARABLE (load changed during the run, see below): no summary")
+        return
     print(f"profiled: median |error| {summary['median_abs_error']:.1%}, Spearman "
           f"{summary['spearman']:.3f} over {summary['num_plans']} plans; analytic: "
           f"{analytic['median_abs_error']:.1%}, {analytic['spearman']:.3f}")
