@@ -76,6 +76,29 @@ def one_f_one_b(
     )
 
 
+def num_warmup(stage: int, num_stages: int, num_microbatches: int, extra_warmup: int = 0) -> int:
+    """Warm-up forwards of `stage` in Megatron's 1F1B: p - stage - 1 (megatron-core
+    pipeline_parallel/schedules.py, forward_backward_pipelining_without_interleaving), plus
+    `extra_warmup` (the vocabulary passes' delay), at most m."""
+    return min(num_stages - stage - 1 + extra_warmup, num_microbatches)
+
+
+def one_f_one_b_order(
+    stage: int, num_stages: int, num_microbatches: int, extra_warmup: int = 0
+) -> list[tuple[str, int]]:
+    """The compute passes of `stage` in Megatron's 1F1B order: ("F", i) / ("B", i) for
+    micro-batch i; num_warmup forwards, then one forward and one backward per remaining
+    micro-batch, then the cool-down backwards. The event simulations of the profiled cost model
+    (planner/profile/pipeline.py) and of the vocabulary schedule (runtime/vocab/schedule_ops.py)
+    play this order; `one_f_one_b` is its closed form."""
+    m = num_microbatches
+    warm = num_warmup(stage, num_stages, m, extra_warmup)
+    ops = [("F", i) for i in range(warm)]
+    for i in range(m - warm):
+        ops += [("F", warm + i), ("B", i)]
+    return ops + [("B", i) for i in range(m - warm, m)]
+
+
 def gradient_tail_s(
     forward_s: np.ndarray,
     backward_s: np.ndarray,

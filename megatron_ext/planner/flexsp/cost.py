@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 from megatron_ext.errors import PlanError
 from megatron_ext.plan import ParallelPlan
+from megatron_ext.planner.cost import compute as C
 from megatron_ext.specs import ClusterSpec, ModelSpec
 
 if TYPE_CHECKING:
@@ -207,23 +208,16 @@ class FlexSPCostModel:
 
 
 def linear_flops_per_token(model: ModelSpec) -> float:
-    """Forward FLOPs per token of every matmul except attention's score/value products."""
-    h, q_dim = model.hidden_size, model.num_attention_heads * model.head_dim
-    kv_dim = model.num_query_groups * model.head_dim
-    mlp_branches = 3 if model.activation == "swiglu" else 2
-    per_layer = (2 * h * (q_dim + 2 * kv_dim) + 2 * q_dim * h
-                 + 2 * mlp_branches * h * model.ffn_hidden_size)
-    return model.num_layers * per_layer + 2 * h * model.vocab_size
+    """Forward FLOPs per token of every matmul except attention's score/value products (the
+    layer GEMMs of planner/cost/compute.py plus the output layer)."""
+    per_layer = float(C.layer_gemm_forward_flops(model, 1.0, 1))
+    return model.num_layers * per_layer + 2 * model.hidden_size * model.vocab_size
 
 
 def num_params(model: ModelSpec) -> float:
     """Parameter count (weights only; norms and biases are negligible here)."""
-    h, q_dim = model.hidden_size, model.num_attention_heads * model.head_dim
-    kv_dim = model.num_query_groups * model.head_dim
-    mlp_branches = 3 if model.activation == "swiglu" else 2
-    per_layer = h * (q_dim + 2 * kv_dim) + q_dim * h + mlp_branches * h * model.ffn_hidden_size
-    embeddings = (1 if model.tied_embeddings else 2) * h * model.vocab_size
-    return model.num_layers * per_layer + embeddings
+    embeddings = (1 if model.tied_embeddings else 2) * model.hidden_size * model.vocab_size
+    return model.num_layers * C.layer_matmul_params(model) + embeddings
 
 
 def act_bytes_per_token(model: ModelSpec) -> float:
@@ -278,7 +272,8 @@ def cost_model_from_specs(
         raise PlanError(f"--gpus={n} must be >= 1")
     q_dim = model.num_attention_heads * model.head_dim
     linear_s = 3 * linear_flops_per_token(model) / (cluster.peak_flops * linear_mfu)
-    attn_fwd_flops_per_token_sq = 2 * q_dim * model.num_layers
+    # causal attention forward FLOPs per token^2 (planner/cost/compute.py, flash attention)
+    attn_fwd_flops_per_token_sq = model.num_layers * float(C.attention_forward_flops(model, 1, 1, 1))
     attn_s = (ATTN_FWD_BWD_FACTOR * attn_fwd_flops_per_token_sq
               / (cluster.peak_flops * attention_mfu))
     a2a_per_tensor = 2 * model.num_layers * BF16_BYTES  # fwd + bwd, every layer

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_ext.planner.cost.pipeline import one_f_one_b_order
+
 __all__ = ["StageWork", "shared_one_f_one_b_s"]
 
 _EPS_S = 1e-12
@@ -67,14 +69,7 @@ class _Op:
 def _schedule(work: StageWork, m: int) -> list[list[_Op]]:
     """Every stage's op list in Megatron's 1F1B order, with dependencies."""
     p = len(work.forward_compute_s)
-    order = []  # per stage: [("F"|"B", micro-batch)]
-    for k in range(p):
-        warm = min(p - k - 1, m)
-        ops = [("F", i) for i in range(warm)]
-        for i in range(m - warm):
-            ops += [("F", warm + i), ("B", i)]
-        ops += [("B", i) for i in range(m - warm, m)]
-        order.append(ops)
+    order = [one_f_one_b_order(k, p, m) for k in range(p)]  # [("F"|"B", micro-batch)]
     where = [{op: j for j, op in enumerate(ops)} for ops in order]
     c = work.p2p_s
     stages: list[list[_Op]] = []

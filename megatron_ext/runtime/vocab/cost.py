@@ -13,12 +13,20 @@ Only ratios matter for placement, so the unit is arbitrary (`flops_per_s` turns 
 
 from __future__ import annotations
 
+from megatron_ext.planner.cost import compute as C
 from megatron_ext.runtime.vocab.schedule_sim import PassCosts
+from megatron_ext.specs import ModelSpec
 
 
 def layer_forward_flops(hidden: int, ffn_hidden: int, seq_length: int, tokens: int) -> float:
-    """One transformer layer's forward FLOPs for `tokens` tokens (GEMMs + attention)."""
-    return tokens * (8.0 * hidden * hidden + 4.0 * hidden * ffn_hidden + 4.0 * seq_length * hidden)
+    """One GPT layer's forward FLOPs for `tokens` tokens (GEMMs + attention with the full score
+    matrix), by planner/cost/compute.py's formulas: n (8 h^2 + 4 h f + 4 s h)."""
+    model = ModelSpec(name="vocab-cost", num_layers=1, hidden_size=hidden,
+                      ffn_hidden_size=ffn_hidden, num_attention_heads=1, num_query_groups=1,
+                      vocab_size=1, activation="gelu", max_position_embeddings=seq_length)
+    gemm = C.layer_gemm_forward_flops(model, tokens, 1)
+    attention = C.attention_forward_flops(model, tokens / seq_length, seq_length, 1, flash=False)
+    return float(gemm + attention)
 
 
 def vocab_pass_costs(

@@ -1,7 +1,8 @@
 """Pass vocabulary of the vocabulary-parallel 1F1B schedule, and the 1F1B skeleton.
 
-Pure Python (no torch): the planner may import it. Micro-batches are 0-based; stages are
-pipeline ranks; every tensor-parallel rank of a stage runs the same pass order.
+Pure Python (no torch); the 1F1B order itself is planner/cost/pipeline.py's one_f_one_b_order.
+Micro-batches are 0-based; stages are pipeline ranks; every tensor-parallel rank of a stage runs
+the same pass order.
 
 Transformer passes and their P2P calls follow Megatron-Core's
 `forward_backward_pipelining_without_interleaving` call for call, so the P2P pairing between
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
+
+from megatron_ext.planner.cost.pipeline import num_warmup, one_f_one_b_order
 
 OpKind = Literal[
     "RF", "F", "SF", "SFRB", "B", "SBRF", "RB", "SB",  # transformer passes and Megatron's P2P
@@ -64,11 +67,6 @@ class Op:
         return None
 
 
-def num_warmup(stage: int, num_stages: int, num_microbatches: int, extra_warmup: int) -> int:
-    """Warm-up forwards of a stage: Megatron's p - stage - 1, plus the vocabulary delay."""
-    return min(num_stages - stage - 1 + extra_warmup, num_microbatches)
-
-
 def skeleton_1f1b(
     stage: int,
     num_stages: int,
@@ -89,20 +87,24 @@ def skeleton_1f1b(
             ops += [] if last else [Op(kind="SF", mb=j)]
         return ops
     warm = num_warmup(stage, num_stages, m, extra_warmup)
+    order = one_f_one_b_order(stage, num_stages, m, extra_warmup)
+    steady_end = warm + 2 * (m - warm)  # order[warm:steady_end] alternates F, B
     ops = []
-    for j in range(warm):
-        ops += ([] if first else [Op(kind="RF", mb=j)]) + [Op(kind="F", mb=j)]
-        ops += [] if last else [Op(kind="SF", mb=j)]
-    if warm < m and not first:
-        ops.append(Op(kind="RF", mb=warm))
-    for k in range(m - warm):
-        j = warm + k
-        ops.append(Op(kind="F", mb=j))
-        ops += [] if last else [Op(kind="SFRB", mb=j, recv_mb=k)]
-        ops.append(Op(kind="B", mb=k))
-        if not first:
-            ops.append(Op(kind="SB", mb=k) if j + 1 >= m else Op(kind="SBRF", mb=k, recv_mb=j + 1))
-    for k in range(m - warm, m):
-        ops += ([] if last else [Op(kind="RB", mb=k)]) + [Op(kind="B", mb=k)]
-        ops += [] if first else [Op(kind="SB", mb=k)]
+    for pos, (kind, j) in enumerate(order):
+        if pos < warm:  # warm-up forward
+            ops += ([] if first else [Op(kind="RF", mb=j)]) + [Op(kind="F", mb=j)]
+            ops += [] if last else [Op(kind="SF", mb=j)]
+        elif pos >= steady_end:  # cool-down backward
+            ops += ([] if last else [Op(kind="RB", mb=j)]) + [Op(kind="B", mb=j)]
+            ops += [] if first else [Op(kind="SB", mb=j)]
+        elif kind == "F":  # steady forward: send it, receive the gradient of the next B
+            if pos == warm and not first:
+                ops.append(Op(kind="RF", mb=j))
+            ops.append(Op(kind="F", mb=j))
+            ops += [] if last else [Op(kind="SFRB", mb=j, recv_mb=order[pos + 1][1])]
+        else:  # steady backward: send it, receive the input of the next forward
+            ops.append(Op(kind="B", mb=j))
+            nxt = order[pos - 1][1] + 1
+            if not first:
+                ops.append(Op(kind="SB", mb=j) if nxt >= m else Op(kind="SBRF", mb=j, recv_mb=nxt))
     return ops
