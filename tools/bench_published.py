@@ -2,8 +2,9 @@
 
     python tools/bench_published.py [--data PATH] [--json OUT.json] [--rows ID ...]
 
-Each row of the data file (default /work/shared/data/published_runs_a100.json, `about` says
-what it holds) is one measured run of a dense GPT model with its layout. For every row this
+Each row of the data file (default tools/data/published_runs_a100.json, `about` says what it
+holds; every row cites its source and quotes it) is one measured run of a dense GPT model with
+its layout. For every row this
   1. writes the run as Megatron-LM flags and builds its plan with plan-from-args (ZeRO-3 rows:
      --use-distributed-optimizer, then zero=3 on every layer, see build_plan);
   2. predicts the iteration time with the cost model on the cluster preset the run used
@@ -52,7 +53,7 @@ from megatron_ext.planner.cost.pipeline import one_f_one_b
 from megatron_ext.planner.training import TrainingSpec
 from megatron_ext.presets import cluster_preset
 
-DEFAULT_DATA = "/work/shared/data/published_runs_a100.json"
+DEFAULT_DATA = str(Path(__file__).resolve().parent / "data" / "published_runs_a100.json")
 GIB = 2**30
 DEEPSPEED_MAX_LIVE_PARAMS = 1e9
 """DeepSpeed ZeRO-3's default stage3_max_live_parameters: it gathers module by module and holds
