@@ -143,6 +143,36 @@ def test_one_f_one_b_equal_stages_is_textbook():
         assert pipe.iteration_s == pytest.approx((m + pp - 1) * 0.9)
 
 
+def test_one_f_one_b_interleaved_equal_stages():
+    """Megatron's interleaved schedule with v chunks per stage: fill and drain shrink to
+    (p - 1) / v slots, (m + (p - 1) / v) * (f + b) for equal stages and free messages."""
+    for pp, m, v in [(4, 8, 2), (8, 32, 3), (2, 4, 4)]:
+        f, b = np.full(pp, 0.3), np.full(pp, 0.6)
+        zero = np.zeros(pp)
+        pipe = one_f_one_b(f, b, zero, zero, zero, zero, m, virtual_stages=v)
+        assert pipe.iteration_s == pytest.approx((m + (pp - 1) / v) * 0.9)
+        plain = one_f_one_b(f, b, zero, zero, zero, zero, m)
+        assert pipe.iteration_s < plain.iteration_s
+
+
+def test_zero3_traffic_crosses_nodes_at_one_nic_per_gpu():
+    """ZeRO-3's per-layer collectives over a group of 8 GPUs per node on 4 nodes run at one
+    NIC's bandwidth (SC'21 Table 2), ZeRO-1's once-per-step ones at the 8-NIC aggregate."""
+    cluster = cluster_preset("dgx-a100-80g", num_nodes=4)
+    cm = CostModel(model_preset("gpt3-13b"), cluster,
+                   TrainingSpec(global_batch_size=32, seq_length=2048, allow_zero3=True))
+    num_bytes = np.array([1e9])
+    aggregate = cm.collective_s("all_gather", num_bytes, np.array([32]), np.array([1]))
+    one_nic = cm.collective_s("all_gather", num_bytes, np.array([32]), np.array([1]),
+                              nics_per_gpu=1.0)
+    # 8 NICs x 22 GB/s vs 1 x 22 GB/s for (p-1)/p of the buffer, plus the same latency
+    assert float(one_nic[0] - aggregate[0]) == pytest.approx(
+        31 / 32 * 1e9 * (1 / 22e9 - 1 / (8 * 22e9)), rel=1e-9)
+    table = StrategyTable.of([LayerStrategy(dp=32, zero=3), LayerStrategy(dp=32, zero=1)])
+    costs = cm.layer_costs(table, 32)
+    assert costs.comm_s[0] > 0 and costs.comm_s[1] == 0  # ZeRO-3 pays every micro-batch
+
+
 def _cost_model(memory_gib=80.0):
     training = TrainingSpec(global_batch_size=64, seq_length=2048)
     cluster = cluster_preset("dgx-h100", num_nodes=2, memory_gib=memory_gib)
