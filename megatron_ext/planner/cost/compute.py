@@ -6,10 +6,12 @@ kv = query_groups * head_dim, f = ffn hidden, V = padded vocabulary, t = tp.
 Functions are vectorised: degrees and token counts may be numpy arrays of strategies.
 
 Time = GEMM FLOPs / (peak * gemm efficiency) + attention FLOPs / (peak * attention efficiency)
-+ elementwise bytes / HBM bandwidth. GEMM efficiency saturates with the smallest GEMM dimension
-(small TP shards and few tokens run below peak). Backward GEMMs cost 2x forward FLOPs; flash
-attention backward costs 2.5x its forward (it recomputes the scores). A model profile
-(`ComputeProfile`) replaces the efficiencies and the HBM bandwidth.
++ elementwise bytes / HBM bandwidth. Each weight GEMM's efficiency saturates with its own
+smallest dimension (small TP shards and few tokens run below peak). Backward GEMMs cost 2x
+forward FLOPs; flash attention backward costs 2.5x its forward (it recomputes the scores);
+unfused attention computes the whole s x s score matrix and moves it through HBM. A model
+profile (`ComputeProfile`) replaces the efficiencies and the HBM bandwidth. The defaults are
+checked against 55 published A100 runs (tools/bench_published.py, docs/benchmarks.md).
 """
 
 from __future__ import annotations
