@@ -77,7 +77,9 @@ def test_search_matches_brute_force(name, layers, gbs, seq, factor, zero3):
     )
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 @given(
     name=st.sampled_from(["llama2-7b", "gpt3-1.3b", "llama3-8b", "llama2-13b", "llama2-70b"]),
     layers=st.sampled_from([4, 6, 8, 12]),
