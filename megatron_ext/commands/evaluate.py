@@ -234,14 +234,23 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
     ]
 
 
-def _gib(x: float) -> str:
-    return f"{x / GIB:.2f}"
+def _gib(x: float, unit: float = GIB) -> str:
+    return f"{x / unit:.2f}"
+
+
+def _unit(*breakdowns) -> tuple[float, str]:
+    """GiB, or MiB when every stage holds less than 1 GiB (the CPU-sized models)."""
+    peak = max(s.peak_bytes for b in breakdowns for s in b.stages)
+    return (GIB, "GiB") if peak >= GIB else (2**20, "MiB")
 
 
 def report_text(plan: ParallelPlan, b) -> str:
+    from megatron_ext.planner.cost.breakdown import MEMORY_PARTS
+
     ev = b.evaluation
+    unit, label = _unit(b)
     mem_rows = [
-        ("memory/GPU GiB", "weights", "grads", "optim", "activ", "vocab", "trans", "reserve",
+        (f"memory/GPU {label}", "weights", "grads", "optim", "activ", "vocab", "trans", "reserve",
          "peak", "of cap")
     ]
     time_rows = [
@@ -251,9 +260,9 @@ def report_text(plan: ParallelPlan, b) -> str:
         name = f"stage {k} [{s.layers[0]}, {s.layers[1]})"
         m = s.memory_bytes
         mem_rows.append(
-            (name, _gib(m["weights"]), _gib(m["gradients"]), _gib(m["optimizer_states"]),
-             _gib(m["activations"]), _gib(m["vocabulary"]), _gib(m["transient"]),
-             _gib(s.reserve_bytes), _gib(s.peak_bytes), _gib(b.memory_cap_bytes))
+            (name, *(_gib(m[part], unit) for part in MEMORY_PARTS),
+             _gib(s.reserve_bytes, unit), _gib(s.peak_bytes, unit),
+             _gib(b.memory_cap_bytes, unit))
         )
         t = s.time_s
         time_rows.append(
@@ -273,14 +282,15 @@ def report_text(plan: ParallelPlan, b) -> str:
     lines.append(
         f"predicted: iteration {ev.iteration_s:.3f} s, {ev.tokens_per_s:,.0f} tokens/s, "
         f"MFU {100 * ev.mfu:.1f}%; {fits} "
-        + (f"({free / GIB:.2f} GiB left on the fullest stage)" if ev.feasible
-           else f"({-free / GIB:.2f} GiB over on the fullest stage)")
+        + (f"({free / unit:.2f} {label} left on the fullest stage)" if ev.feasible
+           else f"({-free / unit:.2f} {label} over on the fullest stage)")
     )
     lines.append(f"bottleneck: {b.bottleneck}")
     return "\n".join(lines) + "\n"
 
 
 def _side_by_side(mine_summary: dict, mine, theirs_summary: dict, theirs) -> str:
+    unit, label = _unit(mine, theirs)
     rows = [("", "plan", "searched")]
     rows += [(k, mine_summary[k], theirs_summary[k]) for k in mine_summary if k != "peak GiB"]
     a, b = mine.evaluation, theirs.evaluation
@@ -289,8 +299,8 @@ def _side_by_side(mine_summary: dict, mine, theirs_summary: dict, theirs) -> str
         ("tokens/s", f"{a.tokens_per_s:,.0f}", f"{b.tokens_per_s:,.0f}"),
         ("MFU %", f"{100 * a.mfu:.1f}", f"{100 * b.mfu:.1f}"),
         ("fits", str(a.feasible), str(b.feasible)),
-        ("peak GiB", _gib(max(s.peak_bytes for s in mine.stages)),
-         _gib(max(s.peak_bytes for s in theirs.stages))),
+        (f"peak {label}", _gib(max(s.peak_bytes for s in mine.stages), unit),
+         _gib(max(s.peak_bytes for s in theirs.stages), unit)),
     ]
     speed = a.iteration_s / b.iteration_s
     lines = ["plan vs searched:"] + ["  " + line for line in _table(rows)]
