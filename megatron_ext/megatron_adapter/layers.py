@@ -42,6 +42,21 @@ __all__ = [
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+def model_fields(model: ModelSpec) -> dict[str, Any]:
+    """TransformerConfig fields the ModelSpec fixes beyond the shape (one place for every path:
+    the layerwise runtime, the stock path and FlexSP)."""
+    return {"add_qkv_bias": model.add_qkv_bias, "qk_layernorm": model.qk_layernorm,
+            "layernorm_epsilon": model.norm_epsilon}
+
+
+def rope_kwargs(model: ModelSpec) -> dict[str, Any]:
+    """GPTModel's RoPE arguments (Megatron-LM's gpt_builders.py passes the same flags; it omits
+    --rope-scaling-factor, so Megatron-LM core_v0.16.1 always scales by 8; megatron_ext passes
+    the factor the flag gives)."""
+    return {"rotary_percent": model.rotary_percent, "rotary_base": model.rotary_base,
+            "rope_scaling": model.rope_scaling, "rope_scaling_factor": model.rope_scaling_factor}
+
+
 def base_config(model: ModelSpec, precision: str = "fp32", **overrides: Any) -> TransformerConfig:
     """A TransformerConfig for `model` with CPU-safe defaults (no fusions, dropout 0)."""
     swiglu = model.activation == "swiglu"
@@ -58,6 +73,7 @@ def base_config(model: ModelSpec, precision: str = "fp32", **overrides: Any) -> 
         "use_cpu_initialization": not torch.cuda.is_available(), "masked_softmax_fusion": False,
         "bias_activation_fusion": False, "bias_dropout_fusion": False, "apply_rope_fusion": False,
         "gradient_accumulation_fusion": False, "persist_layer_norm": False,
+        **model_fields(model),
     }
     fields.update(overrides)
     return TransformerConfig(**fields)

@@ -34,6 +34,7 @@ from megatron_ext.megatron_adapter.block import HeteroTransformerBlock, LayerBui
 from megatron_ext.megatron_adapter.cross_entropy import (
     group_vocab_parallel_cross_entropy,
 )
+from megatron_ext.megatron_adapter.layers import rope_kwargs
 from megatron_ext.megatron_adapter.vocab.layers import VocabParallelLayers
 from megatron_ext.plan import ParallelPlan
 from megatron_ext.runtime.groups import PlanGroups
@@ -72,7 +73,7 @@ class HeteroGPTModel(GPTModel):
             pre_process=pre_process, post_process=post_process,
             share_embeddings_and_output_weights=model.tied_embeddings,
             position_embedding_type=model.position_embedding,
-            rotary_base=getattr(config, "rotary_base", 10000), pg_collection=pg_collection,
+            **rope_kwargs(model), pg_collection=pg_collection,
         )
         self.plan = plan
         self.groups = groups

@@ -66,7 +66,9 @@ class FlexSPGPTModel(GPTModel):
 
 def build_flexsp_gpt(config: TransformerConfig, *, vocab_size: int, max_sequence_length: int,
                      position_embedding_type: str = "rope", tied_embeddings: bool = False,
-                     rotary_percent: float = 1.0, rotary_base: int = 10000) -> FlexSPGPTModel:
+                     rotary_percent: float = 1.0, rotary_base: int = 10000,
+                     rope_scaling: bool = False,
+                     rope_scaling_factor: float = 8.0) -> FlexSPGPTModel:
     """A single-stage FlexSP GPT on the local (megatron-core) layer spec."""
     if position_embedding_type not in ("rope", "learned_absolute"):
         raise PlanError(f"FlexSP supports position_embedding_type rope or learned_absolute, got "
@@ -79,7 +81,8 @@ def build_flexsp_gpt(config: TransformerConfig, *, vocab_size: int, max_sequence
         pre_process=True, post_process=True,
         share_embeddings_and_output_weights=tied_embeddings,
         position_embedding_type=position_embedding_type,
-        rotary_percent=rotary_percent, rotary_base=rotary_base,
+        rotary_percent=rotary_percent, rotary_base=rotary_base, rope_scaling=rope_scaling,
+        rope_scaling_factor=rope_scaling_factor,
     )
 
 

@@ -38,6 +38,7 @@ from megatron.core.transformer.module import Float16Module
 
 from megatron_ext.errors import PlanError
 from megatron_ext.megatron_adapter.flexsp.model import build_flexsp_gpt, flexsp_step
+from megatron_ext.megatron_adapter.layers import rope_kwargs
 from megatron_ext.megatron_adapter.training.backend import Backend
 from megatron_ext.megatron_adapter.training.data import DataShard
 from megatron_ext.megatron_adapter.training.model_config import (
@@ -109,8 +110,7 @@ def _build_ddp(args: argparse.Namespace, plan: ParallelPlan, config: Any,
     gpt: torch.nn.Module = build_flexsp_gpt(
         config, vocab_size=padded_vocab, max_sequence_length=model.max_position_embeddings,
         position_embedding_type=model.position_embedding, tied_embeddings=model.tied_embeddings,
-        rotary_percent=getattr(args, "rotary_percent", None) or 1.0,
-        rotary_base=getattr(args, "rotary_base", None) or 10000)
+        **rope_kwargs(model))
     if plan.precision in ("bf16", "fp16"):
         gpt = Float16Module(config, gpt)
     ddp_config = DistributedDataParallelConfig(

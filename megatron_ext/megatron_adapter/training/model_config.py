@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from megatron.core.optimizer import OptimizerConfig
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_ext.megatron_adapter.layers import model_fields
 from megatron_ext.plan import LayerStrategy, ParallelPlan
 
 
@@ -92,8 +93,7 @@ def transformer_config(
         gated_linear_unit=swiglu,
         activation_func=F.silu if swiglu else F.gelu,
         add_bias_linear=model.add_bias_linear,
-        add_qkv_bias=bool(_flag(args, "add_qkv_bias", False)),
-        layernorm_epsilon=_flag(args, "layernorm_epsilon", 1e-5),
+        **model_fields(model),  # q/k/v bias, q/k norm, norm epsilon: the plan's model
         hidden_dropout=_flag(args, "hidden_dropout", 0.1),
         attention_dropout=_flag(args, "attention_dropout", 0.1),
         init_method_std=_flag(args, "init_method_std", 0.02),

@@ -25,6 +25,7 @@ from megatron.core.transformer.pipeline_parallel_layer_layout import (
 )
 
 from megatron_ext.errors import PlanError
+from megatron_ext.megatron_adapter.layers import rope_kwargs
 from megatron_ext.megatron_adapter.sp_norm import gpt_block_spec
 from megatron_ext.megatron_adapter.training.backend import (
     Backend,
@@ -79,8 +80,7 @@ def _build_gpt(args: argparse.Namespace, plan: ParallelPlan, config: Any, vocab:
         post_process=post,
         share_embeddings_and_output_weights=model.tied_embeddings,
         position_embedding_type=model.position_embedding,
-        rotary_percent=getattr(args, "rotary_percent", None) or 1.0,
-        rotary_base=getattr(args, "rotary_base", None) or 10000,
+        **rope_kwargs(model),
     )
     if plan.precision in ("bf16", "fp16"):
         gpt = Float16Module(config, gpt)
