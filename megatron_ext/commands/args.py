@@ -5,6 +5,9 @@
 intact; a note on stderr says when the plan needs megatron_ext's pretrain_gpt.py.
 `plan-from-args` builds the plan a Megatron command line describes (JSON on stdout or --out,
 the layer table on stderr), so a hand-written configuration can be compared with a searched one.
+`flags [FLAG ...]` (num-experts, or `-- --num-experts`) prints the flag table
+(flags/catalog.py): each Megatron-LM flag's class (honoured, no effect here, refused) and why;
+with no FLAG, the count per class.
 """
 
 from __future__ import annotations
@@ -48,6 +51,43 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("megatron_args", nargs=argparse.REMAINDER,
                    help="Megatron-LM pretrain_gpt.py flags, after --")
     q.set_defaults(run=run_plan_from_args)
+    f = sub.add_parser(
+        "flags",
+        help="how megatron_ext treats Megatron-LM flags: flags [FLAG ...] [--class CLASS]",
+    )
+    f.add_argument("flag_names", nargs="*", metavar="FLAG",
+                   help="a flag without its dashes (num-experts), or after --")
+    f.add_argument("--class", dest="kind", choices=["honoured", "no_effect", "refused"],
+                   default=None, help="list every flag of this class")
+    f.set_defaults(run=run_flags)
+
+
+def run_flags(args: argparse.Namespace) -> int:
+    from megatron_ext.flags.catalog import class_sizes
+    from megatron_ext.flags.parser import flag_catalog
+
+    table = flag_catalog()
+    if not args.flag_names and args.kind is None:
+        sizes = class_sizes(table)
+        sys.stdout.write(f"{len(table)} Megatron-LM core_v0.16.1 flags: "
+                         + ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in sizes.items())
+                         + "\n")
+        return 0
+    args.flag_names = [n if n.startswith("-") else f"--{n}" for n in args.flag_names]
+    for name in args.flag_names:
+        if name not in table:
+            raise PlanError(f"{name} is not a Megatron-LM core_v0.16.1 flag; check the spelling")
+    names = args.flag_names or [o for o, e in table.items() if e.kind == args.kind]
+    for name in names:
+        entry = table[name]
+        if entry.kind == "honoured":
+            line = f"{name}: honoured (same name, meaning and default as Megatron-LM)"
+        elif entry.kind == "no_effect":
+            line = entry.note()
+        else:
+            line = f"{name}: refused unless given its default; {entry.reason}; {entry.instead}"
+        sys.stdout.write(line + "\n")
+    return 0
 
 
 def run_args(args: argparse.Namespace) -> int:

@@ -92,7 +92,7 @@ def _add_unhonoured(parser: argparse.ArgumentParser, honoured: frozenset[str]) -
     """Megatron-LM's other flags, so that they parse; catalog.py decides what each one does."""
     g = parser.add_argument_group(
         "other Megatron-LM flags: no effect here, or refused unless given their default "
-        "(megatron-ext args --flags lists each one's class)")
+        "(`megatron-ext flags` lists each one's class)")
     for option, flag in megatron_flags().items():
         if option in honoured:
             continue

@@ -132,3 +132,22 @@ def test_no_position_embedding_only_with_rope():
     assert not ns.add_position_embedding
     with pytest.raises(PlanError, match="--no-position-embedding is deprecated"):
         parse_megatron_args(BASE + ["--no-position-embedding"])
+
+
+def test_flags_command_and_readme_show_the_table_sizes(capsys):
+    from pathlib import Path
+
+    from megatron_ext.cli import main
+
+    sizes = class_sizes(flag_catalog())
+    assert main(["flags"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line == (f"682 Megatron-LM core_v0.16.1 flags: {sizes['honoured']} honoured, "
+                    f"{sizes['no_effect']} no effect, {sizes['refused']} refused")
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    assert line in readme
+    for kind, label in (("honoured", "honoured"), ("no_effect", "no effect here"),
+                        ("refused", "refused")):
+        assert f"| {label} | {sizes[kind]} |" in readme
+    assert main(["flags", "num-experts"]) == 0
+    assert capsys.readouterr().out.startswith("--num-experts: refused unless given its default")
