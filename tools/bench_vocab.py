@@ -11,7 +11,7 @@ Per stage and iteration:
                 only ever add time). Robust to the 2 shared cores the ranks run on, unlike wall
                 time.
   peak memory = peak bytes of live tensor storages during one iteration (LiveTensorTracker,
-                worker threads included): parameters, gradients, Adam states, saved activations,
+                main thread): parameters, gradients, Adam states, saved activations,
                 the vocabulary passes' buffers.
   iteration   = wall seconds (contended: 4 ranks on the machine's cores) and "simulated": the
                 measured per-pass CPU times replayed through the pipeline simulation (what
@@ -72,8 +72,7 @@ def _build(env: dict[str, Any], vocab: int, mode: str) -> tuple[Any, Any]:
     return model, torch.optim.Adam(model.parameters(), lr=1e-5)
 
 
-def _iteration(env: dict[str, Any], model: Any, mode: str, timer: dict[str, Any],
-               tracker: Any = None) -> None:
+def _iteration(env: dict[str, Any], model: Any, mode: str, timer: dict[str, Any]) -> None:
     """One forward-backward call; per-pass CPU seconds go to `timer`."""
     import time as _time
 
@@ -108,7 +107,7 @@ def _iteration(env: dict[str, Any], model: Any, mode: str, timer: dict[str, Any]
 
     options = VocabScheduleOptions(
         groups=env["groups"], num_barriers=1, layers_per_stage=(env["layers_per_stage"],) * PP,
-        pass_timer=record, thread_initializer=tracker.enter_in_this_thread if tracker else None)
+        pass_timer=record)
     make_vocab_parallel_schedule(options)(forward_step_func=block_forward_step, **kwargs)
 
 
@@ -145,7 +144,7 @@ def _measure_one(env: dict[str, Any], vocab: int, mode: str) -> dict[str, Any]:
                      + optimizer_state_tensors(optimizer))
     static = tracker.live_bytes
     with tracker:
-        _iteration(env, model, mode, defaultdict(list), tracker)
+        _iteration(env, model, mode, defaultdict(list))
     peak = torch.tensor([tracker.peak_bytes], dtype=torch.float64)
     wall_max = torch.tensor([sum(wall) / len(wall)])
     dist.all_reduce(wall_max, op=dist.ReduceOp.MAX)

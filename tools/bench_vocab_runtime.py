@@ -8,9 +8,9 @@ embedding on stage 0, output layer and loss on stage 1) against vocab_parallel (
 vocabulary over all 4 ranks, 1 barrier). Per rank and iteration:
   busy time   = main-thread CPU seconds of forward_backward (`time.thread_time`; waits sleep),
                 the minimum over the timed iterations;
-  peak memory = peak live tensor bytes during one forward_backward (LiveTensorTracker, the
-                vocabulary worker threads included) on top of parameters, grad buffers and Adam
-                states.
+  peak memory = peak live tensor bytes during one forward_backward (LiveTensorTracker; the
+                vocabulary collectives' buffers are made on the main thread) on top of
+                parameters, grad buffers and Adam states.
 A stage's value is the max over its ranks; imbalance = max / min over stages.
 
     python tools/bench_vocab_runtime.py --json vocab_runtime.json
@@ -89,8 +89,7 @@ def _measure_one(cfg: dict[str, Any], vocab: int, mode: str) -> dict[str, Any]:
         if mode == "tp":
             forward_backward(chunks, iter(micro), groups)
             return
-        options = {"thread_initializer": tracker.enter_in_this_thread} if tracker else {}
-        vocab_forward_backward(chunks, iter(micro), groups, schedule_options=options)
+        vocab_forward_backward(chunks, iter(micro), groups)
 
     busy = []
     for it in range(1 + cfg["iterations"]):  # the first warms up and creates Adam states

@@ -10,8 +10,8 @@ or two (algorithm 2, p+2). `plan_vocab_schedule` places the passes into 1F1B; th
 Megatron-facing schedule is megatron_ext/megatron_adapter/vocab/schedule.py.
 
 Modules: partition (vocabulary split), output_layer / input_layer (math), comm (groups and
-worker streams), passes (per-iteration runner), schedule_ops / schedule_plan / schedule_sim
-(pass order, placement, simulation), cost (analytic pass costs).
+asynchronous-collective helpers), passes (per-iteration runner), schedule_ops / schedule_plan /
+schedule_sim (pass order, placement, simulation), cost (analytic pass costs).
 """
 
 from megatron_ext.runtime.vocab.comm import (

@@ -59,8 +59,7 @@ class VocabIteration:
             output_weight=layers.output_weight, groups=options.groups,
             num_barriers=options.num_barriers, num_microbatches=self.m, hidden_shape=self.shape,
             dtype=dtype, is_first_stage=self.first, is_last_stage=self.last,
-            forward_only=forward_only,
-            thread_initializer=options.thread_initializer)
+            forward_only=forward_only)
         s, b, h = self.shape
         costs = vocab_pass_costs(
             layers_per_stage=options.layers_per_stage or (1,) * pp.size(), hidden=h,

@@ -165,8 +165,6 @@ class VocabScheduleOptions:
     Must be identical on every rank (the pass order is computed on each)."""
     ffn_hidden_size: int = 0
     """FFN width for the placement costs; 0 = 4 x hidden."""
-    thread_initializer: Callable[[], None] | None = None
-    """Runs once in each communication worker thread (profilers)."""
     pass_timer: Callable[[Op, float], None] | None = None
     """Called after every pass / P2P call with its main-thread CPU seconds (benchmarks)."""
     p2p_shapes: tuple[tuple[int, int, int], tuple[int, int, int]] | None = None

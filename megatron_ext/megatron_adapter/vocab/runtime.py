@@ -57,7 +57,7 @@ def vocab_forward_backward(
 ) -> dict[str, float]:
     """`train_step.forward_backward` for vocab_parallel plans: grads finalized, the global
     per-token loss and token count returned on every rank. `schedule_options`: extra
-    `VocabScheduleOptions` fields (pass_timer, thread_initializer: benchmarks)."""
+    `VocabScheduleOptions` fields (pass_timer: benchmarks)."""
     plan = groups.plan
     inner: HeteroGPTModel = chunks[0].module
     assert inner.vocab is not None and inner.vocab_groups is not None, "built without vocab"

@@ -8,7 +8,8 @@ Legend: s = sequence, b = micro-batch, h = hidden, p = pipeline stages, M = micr
 `forward_step`, `backward_step`, `P2PCommunicator` calls, `deallocate_output_tensor`,
 `finalize_model_grads_func`), with `num_barriers` more warm-up forwards, and inserts the
 vocabulary passes of every micro-batch where runtime/vocab/schedule_plan.py put them. Their
-collectives run on per-kind worker threads, so barriers overlap transformer passes.
+collectives are asynchronous, one group per kind, waited on where their results are needed
+(runtime/vocab/passes.py), so barriers overlap transformer passes on any device.
 
 Contract (beyond Megatron's):
   * `model` is a VocabParallelStage (vocab/layers.py), possibly wrapped (DDP, Float16Module).

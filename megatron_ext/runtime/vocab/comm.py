@@ -1,22 +1,29 @@
-"""Communication for the vocabulary passes: dedicated groups, each drained by its own worker.
+"""Communication for the vocabulary passes: dedicated groups, asynchronous collectives.
 
-Every kind of vocabulary collective gets its own duplicate of the vocabulary group and one
-worker thread (the CPU analogue of the reference implementation's side CUDA stream), so
-  * collectives never block the main thread, which keeps running transformer passes, and
-  * each group sees its collectives in micro-batch order on every rank, whatever order the
-    schedule interleaves the kinds in: this is what makes per-rank pass orders safe to differ.
-The reference implementation likewise keeps vocabulary collectives off the pipeline P2P
-communicator to avoid ordering deadlocks.
+Every kind of vocabulary collective gets its own duplicate of the vocabulary group and is issued
+with `async_op=True`; the caller keeps the work handle and waits on it exactly where the result
+is needed (passes.py). One code path for every backend:
+  * gloo (CPU): the group's own threads run the collective; `wait()` blocks the caller.
+  * NCCL and other device backends: the collective runs on the group's own stream; `wait()`
+    makes the caller's current stream wait (an event fence), the host does not block.
+Separate groups keep collectives of different kinds from ever queueing behind each other (as
+the reference implementation keeps vocabulary collectives off the pipeline P2P communicator to
+avoid ordering deadlocks), and each group sees its collectives in micro-batch order on every
+rank, whatever order the schedule interleaves the kinds in: this is what makes per-rank pass
+orders safe to differ.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 GROUP_KINDS: tuple[str, ...] = ("hidden", "stats", "input_grad", "token_grad", "emb_fwd", "emb_bwd")
 """One duplicate group per collective kind; see VocabCommGroups for what each carries."""
@@ -33,10 +40,10 @@ class VocabCommGroups:
     hidden: dist.ProcessGroup
     """Broadcast of the last stage's final hidden state X [s, b, h] (before every S pass)."""
     stats: dist.ProcessGroup
-    """All-gather of per-token (max, sum-exp, target logit); under the 1-barrier algorithm
-    followed, in the same job, by the all-reduce of the input gradient."""
+    """All-gather of per-token (max, sum-exp, target logit) after every S pass."""
     input_grad: dist.ProcessGroup
-    """2-barrier algorithm: all-reduce of the input gradient after the T passes."""
+    """All-reduce of the input gradient: issued by the stats reduction's completion callback
+    (1-barrier algorithm) or by the T pass (2-barrier algorithm)."""
     token_grad: dist.ProcessGroup
     """Broadcast of the per-token loss gradient g [s*b] from the last stage (for T passes)."""
     emb_fwd: dist.ProcessGroup
@@ -94,24 +101,55 @@ def new_vocab_comm_groups(
     )
 
 
-class CommStreams:
-    """One single-worker FIFO per group kind. `submit` returns a Future; jobs of one kind run
-    in submission order, so every rank must submit each kind's jobs in micro-batch order."""
+class InOrder:
+    """Runs `step(i)` for i = 0, 1, 2, ... in that order, whichever thread calls first.
 
-    def __init__(
-        self, groups: VocabCommGroups, *, thread_initializer: Callable[[], None] | None = None
-    ) -> None:
-        """`thread_initializer` runs once in each worker (e.g. a profiler's per-thread setup)."""
-        self.groups = groups
-        self._workers = {
-            kind: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"vocab-{kind}",
-                                     initializer=thread_initializer)
-            for kind in GROUP_KINDS
-        }
+    Completion callbacks of one group's collectives may fire out of order (gloo runs a group's
+    collectives on several threads); the collectives they issue must still reach their own
+    group in micro-batch order on every rank. A caller whose turn has not come waits for its
+    predecessor, which never depends on the waiting thread: the predecessor's collective has
+    been posted by every rank already (its successor completed)."""
 
-    def submit(self, kind: str, job: Callable[..., Any], *args: Any) -> Future:
-        return self._workers[kind].submit(job, getattr(self.groups, kind), *args)
+    def __init__(self) -> None:
+        self._next = 0
+        self._turn = threading.Condition()
 
-    def close(self) -> None:
-        for worker in self._workers.values():
-            worker.shutdown(wait=True)
+    def run(self, index: int, step: Callable[[], T]) -> T:
+        with self._turn:
+            self._turn.wait_for(lambda: self._next == index)
+            try:
+                return step()
+            finally:  # a failed step still hands the turn on; its error goes to its waiter
+                self._next += 1
+                self._turn.notify_all()
+
+
+class Background:
+    """Collectives nobody reads the result of (roots' broadcasts, reductions only another stage
+    consumes): kept with the tensors they use until they complete, then checked."""
+
+    def __init__(self) -> None:
+        self._works: list[tuple[dist.Work, tuple[torch.Tensor, ...]]] = []
+        self._lock = threading.Lock()  # completion callbacks add from the groups' threads
+
+    def add(self, work: dist.Work, *tensors: torch.Tensor) -> None:
+        with self._lock:
+            self._works.append((work, tensors))
+
+    def reap(self) -> None:
+        """Forget the completed ones (wait() surfaces their errors; it cannot block here)."""
+        with self._lock:
+            flags = [w[0].is_completed() for w in self._works]
+            done = [w for w, f in zip(self._works, flags, strict=True) if f]
+            self._works = [w for w, f in zip(self._works, flags, strict=True) if not f]
+        for work, _ in done:
+            work.wait()
+
+    def drain(self) -> None:
+        """Wait for all of them."""
+        while True:
+            with self._lock:
+                if not self._works:
+                    return
+                work, _ = self._works.pop(0)
+            work.wait()

@@ -2,8 +2,9 @@
 
 `LiveTensorTracker` is a TorchDispatchMode: every tensor an op produces while it is active has
 its storage counted until the storage is freed (weak reference); `register` adds tensors that
-existed before (parameters, gradients, optimizer states). The mode is thread-local: enter it in
-worker threads too (`thread_initializer` of the vocabulary runner does) to see their buffers.
+existed before (parameters, gradients, optimizer states). The mode is thread-local: tensors
+made in other threads are not counted unless `enter_in_this_thread` runs there (the vocabulary
+passes' stats callbacks, which may run in a gloo thread, make only [n]-sized ones).
 Storages are counted once however many views share them.
 """
 
@@ -39,7 +40,7 @@ class LiveTensorTracker(TorchDispatchMode):
             self.peak_bytes = self.live_bytes
 
     def enter_in_this_thread(self) -> None:
-        """For a worker's initializer: the mode stays active for the thread's lifetime."""
+        """For a thread's initializer: the mode stays active for the thread's lifetime."""
         self.__enter__()
 
     def _track(self, tensor: torch.Tensor) -> None:
