@@ -42,7 +42,12 @@ from megatron_ext.runtime.vocab.output_layer import (
 )
 from megatron_ext.runtime.vocab.partition import VocabPartition
 from megatron_ext.runtime.vocab.passes import VocabPassRunner
-from megatron_ext.runtime.vocab.schedule_ops import Op, num_warmup, skeleton_1f1b
+from megatron_ext.runtime.vocab.schedule_ops import (
+    Op,
+    num_warmup,
+    receive_window,
+    skeleton_1f1b,
+)
 from megatron_ext.runtime.vocab.schedule_plan import plan_vocab_schedule
 from megatron_ext.runtime.vocab.schedule_sim import (
     PassCosts,
@@ -76,6 +81,7 @@ __all__ = [
     "output_forward_pass",
     "output_weight_grad_pass",
     "plan_vocab_schedule",
+    "receive_window",
     "simulate",
     "simulate_baseline",
     "skeleton_1f1b",

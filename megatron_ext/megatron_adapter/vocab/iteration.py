@@ -27,7 +27,12 @@ from megatron_ext.megatron_adapter.vocab.layers import (
     VocabParallelLayers,
     VocabScheduleOptions,
 )
-from megatron_ext.runtime.vocab_parallel import Op, VocabPassRunner, vocab_pass_costs
+from megatron_ext.runtime.vocab_parallel import (
+    Op,
+    VocabPassRunner,
+    receive_window,
+    vocab_pass_costs,
+)
 
 
 class VocabIteration:
@@ -59,7 +64,8 @@ class VocabIteration:
             output_weight=layers.output_weight, groups=options.groups,
             num_barriers=options.num_barriers, num_microbatches=self.m, hidden_shape=self.shape,
             dtype=dtype, is_first_stage=self.first, is_last_stage=self.last,
-            forward_only=forward_only)
+            forward_only=forward_only,
+            receive_window=receive_window(pp.size(), options.num_barriers))
         s, b, h = self.shape
         costs = vocab_pass_costs(
             layers_per_stage=options.layers_per_stage or (1,) * pp.size(), hidden=h,

@@ -16,8 +16,9 @@ is needed, so the caller keeps running transformer passes meanwhile:
   T   output_backward    weight gradient; 2 barriers: + input-gradient all-reduce (input_grad)
   --  hidden_grad        last stage: waits for dL/dX [s, b, h] for its B
   IB  input_backward     first stage broadcasts dL/d(embedding); all backprop it (emb_bwd)
-Broadcast receives of all micro-batches are posted at the start, so a broadcast only ever waits
-for its root.
+Broadcast receives are posted `receive_window` micro-batches ahead (receive j + window when
+receive j is consumed; schedule_ops.receive_window), so a broadcast does not wait for a late
+receiver and at most `window` receive buffers per kind exist; the deadlock check models this.
 
 One code path on every device (no branch on device type or backend). The only work between two
 collectives, the 1-barrier stats -> input-gradient step, runs in the stats all-gather's
@@ -94,6 +95,7 @@ class VocabPassRunner:
         is_first_stage: bool,
         is_last_stage: bool,
         forward_only: bool = False,
+        receive_window: int | None = None,  # None: all micro-batches' receives at the start
     ) -> None:
         if num_barriers not in (1, 2):
             raise ValueError(f"num_barriers={num_barriers} must be 1 or 2")
@@ -118,10 +120,17 @@ class VocabPassRunner:
         self._x_root: dict[int, torch.Tensor] = {}
         self.is_first_stage, self.is_last_stage = is_first_stage, is_last_stage
         self.forward_only = forward_only
-        kinds = [("hidden", groups.last_stage_root)]
+        self.window = num_microbatches if receive_window is None else receive_window
+        if self.window < 1:
+            raise ValueError(f"receive_window={receive_window} must be >= 1")
+        self._roots = {"hidden": groups.last_stage_root}
         if not forward_only:
-            kinds += [("token_grad", groups.last_stage_root), ("emb_bwd", groups.first_stage_root)]
-        self._recv = {kind: self._post_receives(kind, root) for kind, root in kinds}
+            self._roots |= {"token_grad": groups.last_stage_root,
+                            "emb_bwd": groups.first_stage_root}
+        self._recv: dict[str, dict[int, _Posted]] = {kind: {} for kind in self._roots}
+        for kind in self._roots:
+            for i in range(min(self.window, self.m)):
+                self._post_receive(kind, i)
 
     @property
     def is_hidden_root(self) -> bool:
@@ -131,16 +140,20 @@ class VocabPassRunner:
     def is_embedding_root(self) -> bool:
         return self.rank == self.groups.first_stage_root
 
-    def _post_receives(self, kind: str, root: int) -> dict[int, _Posted]:
-        if self.rank == root:
-            return {}
+    def _post_receive(self, kind: str, i: int) -> None:
+        root = self._roots[kind]
+        if self.rank == root or i >= self.m:
+            return
         shape = (self.n,) if kind == "token_grad" else self.shape
         dtype = torch.float32 if kind == "token_grad" else self.dtype
-        posted = {}
-        for i in range(self.m):
-            buffer = torch.empty(shape, dtype=dtype, device=self.device)
-            posted[i] = _Posted(self._broadcast(kind, buffer, root), buffer)
-        return posted
+        buffer = torch.empty(shape, dtype=dtype, device=self.device)
+        self._recv[kind][i] = _Posted(self._broadcast(kind, buffer, root), buffer)
+
+    def _receive(self, kind: str, i: int) -> torch.Tensor | None:
+        """Micro-batch i's broadcast (None on its root); posts the receive `window` ahead."""
+        posted = self._recv[kind].pop(i, None)
+        self._post_receive(kind, i + self.window)
+        return None if posted is None else posted.result()
 
     def _broadcast(self, kind: str, tensor: torch.Tensor, root: int) -> dist.Work:
         return dist.broadcast(tensor, group=getattr(self.groups, kind), group_src=root,
@@ -177,7 +190,7 @@ class VocabPassRunner:
             assert grad is not None, "the first stage's root must pass its embedding gradient"
             self._background.add(self._broadcast("emb_bwd", grad, self.rank), grad)
         else:
-            grad = self._recv["emb_bwd"].pop(i).result()
+            grad = self._receive("emb_bwd", i)
         if self._emb_grad is None:
             dtype = self.w_in.dtype if self.w_in.dtype in (torch.float32, torch.float64) else (
                 torch.float32)
@@ -196,10 +209,8 @@ class VocabPassRunner:
         """S: local logits and stats, then the stats reduction (and, with 1 barrier, the input
         gradient reduction) in the background."""
         self._background.reap()
-        if self.is_hidden_root:
-            hidden = self._x_root.pop(i)
-        else:
-            hidden = self._recv["hidden"].pop(i).result()  # [s, b, h]
+        received = self._receive("hidden", i)  # [s, b, h]
+        hidden = self._x_root.pop(i) if self.is_hidden_root else received
         fused = self.barriers == 1 and not self.forward_only
         state, stats = out.output_forward_pass(
             hidden, self.w_out, labels, vocab_start=self.start, num_valid=self.num_valid,
@@ -262,9 +273,7 @@ class VocabPassRunner:
         self._background.reap()
         state = self._out.pop(i)
         _, alpha = self._stats.pop(i).result()
-        received = self._recv["token_grad"].pop(i, None)
-        if received is not None:
-            received = received.result()  # consumed even where a local copy exists (tp > 1)
+        received = self._receive("token_grad", i)  # also where a local copy exists (tp > 1)
         if i in self._g:  # the last stage: its own g; the later of T and B drops it
             token_grad = self._g.pop(i) if self.barriers == 1 else self._g[i]
         else:

@@ -67,6 +67,17 @@ class Op:
         return None
 
 
+def receive_window(num_stages: int, num_barriers: int) -> int:
+    """Broadcast receives (X, g, the embedding gradient) a rank keeps posted ahead, per kind.
+
+    A rank posts receive j + window when it consumes receive j, so at most `window` receive
+    buffers of a kind exist at once (posting all M up front would hold M [s, b, h] buffers on a
+    device). The simulation (schedule_sim.py) models exactly this, so a schedule it accepts
+    cannot deadlock on a late receive; p + barriers + 2 covers the micro-batches in flight
+    (p + barriers) with two to spare."""
+    return num_stages + num_barriers + 2
+
+
 def skeleton_1f1b(
     stage: int,
     num_stages: int,

@@ -3,8 +3,9 @@
 `simulate` replays fixed per-stage orders of transformer passes, Megatron's P2P calls and the
 vocabulary passes with given costs, modelling every wait the runtime has: P2P calls are
 rendezvous (a gloo or NCCL send completes once the peer posts its receive), collectives of one
-kind complete in order once every stage has posted (broadcast receives are pre-posted by the
-runtime, so only the root matters), and compute passes wait for their inputs. An order the
+kind complete in order once every stage has posted (a broadcast also needs every stage's
+receive, which the runtime posts `receive_window` micro-batches ahead: receive j when it consumes
+receive j - window), and compute passes wait for their inputs. An order the
 simulation completes is acyclic as a dependency graph, so it cannot deadlock at run time
 whatever the real pass durations are; a cyclic one raises RuntimeError.
 `simulate_baseline` replays Megatron's plain 1F1B, for predictions.
@@ -16,7 +17,7 @@ import functools
 from collections import deque
 from dataclasses import dataclass
 
-from megatron_ext.runtime.vocab.schedule_ops import Op, skeleton_1f1b
+from megatron_ext.runtime.vocab.schedule_ops import Op, receive_window, skeleton_1f1b
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -129,6 +130,11 @@ class _Engine:
         self.done: dict[tuple[int, str, int], float] = {}  # (stage, kind, mb) -> end
         self.posts: dict[tuple, dict[int | str, float]] = {}
         self.coll_end: dict[tuple[str, int], float] = {}
+        self.window = receive_window(p, barriers)
+        for kind in _BROADCASTS if vocab else ():  # receives posted at the start
+            for j in range(self.window):
+                for r in range(p):
+                    self._post((kind, j), f"recv{r}", 0.0)
 
     # ---- main loop ----------------------------------------------------------------------------
 
@@ -180,9 +186,9 @@ class _Engine:
             return self.coll_end[(kind, j)]
         posts = self.posts.get((kind, j), {})
         prev = 0.0 if j == 0 else self._job_end(kind, j - 1)
-        # Broadcast receivers pre-post every receive at the start (comm.py), so only the root
-        # can hold a broadcast back; reductions need every stage.
-        needed = 1 if kind in _BROADCASTS else self.p
+        # A broadcast needs its root's send and every stage's receive (posted receive_window
+        # micro-batches ahead); a reduction needs every stage.
+        needed = self.p + 1 if kind in _BROADCASTS else self.p
         if len(posts) < needed or prev is None:
             return None
         latency = {"hidden": self.c.broadcast_s, "emb_bwd": self.c.broadcast_s,
@@ -258,10 +264,14 @@ class _Engine:
         }.get(op.kind, [])
         for key in posts if self.vocab else ():
             self._post(key, r, end)
+        if self.vocab and op.kind in _RECEIVES:  # consuming receive j posts receive j + window
+            self._post((_RECEIVES[op.kind], j + self.window), f"recv{r}", end)
 
 
 _P2P = frozenset({"RF", "SF", "SFRB", "SBRF", "RB", "SB"})
 _BROADCASTS = frozenset({"hidden", "token_grad", "emb_bwd"})
+_RECEIVES = {"S": "hidden", "T": "token_grad", "IB": "emb_bwd"}
+"""The pass that consumes a broadcast receive of its micro-batch (passes.py)."""
 
 
 @functools.lru_cache(maxsize=1 << 16)
