@@ -47,7 +47,8 @@ def _plans() -> dict[str, Any]:
                               max_position_embeddings=16)  # tied, learned absolute positions
     return {
         "pp2 3|1 tp2+sp|dp2 pos b1 v127": make_plan(
-            dataclasses.replace(llama, vocab_size=127, position_embedding="learned_absolute"), [L(tp=2, sp=True)] * 3 + [L(dp=2)],
+            dataclasses.replace(llama, vocab_size=127, position_embedding="learned_absolute"),
+            [L(tp=2, sp=True)] * 3 + [L(dp=2)],
             pp=2, stages=[(0, 3), (3, 4)], num_mb=4,
             vocab=V(mode="vocab_parallel", tp=1, algorithm=1)),
         "pp4 1|2|1|2 tied pos b2 v130": make_plan(

@@ -5,8 +5,9 @@ vocabulary that does not divide the 4 vocabulary-parallel ranks (so the last sha
 Baseline: Megatron's own layout (`TpVocabStage`: embedding on the first stage, output layer and
 `vocab_parallel_cross_entropy` on the last) under Megatron's 1F1B schedule. Vocabulary
 parallelism: the same body modules (same weights), the vocabulary split over pp x tp, under
-the schedule `schedule_for_plan` picks for a vocab_parallel plan of that layout. Compared: every micro-batch's loss report, every body
-gradient, and the full embedding / output-layer gradients (gathered; tied: the sum of both).
+the schedule `schedule_for_plan` picks for a vocab_parallel plan of that layout. Compared: every
+micro-batch's loss report, every body gradient, and the full embedding / output-layer gradients
+(gathered; tied: the sum of both).
 One spawn runs both layouts (pp=4; pp=2 x tp=2), each with 4 variants (untied/tied x 1/2
 barriers; per-token loss averaging on for the tied runs, Megatron's per-micro-batch mean
 otherwise), fewer micro-batches than p + barriers, and a forward-only (evaluation) pass.
