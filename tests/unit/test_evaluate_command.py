@@ -13,6 +13,7 @@ from megatron_ext.cli import main
 from megatron_ext.flags.emit import plan_to_megatron_args
 from megatron_ext.plan import ParallelPlan
 from megatron_ext.planner.cost.breakdown import MEMORY_PARTS, breakdown
+from megatron_ext.planner.cost.memory import state_bytes_breakdown, state_bytes_per_param
 from megatron_ext.planner.cost.model import CostModel
 from megatron_ext.planner.training import TrainingSpec
 from megatron_ext.presets import cluster_preset
@@ -36,6 +37,17 @@ def _cost_model(plan: ParallelPlan) -> CostModel:
         precision=plan.precision,
     )
     return CostModel(plan.model, cluster, training)
+
+
+@pytest.mark.parametrize("half", [True, False])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_state_parts_sum_to_the_memory_model(zero, half):
+    for d in (1, 2, 8):
+        for states in (0, 2):
+            kw = {"half_precision": half, "num_optimizer_states": states}
+            parts = state_bytes_breakdown(zero, d, **kw)
+            assert min(parts) >= 0
+            assert sum(parts) == pytest.approx(state_bytes_per_param(zero, d, **kw), rel=1e-12)
 
 
 @pytest.mark.parametrize("path", PLANS)

@@ -60,15 +60,19 @@ def state_bytes_breakdown(
     zero: ArrayLike, shard_ranks: ArrayLike, *, half_precision: bool, num_optimizer_states: int = 2
 ) -> tuple[ArrayLike, ArrayLike, ArrayLike]:
     """`state_bytes_per_param` split into (weights, gradients, optimizer states) bytes per
-    parameter; the optimizer part holds the fp32 master copy (mixed precision) and the states.
-    The three always sum to state_bytes_per_param."""
+    parameter; they always sum to it (tests/unit/test_evaluate_command.py). ZeRO-0/1: the
+    optimizer part holds the fp32 master copy (mixed precision) and the states. ZeRO-2/3: the
+    fp32 weight shard is the master copy and counts as weights (ZeRO-2 adds the gathered
+    compute-precision copy), the optimizer part is the states."""
     zero = np.asarray(zero)
     d = np.asarray(shard_ranks, dtype=float)
+    states = 4.0 * num_optimizer_states
     weight = 2.0 if half_precision else 4.0
-    weights = np.where(zero == 3, weight / d, weight)
-    grads = np.where(zero == 3, 4.0 / d, 4.0)
-    optim = 4.0 * num_optimizer_states + (4.0 if half_precision else 0.0)
-    optim = np.where(zero >= 1, optim / d, optim)
+    master = 4.0 if half_precision else 0.0
+    weights = np.where(zero <= 1, weight, np.where(zero == 2, weight + 4.0 / d, 4.0 / d))
+    grads = np.where(zero <= 1, 4.0, 4.0 / d)
+    optim = np.where(zero == 0, master + states, np.where(zero == 1, (master + states) / d,
+                                                          states / d))
     if weights.ndim == 0:
         return float(weights), float(grads), float(optim)
     return weights, grads, optim
