@@ -97,7 +97,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--allow-zero3",
         action="store_true",
-        help="let layers use ZeRO-3 (the layerwise runtime does not run zero=3 yet)",
+        help="let layers use ZeRO-3 (fully sharded per layer; off by default)",
     )
     p.add_argument(
         "--uniform",

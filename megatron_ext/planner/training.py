@@ -30,9 +30,9 @@ class TrainingSpec:
     allow_cp: bool = True
     """May use context parallelism."""
     allow_zero3: bool = False
-    """May fully shard parameters (ZeRO-3) on some layers. Off by default: the layerwise runtime
-    rejects zero=3 (one-line PlanError), so the search only emits it when asked
-    (`megatron-ext search --allow-zero3`, planning for a runtime that has it)."""
+    """May fully shard parameters (ZeRO-3) on some layers (`megatron-ext search --allow-zero3`;
+    the layerwise runtime runs it through FSDP2 per layer). Off by default, as before the runtime
+    had it; the search is exact in this flag: allowing it never gives a slower plan."""
     allow_flexsp: bool = False
     """Recorded for the FlexSP planner; the layerwise search itself never emits a FlexSP plan."""
     flash_attention: bool = True
