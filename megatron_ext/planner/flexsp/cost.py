@@ -273,7 +273,8 @@ def cost_model_from_specs(
     q_dim = model.num_attention_heads * model.head_dim
     linear_s = 3 * linear_flops_per_token(model) / (cluster.peak_flops * linear_mfu)
     # causal attention forward FLOPs per token^2 (planner/cost/compute.py, flash attention)
-    attn_fwd_flops_per_token_sq = model.num_layers * float(C.attention_forward_flops(model, 1, 1, 1))
+    attn_fwd_flops_per_token_sq = (model.num_layers
+                                   * float(C.attention_forward_flops(model, 1, 1, 1)))
     attn_s = (ATTN_FWD_BWD_FACTOR * attn_fwd_flops_per_token_sq
               / (cluster.peak_flops * attention_mfu))
     a2a_per_tensor = 2 * model.num_layers * BF16_BYTES  # fwd + bwd, every layer
