@@ -10,7 +10,11 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_ext", "megatron_ext.*"]),
     # Megatron-LM core_v0.16.1's flag listing, read by flags/catalog.py
-    package_data={"megatron_ext.flags": ["megatron_lm_core_v0.16.1_flags.json"]},
+    package_data={
+        "megatron_ext.flags": ["megatron_lm_core_v0.16.1_flags.json"],
+        # the prediction intervals' residual table (tools/bench_published.py --write-residuals)
+        "megatron_ext.planner.cost": ["residuals_a100.json"],
+    },
     install_requires=[
         "megatron-core==0.16.1",
         # torch is required but not pinned: install the build you want first (CPU: torch==2.13.0).

@@ -47,6 +47,8 @@ from typing import Any
 from megatron_ext.flags.parser import parse_megatron_args
 from megatron_ext.flags.to_plan import plan_from_megatron_args
 from megatron_ext.plan import ParallelPlan
+from megatron_ext.planner.cost import interval as iv
+from megatron_ext.planner.cost.compute import ComputeProfile
 from megatron_ext.planner.cost.evaluate import stage_sums
 from megatron_ext.planner.cost.model import CostModel
 from megatron_ext.planner.cost.pipeline import one_f_one_b
@@ -171,8 +173,10 @@ def measured_iteration_s(row: dict[str, Any]) -> tuple[float, str]:
 # ---- prediction -----------------------------------------------------------------------------
 
 
-def predict(row: dict[str, Any], plan: ParallelPlan) -> dict[str, Any]:
-    """Predicted iteration time and peak memory of the plan on the row's cluster."""
+def predict(row: dict[str, Any], plan: ParallelPlan,
+            compute: ComputeProfile | None = None) -> dict[str, Any]:
+    """Predicted iteration time and peak memory of the plan on the row's cluster (`compute`: the
+    calibrated kernel constants, default the cost model's)."""
     gpus, per_node = int(row["num_gpus"]), int(row["gpus_per_node"])
     cluster = cluster_preset(cluster_name(row), num_nodes=max(1, gpus // per_node))
     if gpus < per_node:  # a partial node (the 2020 single-node weak-scaling rows)
@@ -182,7 +186,7 @@ def predict(row: dict[str, Any], plan: ParallelPlan) -> dict[str, Any]:
         precision=plan.precision, flash_attention=is_mosaic(row), dropout=not is_mosaic(row),
         allow_zero3=True,
     )
-    cm = CostModel(plan.model, cluster, training)
+    cm = CostModel(plan.model, cluster, training, compute=compute)
     if "DeepSpeed" in str(row.get("dp_sharding")):
         cm.zero3_live_params = DEEPSPEED_MAX_LIVE_PARAMS
     sums = stage_sums(cm, pp=plan.pp, stages=plan.stages, layers=plan.layers, vocab=plan.vocab,
@@ -243,16 +247,135 @@ def layout_label(row: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-def run(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    results = []
+GEMM_EFFICIENCY_GRID = tuple(round(0.64 + 0.02 * i, 2) for i in range(9))
+"""Leave-one-source-out refits ComputeProfile.gemm_efficiency (the constant issue 14 calibrated
+on these runs; 0.72 shipped) over this grid on all sources but one and scores that one."""
+
+
+def sweep_key(r: dict[str, Any]) -> tuple[str, str, int, int]:
+    """A sweep: layouts of one model on one cluster preset at one global batch and sequence."""
+    return (r["model"], r["cluster"], r["global_batch_size"], r["seq_len"])
+
+
+def ranking(pred: list[float], meas: list[float]) -> dict[str, float]:
+    """Spearman, top-1 regret (measured cost of the predicted-best over the measured-best, minus
+    1) and the share of pairs (measured not tied) the prediction orders as measured."""
+    best = min(range(len(pred)), key=lambda i: pred[i])
+    pairs = [(i, j) for i in range(len(pred)) for j in range(i + 1, len(pred))
+             if meas[i] != meas[j]]
+    right = sum((pred[i] - pred[j]) * (meas[i] - meas[j]) > 0 for i, j in pairs)
+    return {
+        "spearman": spearman(pred, meas),
+        "top1_regret": meas[best] / min(meas) - 1.0,
+        "pairs_ordered": right / len(pairs) if pairs else float("nan"),
+    }
+
+
+def sweeps(results: list[dict[str, Any]], key: str = "predicted_gpu_s_per_token"
+           ) -> list[dict[str, Any]]:
+    """Ranking within every sweep of >= 2 layouts, on GPU-seconds per token (iteration time x
+    GPUs / tokens: at one GPU count the same order as iteration time, across GPU counts the cost
+    of a token)."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in results:
+        groups.setdefault(sweep_key(r), []).append(r)
+    out = []
+    for (model, cluster, gbs, seq), members in groups.items():
+        if len({(m["layout"], m["gpus"]) for m in members}) < 2:
+            continue
+        out.append({
+            "model": model, "cluster": cluster, "global_batch_size": gbs, "seq_len": seq,
+            "layouts": len(members),
+            **ranking([m[key] for m in members], [m["measured_gpu_s_per_token"] for m in members]),
+        })
+    return out
+
+
+def leave_one_source_out(results: list[dict[str, Any]], grid_pred: list[list[float]]
+                         ) -> dict[str, Any]:
+    """Refit gemm_efficiency on all sources but one (lowest median |error| over the grid), score
+    the held-out source with it; then the residual table of the intervals built without each
+    source, and the share of that source's measured times inside its 90% intervals."""
+    sources = sorted({r["source"] for r in results})
+    meas = [r["measured_s"] for r in results]
+    per_source, loso_pred = [], [0.0] * len(results)
+    for src in sources:
+        train = [i for i, r in enumerate(results) if r["source"] != src]
+        test = [i for i, r in enumerate(results) if r["source"] == src]
+        if not train:
+            return {}
+        scores = [statistics.median(abs(g[i] / meas[i] - 1) for i in train) for g in grid_pred]
+        k = min(range(len(scores)), key=lambda j: scores[j])
+        for i in test:
+            loso_pred[i] = grid_pred[k][i]
+        per_source.append({"source": src, "rows": len(test),
+                           "gemm_efficiency": GEMM_EFFICIENCY_GRID[k],
+                           "median_abs_error": statistics.median(
+                               abs(loso_pred[i] / meas[i] - 1) for i in test)})
+    residuals = [(r["features"], math.log(meas[i] / loso_pred[i])) for i, r in enumerate(results)]
+    inside, widths = [0] * len(results), [0.0] * len(results)
+    for entry in per_source:
+        src = entry["source"]
+        train = [residuals[i] for i, r in enumerate(results) if r["source"] != src]
+        table = iv.build_table(train)
+        hits = []
+        for i, r in enumerate(results):
+            if r["source"] != src:
+                continue
+            lo, hi, _ = iv.log_bounds(table, r["features"])
+            inside[i] = int(lo <= residuals[i][1] <= hi)
+            widths[i] = math.exp(hi) - math.exp(lo)
+            hits.append(inside[i])
+        entry["interval_coverage"] = statistics.fmean(hits)
+    for i, r in enumerate(results):
+        r["loso_predicted_s"] = loso_pred[i]
+        r["loso_log_residual"] = residuals[i][1]
+        r["loso_interval_hit"] = bool(inside[i])
+    errors = [abs(loso_pred[i] / meas[i] - 1) for i in range(len(results))]
+    return {
+        "sources": per_source,
+        "median_abs_error": statistics.median(errors),
+        "mean_abs_error": statistics.fmean(errors),
+        "interval_coverage": statistics.fmean(inside),
+        "interval_median_width": statistics.median(widths),
+        "sweeps": sweeps([{**r, "predicted_gpu_s_per_token":
+                           r["loso_predicted_s"] * r["measured_gpu_s_per_token"] / r["measured_s"]}
+                          for r in results]),
+    }
+
+
+def residual_file(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The interval's residual table (planner/cost/interval.py) with the runs it came from."""
+    return {
+        "about": "log(measured / predicted) of published A100 runs, each predicted with "
+                 "gemm_efficiency fitted on the other sources (leave-one-source-out), grouped "
+                 "by feature; read by megatron_ext/planner/cost/interval.py. Written by "
+                 "`python tools/bench_published.py --write-residuals "
+                 "megatron_ext/planner/cost/residuals_a100.json`; do not edit by hand.",
+        "features": list(iv.FEATURES),
+        "quantiles": [iv.LOW_Q, iv.HIGH_Q],
+        "runs": [{"id": r["id"], "source": r["source"], "features": r["features"],
+                  "log_residual": round(r["loso_log_residual"], 6)} for r in results],
+        "table": iv.build_table([(r["features"], r["loso_log_residual"]) for r in results]),
+    }
+
+
+def run(rows: list[dict[str, Any]], *, loso: bool = True) -> dict[str, Any]:
+    results, plans = [], []
     for row in rows:
         plan = build_plan(row)
+        plans.append(plan)
         measured, how = measured_iteration_s(row)
         pred = predict(row, plan)
         gpu_token = row["num_gpus"] / (row["global_batch_size"] * row["seq_len"])
         results.append({
             "id": row["id"], "source": row["source"], "model": row["model_name"],
             "gpus": row["num_gpus"], "cluster": cluster_name(row), "layout": layout_label(row),
+            "global_batch_size": row["global_batch_size"], "seq_len": row["seq_len"],
+            "features": iv.plan_features(num_gpus=row["num_gpus"],
+                                         micro_batch_size=iv.replica_micro_batch(plan),
+                                         pp=plan.pp,
+                                         precision=plan.precision, cluster=cluster_name(row)),
             "measured_s": measured, "measured_from": how, **pred,
             "ratio": pred["predicted_s"] / measured,
             "measured_gpu_s_per_token": measured * gpu_token,
@@ -271,6 +394,12 @@ def run(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "spearman": spearman([m["predicted_gpu_s_per_token"] for m in members],
                                  [m["measured_gpu_s_per_token"] for m in members]),
         })
+    held_out: dict[str, Any] = {}
+    if loso and len({r["source"] for r in results}) > 1:
+        grid_pred = [[predict(row, plan, ComputeProfile(gemm_efficiency=g))["predicted_s"]
+                      for row, plan in zip(rows, plans)] for g in GEMM_EFFICIENCY_GRID]
+        held_out = leave_one_source_out(results, grid_pred)
+    sw = sweeps(results)
     return {
         "rows": results,
         "summary": {
@@ -283,8 +412,14 @@ def run(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "median_ratio": statistics.median(r["ratio"] for r in results) if results else 1.0,
             "memory_false_negatives": [r["id"] for r in results if not r["fits"]],
             "min_group_spearman": min((g["spearman"] for g in rank), default=float("nan")),
+            "min_sweep_spearman": min((g["spearman"] for g in sw), default=float("nan")),
+            "max_sweep_top1_regret": max((g["top1_regret"] for g in sw), default=float("nan")),
+            "loso_median_abs_error": held_out.get("median_abs_error", float("nan")),
+            "loso_interval_coverage": held_out.get("interval_coverage", float("nan")),
         },
         "rank_groups": rank,
+        "sweeps": sw,
+        "leave_one_source_out": held_out,
     }
 
 
@@ -298,6 +433,30 @@ def print_report(out: dict[str, Any]) -> None:
     print(f"{'source':54} {'model':24} {'rows':>4} {'spearman':>8}")
     for g in out["rank_groups"]:
         print(f"{g['source'][:54]:54} {g['model'][:24]:24} {g['rows']:4d} {g['spearman']:8.3f}")
+    print()
+    print(f"{'sweep (model, cluster, global batch, seq)':58} {'n':>3} {'spearman':>8} "
+          f"{'top1 regret':>11} {'pairs ok':>8}")
+    for g in out["sweeps"]:
+        name = f"{g['model']}, {g['cluster']}, {g['global_batch_size']}, {g['seq_len']}"
+        print(f"{name[:58]:58} {g['layouts']:3d} {g['spearman']:8.3f} "
+              f"{100 * g['top1_regret']:10.1f}% {100 * g['pairs_ordered']:7.0f}%")
+    held = out["leave_one_source_out"]
+    if held:
+        print()
+        print(f"{'held-out source (gemm_efficiency fitted on the others)':58} {'rows':>4} "
+              f"{'eff':>5} {'|error|':>7} {'in 90%':>6}")
+        for e in held["sources"]:
+            print(f"{e['source'][:58]:58} {e['rows']:4d} {e['gemm_efficiency']:5.2f} "
+                  f"{100 * e['median_abs_error']:6.1f}% {100 * e['interval_coverage']:5.0f}%")
+        print(f"leave-one-source-out: median |error| {100 * held['median_abs_error']:.1f}%, "
+              f"mean {100 * held['mean_abs_error']:.1f}%; 90% interval coverage on held-out "
+              f"sources {100 * held['interval_coverage']:.0f}% (median width "
+              f"{100 * held['interval_median_width']:.0f}% of the prediction)")
+        worst = [g for g in held["sweeps"]]
+        if worst:
+            print(f"held-out sweeps: min Spearman "
+                  f"{min(g['spearman'] for g in worst):.3f}, max top-1 regret "
+                  f"{100 * max(g['top1_regret'] for g in worst):.1f}%")
     s = out["summary"]
     print()
     print(f"rows {s['rows']}  median |error| {100 * s['median_abs_error']:.1f}%  "
@@ -307,6 +466,8 @@ def print_report(out: dict[str, Any]) -> None:
     print(f"memory false negatives: {len(s['memory_false_negatives'])} "
           f"{' '.join(s['memory_false_negatives'])}")
     print(f"min Spearman within a source's layouts of one model: {s['min_group_spearman']:.3f}")
+    print(f"sweeps: min Spearman {s['min_sweep_spearman']:.3f}, max top-1 regret "
+          f"{100 * s['max_sweep_top1_regret']:.1f}%")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -314,6 +475,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", default=DEFAULT_DATA, help="published runs JSON")
     p.add_argument("--json", default=None, help="write results here")
     p.add_argument("--rows", nargs="*", default=None, help="only these row ids")
+    p.add_argument("--no-loso", action="store_true",
+                   help="skip the leave-one-source-out refit (9 predictions per row)")
+    p.add_argument("--write-residuals", default=None, metavar="PATH",
+                   help="write the intervals' residual table here (all rows, with the "
+                   "leave-one-source-out refit): megatron_ext/planner/cost/residuals_a100.json")
     args = p.parse_args(argv)
     data = json.loads(Path(args.data).read_text())
     rows = data["rows"]
@@ -323,8 +489,16 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--rows: unknown id(s) {sorted(unknown)}", file=sys.stderr)
             return 2
         rows = [r for r in rows if r["id"] in args.rows]
-    out = run(rows)
+    if args.write_residuals and (args.rows or args.no_loso):
+        print("--write-residuals needs every row and the refit: drop --rows / --no-loso",
+              file=sys.stderr)
+        return 2
+    out = run(rows, loso=not args.no_loso)
     print_report(out)
+    if args.write_residuals:
+        Path(args.write_residuals).write_text(json.dumps(residual_file(out["rows"]), indent=1)
+                                              + "\n")
+        print(f"wrote {args.write_residuals}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
     return 0

@@ -102,3 +102,50 @@ def test_bench_published_two_rows(tmp_path, capsys):
     assert z3["predicted_s"] > 2 * ptd["predicted_s"]
     assert out["rank_groups"][0]["rows"] == 2
     assert "median |error|" in capsys.readouterr().out
+
+
+def test_ranking_metrics_by_hand():
+    tool = _tool()
+    # predicted order 0 < 1 < 2, measured 0 < 2 < 1: pairs (0,1) (0,2) right, (1,2) wrong.
+    r = tool.ranking([1.0, 2.0, 3.0], [1.0, 3.0, 2.0])
+    assert r["spearman"] == pytest.approx(0.5)
+    assert r["top1_regret"] == 0.0
+    assert r["pairs_ordered"] == pytest.approx(2 / 3)
+    # the predicted-best layout measured 1.1x the measured-best one: 10% regret
+    r = tool.ranking([1.0, 2.0], [1.1, 1.0])
+    assert r["top1_regret"] == pytest.approx(0.1)
+    assert r["pairs_ordered"] == 0.0
+
+
+def test_sweep_metrics_and_leave_one_source_out(tmp_path):
+    """The two SC'21 rows are one sweep (same model, cluster, batch, sequence); a third, copied
+    into another source, lets every source be held out once."""
+    tool = _tool()
+    other = dict(ROWS[0], id="copy-PTD", source="a second source")
+    out = tool.run(ROWS + [other])
+    (sweep,) = out["sweeps"]
+    assert sweep["layouts"] == 3 and sweep["top1_regret"] == 0.0
+    held = out["leave_one_source_out"]
+    assert {e["source"] for e in held["sources"]} == {ROWS[0]["source"], "a second source"}
+    for e in held["sources"]:
+        assert e["gemm_efficiency"] in tool.GEMM_EFFICIENCY_GRID
+    for r in out["rows"]:  # the held-out prediction is one of the grid's predictions
+        assert r["loso_predicted_s"] > 0
+    assert 0.0 <= held["interval_coverage"] <= 1.0
+
+
+def test_residual_file_is_the_tools_output():
+    """The shipped residual table is what build_table makes of the runs stored beside it (so it
+    was written by `bench_published.py --write-residuals`, not edited by hand)."""
+    from megatron_ext.planner.cost import interval as iv
+
+    data = json.loads(iv.TABLE_PATH.read_text())
+    runs = [(r["features"], r["log_residual"]) for r in data["runs"]]
+    rebuilt = iv.build_table(runs)
+    assert rebuilt["runs"] == data["table"]["runs"] == 55
+    for feature, groups in rebuilt["groups"].items():
+        for name, g in groups.items():
+            stored = data["table"]["groups"][feature][name]
+            assert stored["runs"] == g["runs"]
+            assert stored["low"] == pytest.approx(g["low"], abs=1e-5)
+            assert stored["high"] == pytest.approx(g["high"], abs=1e-5)

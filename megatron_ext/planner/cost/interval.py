@@ -1,0 +1,145 @@
+"""90% prediction intervals for predicted iteration times, from the cost model's held-out errors.
+
+The residual table (residuals_a100.json next to this file) is written by
+`python tools/bench_published.py --write-residuals megatron_ext/planner/cost/residuals_a100.json`:
+for every published run, log(measured / predicted) where the prediction comes from the cost model
+with its calibrated constant (gemm_efficiency) fitted on the OTHER sources only
+(leave-one-source-out), so each residual is an error on runs the model had not seen. The runs are
+grouped by the features that drive the error:
+
+  scale        GPUs in the run: 1-8, 9-64, 65-512, 513+
+  micro_batch  samples per data-parallel replica per micro-batch (Megatron's
+               --micro-batch-size; a layerwise plan: its smallest layer's): 1, 2-4, 5+
+  pipeline     pipeline depth: 1, 2-8, 9+
+  precision    bf16 / fp16 / fp32
+  cluster      cluster preset the run is priced on
+
+and each group keeps its 5% and 95% quantiles of log(measured / predicted). A plan's interval is
+the envelope of the groups it falls in: low = predicted x exp(min of the groups' 5% quantiles),
+high = predicted x exp(max of their 95% quantiles). A feature whose group holds fewer than
+MIN_RUNS runs (or none: an H100 preset, fp32) contributes the extremes of all runs instead, so a
+plan unlike the measured runs gets the widest interval the data gives, never a narrow one.
+tools/bench_published.py reports the coverage of this rule on held-out sources (each source's
+runs scored against a table built without that source).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from megatron_ext.plan import ParallelPlan
+
+FEATURES = ("scale", "micro_batch", "pipeline", "precision", "cluster")
+LOW_Q, HIGH_Q = 0.05, 0.95
+"""The interval's quantiles of log(measured / predicted): a central 90% interval."""
+MIN_RUNS = 4
+"""Fewest runs a feature group needs before its own quantiles are used."""
+TABLE_PATH = Path(__file__).with_name("residuals_a100.json")
+
+
+def _bucket(value: int, edges: tuple[tuple[int, str], ...], last: str) -> str:
+    for edge, name in edges:
+        if value <= edge:
+            return name
+    return last
+
+
+def plan_features(
+    *, num_gpus: int, micro_batch_size: int, pp: int, precision: str, cluster: str
+) -> dict[str, str]:
+    """The feature groups a run or a plan falls in (see the module docstring)."""
+    return {
+        "scale": _bucket(num_gpus, ((8, "1-8"), (64, "9-64"), (512, "65-512")), "513+"),
+        "micro_batch": _bucket(micro_batch_size, ((1, "1"), (4, "2-4")), "5+"),
+        "pipeline": _bucket(pp, ((1, "1"), (8, "2-8")), "9+"),
+        "precision": str(precision),
+        "cluster": str(cluster),
+    }
+
+
+def quantile(values: list[float], q: float) -> float:
+    """Linear-interpolation quantile (numpy's default), without numpy."""
+    v = sorted(values)
+    if not v:
+        raise ValueError("quantile of no values")
+    pos = q * (len(v) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(v) - 1)
+    return v[lo] + (v[hi] - v[lo]) * (pos - lo)
+
+
+def build_table(runs: list[tuple[dict[str, str], float]]) -> dict[str, Any]:
+    """Group quantiles of log(measured / predicted) from (features, residual) pairs."""
+    residuals = [r for _, r in runs]
+    groups: dict[str, dict[str, Any]] = {}
+    for feature in FEATURES:
+        values: dict[str, list[float]] = {}
+        for feats, r in runs:
+            values.setdefault(feats[feature], []).append(r)
+        groups[feature] = {
+            name: {"runs": len(v), "low": quantile(v, LOW_Q), "high": quantile(v, HIGH_Q)}
+            for name, v in sorted(values.items())
+        }
+    return {
+        "runs": len(residuals),
+        "all": {"low": quantile(residuals, LOW_Q), "high": quantile(residuals, HIGH_Q),
+                "min": min(residuals), "max": max(residuals)},
+        "groups": groups,
+    }
+
+
+def log_bounds(table: dict[str, Any], feats: dict[str, str]) -> tuple[float, float, list[str]]:
+    """(low, high) of log(measured / predicted) for a run with these features, and the features
+    whose group had too few runs (they contributed the extremes of all runs)."""
+    lows, highs, unseen = [], [], []
+    for feature in FEATURES:
+        group = table["groups"].get(feature, {}).get(feats[feature])
+        if group is None or group["runs"] < MIN_RUNS:
+            unseen.append(f"{feature}={feats[feature]}")
+            lows.append(table["all"]["min"])
+            highs.append(table["all"]["max"])
+        else:
+            lows.append(group["low"])
+            highs.append(group["high"])
+    return min(lows), max(highs), unseen
+
+
+def replica_micro_batch(plan: ParallelPlan) -> int:
+    """Samples per replica per micro-batch (plan.micro_batch_size is summed over the data-parallel
+    replicas); the smallest over the plan's layers (the narrowest GEMMs)."""
+    return max(1, min(plan.micro_batch_size // s.dp for s in plan.layers))
+
+
+def plan_interval(plan: ParallelPlan, predicted_s: float, cluster: str
+                  ) -> tuple[float, float, tuple[str, ...]]:
+    """prediction_interval for a plan on the named cluster preset."""
+    return prediction_interval(
+        predicted_s, num_gpus=plan.world_size, micro_batch_size=replica_micro_batch(plan),
+        pp=plan.pp, precision=plan.precision, cluster=cluster)
+
+
+@functools.lru_cache(maxsize=1)
+def load_table(path: str = str(TABLE_PATH)) -> dict[str, Any]:
+    return json.loads(Path(path).read_text(encoding="utf-8"))["table"]
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_bounds(items: tuple[tuple[str, str], ...]) -> tuple[float, float, tuple[str, ...]]:
+    low, high, unseen = log_bounds(load_table(), dict(items))
+    return low, high, tuple(unseen)
+
+
+def prediction_interval(
+    predicted_s: float, *, num_gpus: int, micro_batch_size: int, pp: int, precision: str,
+    cluster: str,
+) -> tuple[float, float, tuple[str, ...]]:
+    """90% interval [low, high] in seconds around `predicted_s`, and the features outside the
+    measured runs (empty when every feature had enough runs)."""
+    feats = plan_features(num_gpus=num_gpus, micro_batch_size=micro_batch_size, pp=pp,
+                          precision=precision, cluster=cluster)
+    low, high, unseen = _cached_bounds(tuple(sorted(feats.items())))
+    return predicted_s * math.exp(low), predicted_s * math.exp(high), unseen
