@@ -223,6 +223,10 @@ def _check_data_parallel(ns: argparse.Namespace) -> None:
                         "setting megatron_ext does not support yet")
     if ns.fp16 and ns.bf16:
         raise PlanError("--fp16 and --bf16 exclude each other; pick one")
+    if ns.fp16 and not ns.loss_scale:
+        # Megatron-LM's validate_args: under dynamic loss scaling a NaN/Inf gradient is the loss
+        # scaler's signal (skip the step, lower the scale), not an error
+        ns.check_for_nan_in_loss_and_grad = False
 
 
 def _check_training(ns: argparse.Namespace) -> None:

@@ -151,3 +151,12 @@ def test_flags_command_and_readme_show_the_table_sizes(capsys):
         assert f"| {label} | {sizes[kind]} |" in readme
     assert main(["flags", "num-experts"]) == 0
     assert capsys.readouterr().out.startswith("--num-experts: refused unless given its default")
+
+
+def test_nan_check_follows_megatron_validate_args():
+    """On by default; off under fp16 dynamic loss scaling (NaN/Inf grads are the scaler's
+    signal there), as Megatron-LM's validate_args sets it."""
+    assert parse_megatron_args(BASE).check_for_nan_in_loss_and_grad
+    assert not parse_megatron_args(BASE + ["--fp16"]).check_for_nan_in_loss_and_grad
+    assert parse_megatron_args(BASE + ["--fp16", "--loss-scale", "1024"]
+                               ).check_for_nan_in_loss_and_grad
