@@ -157,6 +157,22 @@ NO_EFFECT: tuple[tuple[tuple[str, ...], str], ...] = (
       "--trust-remote-code", "--padded-vocab-size"),
      "a kernel / communication / caching implementation switch; it changes speed, not the model, "
      "the maths or the plan (--padded-vocab-size: Megatron-LM recomputes it from the tokenizer)"),
+    (("--log-memory-to-tensorboard", "--log-params-norm", "--log-throughput",
+      "--log-timers-to-tensorboard", "--log-validation-ppl-to-tensorboard",
+      "--tensorboard-log-interval", "--tensorboard-queue-size", "--timing-log-level"),
+     "a logging switch megatron_ext's loop does not implement; its log line has loss, grad "
+     "norm, timings and tokens/s"),
+    (("--attention-backend", "--use-flash-attn", "--cross-entropy-loss-fusion",
+      "--cross-entropy-fusion-impl", "--no-persist-layer-norm", "--ddp-bucket-size",
+      "--empty-unused-memory-level", "--num-dataset-builder-threads",
+      "--no-create-attention-mask-in-dataloader"),
+     "a kernel / memory / loader implementation switch; the attention, loss and norms compute "
+     "the same result without it"),
+    (("--no-async-tensor-model-parallel-allreduce", "--use-mcore-models"),
+     "deprecated; Megatron-LM ignores it too"),
+    (("--distributed-backend",), "the backend follows the device: nccl on GPUs, gloo with --cpu"),
+    (("--dist-ckpt-optim-fully-reshardable",),
+     "megatron_ext's optimizer checkpoints reshard across plans without it"),
     (("--bert-no-binary-head", "--ict-head-size", "--biencoder-projection-dim",
       "--biencoder-shared-query-context-model", "--ict-load", "--bert-load", "--titles-data-path",
       "--query-in-block-prob", "--use-one-sent-docs", "--evidence-data-path",
@@ -333,6 +349,11 @@ REFUSED: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("--num-distributed-optimizer-instances",), "several distributed-optimizer instances",
      "use 1"),
     (("--use-megatron-fsdp",), "Megatron FSDP", "use --use-torch-fsdp2 or a plan with zero=3"),
+    (("--grad-reduce-in-bf16",), "bf16 gradient reduction", "drop it"),
+    (("--no-save-optim", "--no-save-rng"), "checkpoints without optimizer or RNG state",
+     "drop it: checkpoints hold both, so a resume continues exactly"),
+    (("--dataloader-type",), "data loaders other than Megatron-LM's single (cyclic, external)",
+     "drop it"),
     (("--ckpt-format",), "checkpoint formats other than torch_dist",
      "use torch_dist (the format that reshards across plans)"),
     (("--rotary-seq-len-interpolation-factor",), "RoPE sequence-length interpolation",
@@ -420,6 +441,11 @@ def is_default(entry: Entry, value: Any) -> bool:
     return value == default or str(value) == str(default)
 
 
+ALSO_ACCEPTED = {"--dataloader-type": ("single",)}
+"""Non-default values a refused flag accepts because they mean what megatron_ext does
+(Megatron-LM's default None for --dataloader-type means single)."""
+
+
 def check_unhonoured(ns: Any, argv: Iterable[str], table: dict[str, Entry]) -> list[Entry]:
     """Raise the one-line refusal of the first refused flag given with a non-default value;
     return the no-effect flags given (for the start-up log)."""
@@ -428,7 +454,8 @@ def check_unhonoured(ns: Any, argv: Iterable[str], table: dict[str, Entry]) -> l
     for option in given_options(argv, (o for o, e in table.items() if e.kind != "honoured")):
         entry = table[option]
         value = getattr(ns, entry.flag.dest, None)
-        if entry.kind == "refused" and not is_default(entry, value):
+        if (entry.kind == "refused" and not is_default(entry, value)
+                and value not in ALSO_ACCEPTED.get(option, ())):
             raise PlanError(entry.refusal(None if entry.flag.nargs == 0 else value))
         if entry.kind == "no_effect":
             notes.append(entry)

@@ -13,7 +13,7 @@ import re
 import pytest
 
 from megatron_ext.errors import PlanError
-from megatron_ext.flags.catalog import class_sizes, megatron_flags
+from megatron_ext.flags.catalog import ALSO_ACCEPTED, class_sizes, megatron_flags
 from megatron_ext.flags.parser import build_megatron_parser, flag_catalog, parse_megatron_args
 from megatron_ext.flags.table import EMIT_TABLE
 
@@ -60,7 +60,8 @@ def _with_value(entry) -> list[str]:
         return [flag.option]
     choices = _parser_actions()[flag.option].choices
     if choices:  # a refused value among the parser's choices
-        return [flag.option, next(c for c in choices if c != flag.default_value())]
+        accepted = (flag.default_value(), *ALSO_ACCEPTED.get(flag.option, ()))
+        return [flag.option, str(next(c for c in choices if c not in accepted))]
     return [flag.option] + ["3"] * (flag.nargs if isinstance(flag.nargs, int) else 1)
 
 
@@ -88,7 +89,8 @@ def test_refused_flags_fail_in_one_line_naming_the_flag():
 
 def test_refused_flag_given_its_default_passes():
     parse_megatron_args(BASE + ["--expert-model-parallel-size", "1", "--moe-router-topk", "2",
-                                "--main-grads-dtype", "fp32", "--ckpt-format", "torch_dist"])
+                                "--main-grads-dtype", "fp32", "--ckpt-format", "torch_dist",
+                                "--dataloader-type", "single"])
 
 
 def test_refusal_names_feature_and_what_to_use():
