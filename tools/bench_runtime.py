@@ -112,17 +112,18 @@ def plain_megatron(plan: ParallelPlan):
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
-    from megatron_ext.megatron_adapter.build import padded_vocab_size
     from megatron_ext.megatron_adapter.cpu import compat as cpu_compat
-    from megatron_ext.megatron_adapter.layers import base_config
     from megatron_ext.megatron_adapter.sp_norm import gpt_block_spec
+    from megatron_ext.megatron_adapter.transformer_config import transformer_config
+    from megatron_ext.planner.cost.compute import padded_vocab_size
 
     strategy = plan.layers[0]
     cpu_compat.apply()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=strategy.tp)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
-    config = base_config(plan.model, "fp32", tensor_model_parallel_size=strategy.tp,
-                         sequence_parallel=strategy.sp, calculate_per_token_loss=True)
+    config = transformer_config(plan.model, precision="fp32",
+                                tensor_model_parallel_size=strategy.tp,
+                                sequence_parallel=strategy.sp, calculate_per_token_loss=True)
     model = GPTModel(config=config, transformer_layer_spec=gpt_block_spec(config, pp_rank=0),
                      vocab_size=padded_vocab_size(plan.model.vocab_size, strategy.tp),
                      max_sequence_length=plan.model.max_position_embeddings,

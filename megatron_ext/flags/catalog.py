@@ -333,17 +333,6 @@ REFUSED: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("--decrease-batch-size-if-needed",), "changing the batch size during training",
      "drop it"),
     # Not implemented on megatron_ext's training path yet; honoured once it is.
-    (("--rampup-batch-size",), "batch-size ramp-up", "drop it (the plan is made for the final "
-     "--global-batch-size)"),
-    (("--train-samples", "--lr-decay-samples", "--lr-warmup-samples", "--lr-wsd-decay-samples"),
-     "sample-based run length and learning-rate schedules",
-     "use --train-iters / --lr-decay-iters / --lr-warmup-iters"),
-    (("--exit-duration-in-mins",), "a wall-clock exit", "use --exit-interval"),
-    (("--calculate-per-token-loss",), "per-token loss averaging across micro-batches",
-     "drop it"),
-    (("--no-check-for-nan-in-loss-and-grad",), "switching the NaN/Inf loss check",
-     "drop it"),
-    (("--no-mmap-bin-files",), "reading the .bin files without mmap", "drop it"),
     (("--async-save",), "asynchronous checkpoint saves", "drop it; saves are synchronous"),
     (("--skip-train",), "evaluation-only runs", "drop it"),
     (("--num-distributed-optimizer-instances",), "several distributed-optimizer instances",
@@ -356,8 +345,6 @@ REFUSED: tuple[tuple[tuple[str, ...], str, str], ...] = (
      "drop it"),
     (("--ckpt-format",), "checkpoint formats other than torch_dist",
      "use torch_dist (the format that reshards across plans)"),
-    (("--rotary-seq-len-interpolation-factor",), "RoPE sequence-length interpolation",
-     "drop it, or --use-rope-scaling for Llama 3 scaling"),
 )
 REFUSED_PREFIXES: tuple[tuple[str, str, str], ...] = (
     ("--moe-", "mixture of experts (MoE)", _DENSE),

@@ -59,6 +59,8 @@ def _add_optimizer(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--data-parallel-sharding-strategy", default="no_shard",
                    choices=["no_shard", "optim", "optim_grads", "optim_grads_params"])
     g.add_argument("--calculate-per-token-loss", action="store_true")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
+                   dest="check_for_nan_in_loss_and_grad")
 
 
 def _add_learning_rate(parser: argparse.ArgumentParser) -> None:
@@ -87,6 +89,9 @@ def _add_run_length(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("run length and evaluation")
     g.add_argument("--train-iters", type=int, default=None)
     g.add_argument("--train-samples", type=int, default=None)
+    g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None,
+                   metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="plan and cost model use the final --global-batch-size")
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-duration-in-mins", type=int, default=None)
     g.add_argument("--eval-iters", type=int, default=100)

@@ -9,7 +9,6 @@ stage -> plan-invariant init -> `HeteroDDP`. The model config gets `calculate_pe
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
@@ -22,7 +21,6 @@ from megatron_ext.megatron_adapter.block import LayerBuild
 from megatron_ext.megatron_adapter.cpu import compat as cpu_compat
 from megatron_ext.megatron_adapter.ddp import HeteroDDP, finalize_grads
 from megatron_ext.megatron_adapter.layers import (
-    base_config,
     check_config,
     final_norm_spec,
     layer_config,
@@ -31,12 +29,18 @@ from megatron_ext.megatron_adapter.layers import (
 )
 from megatron_ext.megatron_adapter.model import HeteroGPTModel
 from megatron_ext.megatron_adapter.pg import layout_pg_collection
+from megatron_ext.megatron_adapter.transformer_config import (
+    ModelOptions,
+    gpt_model_kwargs,
+    transformer_config,
+)
 from megatron_ext.megatron_adapter.vocab.layers import (
     VocabParallelLayers,
     init_vocab_plan_invariant,
 )
 from megatron_ext.megatron_adapter.weights import init_plan_invariant
 from megatron_ext.plan import ParallelPlan
+from megatron_ext.planner.cost.compute import padded_vocab_size
 from megatron_ext.runtime.groups import (
     PlanGroups,
     build_plan_groups,
@@ -56,7 +60,7 @@ from megatron_ext.runtime.vocab_parallel import (
 )
 from megatron_ext.specs import ModelSpec
 
-__all__ = ["build_model", "check_runtime_support", "padded_vocab_size", "prepare_megatron"]
+__all__ = ["build_model", "check_runtime_support", "prepare_megatron"]
 
 
 def prepare_megatron() -> None:
@@ -83,19 +87,13 @@ def check_runtime_support(plan: ParallelPlan, *, embedding: bool, output_layer: 
         vocab_parallel_layout(plan)  # its PlanError before any group exists
 
 
-def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
-    """Megatron-LM's padding: a multiple of divisible_by * tp."""
-    multiple = divisible_by * tp
-    return int(math.ceil(vocab_size / multiple) * multiple)
-
-
 def _resolve_config(plan: ParallelPlan, config: TransformerConfig | ModelSpec | None
                     ) -> TransformerConfig:
     if config is None or isinstance(config, ModelSpec):
         if config is not None and config != plan.model:
             raise PlanError(f"model {config.name!r} differs from the plan's model "
                             f"{plan.model.name!r}; use the plan's model or re-plan")
-        config = base_config(plan.model, plan.precision)
+        config = transformer_config(plan.model, precision=plan.precision)
     else:
         check_config(plan, config)
     return dataclasses.replace(config, calculate_per_token_loss=True)
@@ -125,7 +123,7 @@ def new_plan_vocab_groups(plan: ParallelPlan) -> VocabCommGroups:
 
 def _stage_model(plan: ParallelPlan, config: TransformerConfig, groups: PlanGroups, *,
                  embedding: bool, output: bool, final_norm: bool, use_te: bool | None,
-                 divisible_by: int) -> HeteroGPTModel:
+                 divisible_by: int, options: ModelOptions | None) -> HeteroGPTModel:
     stage, pp = groups.stage, plan.pp
     start, end = plan.stages[stage]
     first, last = stage == 0, stage == pp - 1
@@ -154,6 +152,7 @@ def _stage_model(plan: ParallelPlan, config: TransformerConfig, groups: PlanGrou
         model_config, plan=plan, groups=groups, builds=builds, input_layout=input_layout,
         output_layout=out_layout,
         vocab_size=padded_vocab_size(plan.model.vocab_size, plan.vocab.tp, divisible_by),
+        gpt_kwargs=gpt_model_kwargs(plan.model, options),
         pg_collection=_without_cp(pgs[model_layout], groups.singleton),
         block_pg_collection=pgs[out_layout if last else model_layout],
         final_norm=final_norm_spec(use_te=use_te) if last and final_norm else None,
@@ -175,12 +174,15 @@ def build_model(
     final_norm: bool = True,
     use_te: bool | None = None,
     make_vocab_size_divisible_by: int = 128,
+    model_options: ModelOptions | None = None,
 ) -> tuple[list[HeteroDDP] | list[HeteroGPTModel], PlanGroups]:
     """Build this rank's pipeline stage of `plan` (collective: every rank calls it).
 
     `config` is a megatron `TransformerConfig` for the plan's model (degrees are replaced per
-    layer) or a ModelSpec / None for CPU-safe defaults. `init="plan_invariant"` gives the same
-    weights under every plan for one seed; "megatron" keeps megatron-core's own init.
+    layer) or a ModelSpec / None for CPU-safe defaults; `model_options` gives the GPTModel
+    position settings (rotary base, RoPE scaling, ...; default ModelOptions()).
+    `init="plan_invariant"` gives the same weights under every plan for one seed; "megatron"
+    keeps megatron-core's own init.
     """
     check_runtime_support(plan, embedding=embedding, output_layer=output_layer)
     config = _resolve_config(plan, config)
@@ -193,7 +195,7 @@ def build_model(
                                                     etp_rank=0, force_reset_rng=True)
     model = _stage_model(plan, config, groups, embedding=embedding, output=output_layer,
                          final_norm=final_norm, use_te=use_te,
-                         divisible_by=make_vocab_size_divisible_by)
+                         divisible_by=make_vocab_size_divisible_by, options=model_options)
     if vocab_groups is not None and embedding:
         model.attach_vocab(VocabParallelLayers(
             config=model.config, vocab_size=model.vocab_size, hidden_size=config.hidden_size,

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -28,10 +27,8 @@ from megatron_ext.megatron_adapter.sp_norm import (
 )
 from megatron_ext.plan import LayerStrategy, ParallelPlan
 from megatron_ext.runtime.layout import Layout
-from megatron_ext.specs import ModelSpec
 
 __all__ = [
-    "base_config",
     "check_config",
     "final_norm_spec",
     "layer_config",
@@ -40,43 +37,6 @@ __all__ = [
 ]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def model_fields(model: ModelSpec) -> dict[str, Any]:
-    """TransformerConfig fields the ModelSpec fixes beyond the shape (one place for every path:
-    the layerwise runtime, the stock path and FlexSP)."""
-    return {"add_qkv_bias": model.add_qkv_bias, "qk_layernorm": model.qk_layernorm,
-            "layernorm_epsilon": model.norm_epsilon}
-
-
-def rope_kwargs(model: ModelSpec) -> dict[str, Any]:
-    """GPTModel's RoPE arguments (Megatron-LM's gpt_builders.py passes the same flags; it omits
-    --rope-scaling-factor, so Megatron-LM core_v0.16.1 always scales by 8; megatron_ext passes
-    the factor the flag gives)."""
-    return {"rotary_percent": model.rotary_percent, "rotary_base": model.rotary_base,
-            "rope_scaling": model.rope_scaling, "rope_scaling_factor": model.rope_scaling_factor}
-
-
-def base_config(model: ModelSpec, precision: str = "fp32", **overrides: Any) -> TransformerConfig:
-    """A TransformerConfig for `model` with CPU-safe defaults (no fusions, dropout 0)."""
-    swiglu = model.activation == "swiglu"
-    dtype = _DTYPES[precision]
-    fields: dict[str, Any] = {
-        "num_layers": model.num_layers, "hidden_size": model.hidden_size,
-        "ffn_hidden_size": model.ffn_hidden_size, "num_attention_heads": model.num_attention_heads,
-        "num_query_groups": model.num_query_groups, "kv_channels": model.head_dim,
-        "normalization": model.normalization, "gated_linear_unit": swiglu,
-        "activation_func": F.silu if swiglu else F.gelu, "add_bias_linear": model.add_bias_linear,
-        "hidden_dropout": 0.0, "attention_dropout": 0.0, "params_dtype": dtype,
-        "pipeline_dtype": dtype,
-        "bf16": precision == "bf16", "fp16": precision == "fp16",
-        "use_cpu_initialization": not torch.cuda.is_available(), "masked_softmax_fusion": False,
-        "bias_activation_fusion": False, "bias_dropout_fusion": False, "apply_rope_fusion": False,
-        "gradient_accumulation_fusion": False, "persist_layer_norm": False,
-        **model_fields(model),
-    }
-    fields.update(overrides)
-    return TransformerConfig(**fields)
 
 
 def check_config(plan: ParallelPlan, config: TransformerConfig) -> None:

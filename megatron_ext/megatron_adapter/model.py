@@ -34,7 +34,6 @@ from megatron_ext.megatron_adapter.block import HeteroTransformerBlock, LayerBui
 from megatron_ext.megatron_adapter.cross_entropy import (
     group_vocab_parallel_cross_entropy,
 )
-from megatron_ext.megatron_adapter.layers import rope_kwargs
 from megatron_ext.megatron_adapter.vocab.layers import VocabParallelLayers
 from megatron_ext.plan import ParallelPlan
 from megatron_ext.runtime.groups import PlanGroups
@@ -59,21 +58,18 @@ class HeteroGPTModel(GPTModel):
         input_layout: Layout,
         output_layout: Layout,
         vocab_size: int,
+        gpt_kwargs: dict[str, Any],
         pg_collection: ProcessGroupCollection,
         block_pg_collection: ProcessGroupCollection,
         final_norm: Any | None,
         pre_process: bool,
         post_process: bool,
     ) -> None:
-        model = plan.model
         super().__init__(
             config=config,
             transformer_layer_spec=TransformerBlockSubmodules(layer_specs=[], layer_norm=None),
-            vocab_size=vocab_size, max_sequence_length=model.max_position_embeddings,
-            pre_process=pre_process, post_process=post_process,
-            share_embeddings_and_output_weights=model.tied_embeddings,
-            position_embedding_type=model.position_embedding,
-            **rope_kwargs(model), pg_collection=pg_collection,
+            vocab_size=vocab_size, pre_process=pre_process, post_process=post_process,
+            pg_collection=pg_collection, **gpt_kwargs,  # transformer_config.gpt_model_kwargs
         )
         self.plan = plan
         self.groups = groups

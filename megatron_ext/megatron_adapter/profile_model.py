@@ -77,14 +77,14 @@ class _Worker:
         from megatron.core import tensor_parallel
 
         from megatron_ext.megatron_adapter.build import prepare_megatron
-        from megatron_ext.megatron_adapter.layers import base_config
+        from megatron_ext.megatron_adapter.transformer_config import transformer_config
 
         dist.init_process_group("fake", store=dist.HashStore(), rank=0, world_size=max_tp)
         prepare_megatron()
         tensor_parallel.model_parallel_cuda_manual_seed(1234, tp_rank=0, ep_rank=0, etp_rank=0,
                                                         force_reset_rng=True)
         self.model, self.device, self.sync, self.now = model, device, sync, _timer(device)
-        self.base = base_config(model, precision)
+        self.base = transformer_config(model, precision=precision)
         self.single = dist.new_group([0])
         self.tp_groups = {tp: dist.new_group(list(range(tp))) for tp in range(1, max_tp + 1)}
 
@@ -217,12 +217,12 @@ def _vocab_sample(w: _Worker, *, tp: int, b: int, s: int, repeats: int) -> Vocab
     )
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-    from megatron_ext.megatron_adapter.build import padded_vocab_size
     from megatron_ext.megatron_adapter.cross_entropy import (
         group_vocab_parallel_cross_entropy,
     )
     from megatron_ext.megatron_adapter.layers import layer_config
     from megatron_ext.plan import LayerStrategy
+    from megatron_ext.planner.cost.compute import padded_vocab_size
 
     m, group = w.model, w.tp_groups[tp]
     cfg = layer_config(w.base, LayerStrategy(tp=tp, dp=1))

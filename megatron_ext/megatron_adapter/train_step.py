@@ -20,10 +20,10 @@ from typing import Any
 import torch
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
-from megatron.core.utils import get_attr_wrapped_model
 
 from megatron_ext.megatron_adapter.ddp import HeteroDDP
-from megatron_ext.megatron_adapter.losses import global_loss, loss_func
+from megatron_ext.megatron_adapter.losses import forward_step as _forward_step
+from megatron_ext.megatron_adapter.losses import global_loss, layerwise_view
 from megatron_ext.megatron_adapter.model import HeteroGPTModel
 from megatron_ext.megatron_adapter.optimizer import HeteroChainedOptimizer
 from megatron_ext.runtime.groups import PlanGroups
@@ -34,18 +34,9 @@ __all__ = ["forward_backward", "forward_step", "train_step"]
 Batch = dict[str, torch.Tensor]
 
 
-def forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module
-                 ) -> tuple[torch.Tensor, Callable[..., Any]]:
-    """megatron `forward_step_func`: full micro-batch in, per-token loss of this rank out."""
-    batch = next(data_iterator)
-    inner: HeteroGPTModel = get_attr_wrapped_model(model, "local_tokens", return_model_obj=True)
-    output = model(input_ids=batch["tokens"] if inner.pre_process else None,
-                   position_ids=batch.get("position_ids"),
-                   labels=batch["labels"] if inner.post_process else None)
-    if not inner.post_process:
-        return output, partial(loss_func, None, None)
-    mask = inner.local_tokens(batch["loss_mask"])  # [b_loc, s_loc]
-    return output, partial(loss_func, mask, batch["loss_mask"].sum())
+forward_step = partial(_forward_step, layerwise_view, False)
+"""megatron `forward_step_func` of the runtime: full micro-batch in, per-token loss of this rank
+out (without the NaN check; `forward_backward(check_nan=True)` adds it)."""
 
 
 def forward_backward(
@@ -53,20 +44,26 @@ def forward_backward(
     data_iterator: Iterator[Batch],
     groups: PlanGroups,
     *,
-    forward_step_func: Callable[..., Any] = forward_step,
+    forward_step_func: Callable[..., Any] | None = None,
     forward_only: bool = False,
+    check_nan: bool = False,
+    num_microbatches: int | None = None,
 ) -> dict[str, float]:
-    """Forward (and backward) over `plan.num_microbatches` micro-batches; grads are finalized.
+    """Forward (and backward) over `num_microbatches` (default the plan's) micro-batches; grads
+    are finalized. `check_nan`: --check-for-nan-in-loss-and-grad on each micro-batch's loss.
 
     Returns the global per-token loss and token count, identical on every rank.
     """
     plan = groups.plan
+    num_microbatches = num_microbatches or plan.num_microbatches
     if plan.vocab.mode == "vocab_parallel":  # vocabulary passes on every stage
         from megatron_ext.megatron_adapter.vocab.runtime import vocab_forward_backward
 
         return vocab_forward_backward(
             chunks, data_iterator, groups, forward_only=forward_only,
-            forward_step_func=None if forward_step_func is forward_step else forward_step_func)
+            forward_step_func=forward_step_func, check_nan=check_nan,
+            num_microbatches=num_microbatches)
+    forward_step_func = forward_step_func or partial(_forward_step, layerwise_view, check_nan)
     inner: HeteroGPTModel = chunks[0].module
     config = inner.config
     kwargs: dict[str, Any] = {}
@@ -76,7 +73,7 @@ def forward_backward(
                       "p2p_communicator": P2PCommunicator(pp_group=groups.pp, config=config)}
     reports = get_forward_backward_func(pp_size=plan.pp, vp_size=None)(
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=chunks,
-        num_microbatches=plan.num_microbatches, seq_length=plan.seq_length,
+        num_microbatches=num_microbatches, seq_length=plan.seq_length,
         micro_batch_size=plan.micro_batch_size, forward_only=forward_only,
         pg_collection=inner.pg_collection, **kwargs,
     )
@@ -89,7 +86,7 @@ def train_step(
     data_iterator: Iterator[Batch],
     groups: PlanGroups,
     *,
-    forward_step_func: Callable[..., Any] = forward_step,
+    forward_step_func: Callable[..., Any] | None = None,
 ) -> dict[str, float]:
     """Zero grads, `forward_backward`, optimizer step: loss, grad_norm, num_tokens, update ok."""
     for chunk in chunks:

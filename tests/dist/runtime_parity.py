@@ -65,15 +65,16 @@ def reference_model(plan: ParallelPlan, seed: int, divisible_by: int = 128):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    from megatron_ext.megatron_adapter.build import padded_vocab_size, prepare_megatron
-    from megatron_ext.megatron_adapter.layers import base_config
+    from megatron_ext.megatron_adapter.build import prepare_megatron
+    from megatron_ext.planner.cost.compute import padded_vocab_size
+    from megatron_ext.megatron_adapter.transformer_config import transformer_config
     from megatron_ext.megatron_adapter.weights import init_plan_invariant
 
     prepare_megatron()
     tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=0, ep_rank=0, etp_rank=0,
                                                     force_reset_rng=True)
     model_spec = plan.model
-    config = base_config(model_spec, "fp32")
+    config = transformer_config(model_spec, precision="fp32")
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization=model_spec.normalization),

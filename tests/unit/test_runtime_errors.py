@@ -56,10 +56,10 @@ def test_flexsp_plan_is_a_plan_error() -> None:
 
 def test_config_mismatch_is_a_plan_error() -> None:
     from megatron_ext.megatron_adapter.build import build_model
-    from megatron_ext.megatron_adapter.layers import base_config
+    from megatron_ext.megatron_adapter.transformer_config import transformer_config
 
     plan = _plan([LayerStrategy(tp=2, dp=2)] * 4)
-    config = base_config(dataclasses.replace(plan.model, hidden_size=128))
+    config = transformer_config(dataclasses.replace(plan.model, hidden_size=128))
     with pytest.raises(PlanError) as err:
         build_model(plan, config)
     assert "hidden_size=128 but the plan was made for model.hidden_size=64" in _one_line(err)

@@ -66,10 +66,9 @@ class FlexSPGPTModel(GPTModel):
 
 def build_flexsp_gpt(config: TransformerConfig, *, vocab_size: int, max_sequence_length: int,
                      position_embedding_type: str = "rope", tied_embeddings: bool = False,
-                     rotary_percent: float = 1.0, rotary_base: int = 10000,
-                     rope_scaling: bool = False,
-                     rope_scaling_factor: float = 8.0) -> FlexSPGPTModel:
-    """A single-stage FlexSP GPT on the local (megatron-core) layer spec."""
+                     **rope_kwargs: Any) -> FlexSPGPTModel:
+    """A single-stage FlexSP GPT on the local (megatron-core) layer spec; `rope_kwargs`: GPTModel's
+    rotary_percent, rotary_base, rope_scaling, ... (transformer_config.gpt_model_kwargs)."""
     if position_embedding_type not in ("rope", "learned_absolute"):
         raise PlanError(f"FlexSP supports position_embedding_type rope or learned_absolute, got "
                         f"{position_embedding_type!r}; use --position-embedding-type rope")
@@ -80,9 +79,7 @@ def build_flexsp_gpt(config: TransformerConfig, *, vocab_size: int, max_sequence
         vocab_size=vocab_size, max_sequence_length=max_sequence_length,
         pre_process=True, post_process=True,
         share_embeddings_and_output_weights=tied_embeddings,
-        position_embedding_type=position_embedding_type,
-        rotary_percent=rotary_percent, rotary_base=rotary_base, rope_scaling=rope_scaling,
-        rope_scaling_factor=rope_scaling_factor,
+        position_embedding_type=position_embedding_type, **rope_kwargs,
     )
 
 

@@ -1,7 +1,5 @@
 """What the loop needs from a model: built chunks, optimizer, data shard, and a step function.
 
-Legend: b = samples in one rank's micro-batch, s = seq_length, v = padded vocabulary.
-
 `Backend` is the small interface between the training loop and whoever builds the model:
 stock_backend.py (plans megatron-core expresses on its own), runtime_backend.py (the layerwise
 runtime) and flexsp_backend.py build one; select.py decides which runs a plan.
@@ -9,20 +7,13 @@ runtime) and flexsp_backend.py build one; select.py decides which runs a plan.
 
 from __future__ import annotations
 
-import argparse
-import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
-from typing import Any
+from typing import Any, Literal
 
 import torch
-from megatron.core.utils import get_batch_on_this_cp_rank
 
-from megatron_ext.megatron_adapter.sp_norm import have_transformer_engine
 from megatron_ext.megatron_adapter.training.data import DataShard
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True, eq=False)
@@ -37,17 +28,20 @@ class Backend:
     """TransformerConfig the schedule reads hooks from."""
     shard: DataShard
     """Which slice of every global micro-batch this rank reads."""
-    micro_batch_size: int
-    """Samples of one micro-batch on this rank."""
+    rank_micro_batch_size: int
+    """Samples of one micro-batch this rank reads (its `shard` of the global micro-batch)."""
     needs_data: bool
     """True on the stages that read tokens or labels (first and last)."""
     dp_cp_group: Any
     """Group over which replicated state is sharded in checkpoints."""
     forward_backward: Callable[..., float]
     """(data_iterator, num_microbatches, forward_only) -> the step's global mean token loss,
-    the same on every rank (gradients are left finalized in the grad buffers)."""
+    the same on every rank (gradients are left finalized in the grad buffers). Every backend
+    runs losses.forward_step / losses.loss_func (FlexSP: its own step, the same loss check)."""
     padded_vocab_size: int
     """Output-layer rows; part of the checkpoint's shape contract."""
+    name: Literal["stock", "layerwise", "flexsp"]
+    """Which backend built it (select.py decides)."""
     model_format: str = "megatron"
     """Checkpoint key layout: "megatron" (stock GPTModel, Megatron-LM compatible) or
     "layerwise" (the heterogeneous runtime's per-layer keys)."""
@@ -66,33 +60,3 @@ class Backend:
             return
         for i, chunk in enumerate(self.model):
             chunk.module.load_state_dict(state[f"model{i}"], strict=True)
-
-
-def loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[Any, ...]:
-    """Megatron-LM pretrain_gpt's loss: (sum of masked token losses, tokens, report)."""
-    losses = output_tensor.float().view(-1)  # [b*s]
-    mask = loss_mask.float().view(-1)  # [b*s]
-    loss = torch.sum(losses * mask)
-    num_tokens = mask.sum().clone().detach().to(torch.int)
-    report = torch.cat([loss.clone().detach().view(1), num_tokens.float().view(1)])  # [2]
-    return loss, num_tokens, {"lm loss": report}
-
-
-def forward_step(cp_group: Any, data_iterator: Iterator | None, model: torch.nn.Module) -> Any:
-    batch = next(data_iterator) if data_iterator is not None else None
-    if batch is None:  # a middle pipeline stage: activations come from the previous stage
-        return model(None, None, None), partial(loss_func, None)
-    if cp_group is not None and cp_group.size() > 1:
-        batch = get_batch_on_this_cp_rank(batch, cp_group=cp_group)  # [b, s/cp] each
-    output = model(batch["tokens"], batch["position_ids"], batch.get("attention_mask"),
-                   labels=batch["labels"], loss_mask=batch["loss_mask"])  # [b, s] token losses
-    return output, partial(loss_func, batch["loss_mask"])
-
-
-def use_transformer_engine(args: argparse.Namespace) -> bool:
-    """--transformer-impl transformer_engine (Megatron's default) when TE is importable."""
-    wanted = getattr(args, "transformer_impl", "transformer_engine") == "transformer_engine"
-    if wanted and not have_transformer_engine():
-        logger.warning("--transformer-impl transformer_engine: transformer-engine is not "
-                       "installed, using the local (megatron-core) layers")
-    return wanted and have_transformer_engine()

@@ -13,7 +13,6 @@ micro-batch. The order therefore does not depend on the plan, and a run resumed 
 
 from __future__ import annotations
 
-import argparse
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 from megatron.core.datasets.utils import get_blend_from_list
 
 from megatron_ext.errors import PlanError
+from megatron_ext.megatron_adapter.training.run_config import RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -47,44 +47,43 @@ class DataShard:
     """Equal slices a global micro-batch is cut into (Megatron: the data-parallel size)."""
 
 
-def train_valid_test_num_samples(args: argparse.Namespace) -> list[int]:
-    """Megatron-LM's sample counts: train_iters*gbs, and eval_iters*gbs per evaluation."""
-    train = args.train_iters * args.global_batch_size
-    eval_interval = args.eval_interval or args.train_iters
-    num_evals = args.train_iters // eval_interval + 1
-    eval_samples = num_evals * args.eval_iters * args.global_batch_size
-    return [train, eval_samples, args.eval_iters * args.global_batch_size]
+def train_valid_test_num_samples(run: RunConfig) -> list[int]:
+    """Megatron-LM's sample counts (training.py get_train_valid_test_num_samples): the run's
+    train samples, and eval_iters x gbs per evaluation."""
+    sched, gbs = run.schedule, run.batch.global_batch_size
+    eval_interval = sched.eval_interval or sched.train_iters
+    num_evals = sched.train_iters // eval_interval + 1
+    return [sched.train_samples, num_evals * sched.eval_iters * gbs, sched.eval_iters * gbs]
 
 
-def _blend_per_split(args: argparse.Namespace) -> list[Any] | None:
-    paths = [getattr(args, f"{split}_data_path", None) for split in ("train", "valid", "test")]
-    if not any(paths):
-        return None
-    return [get_blend_from_list(p) if p else None for p in paths]
+def _blend(paths: tuple[str, ...] | None) -> Any:
+    return get_blend_from_list(list(paths)) if paths else None
 
 
-def dataset_config(args: argparse.Namespace, tokenizer: Any) -> GPTDatasetConfig:
-    """GPTDatasetConfig from Megatron-LM flags (`core_gpt_dataset_config_from_args`)."""
-    blend_per_split = _blend_per_split(args)
-    blend = None if blend_per_split else get_blend_from_list(args.data_path or None)
-    if not args.mock_data and blend is None and blend_per_split is None:
+def dataset_config(run: RunConfig, tokenizer: Any) -> GPTDatasetConfig:
+    """GPTDatasetConfig from the run (Megatron-LM's `core_gpt_dataset_config_from_args`)."""
+    data = run.data
+    per_split = (data.train_data_path, data.valid_data_path, data.test_data_path)
+    blend_per_split = [_blend(p) for p in per_split] if any(per_split) else None
+    blend = None if blend_per_split else _blend(data.data_path)
+    if not data.mock_data and blend is None and blend_per_split is None:
         raise PlanError("no training data: give --data-path PREFIX (or --train-data-path ...) "
                         "or --mock-data")
     if blend is not None and blend_per_split is not None:
         raise PlanError("--data-path and --train/valid/test-data-path are exclusive; give one")
     return GPTDatasetConfig(
-        random_seed=args.seed,
-        sequence_length=args.seq_length,
+        random_seed=run.system.seed,
+        sequence_length=run.batch.seq_length,
         blend=blend,
         blend_per_split=blend_per_split,
-        split=args.split if blend is not None else None,
-        path_to_cache=getattr(args, "data_cache_path", None),
+        split=data.split if blend is not None else None,
+        path_to_cache=data.data_cache_path,
         tokenizer=tokenizer,
-        reset_position_ids=bool(getattr(args, "reset_position_ids", False)),
-        reset_attention_mask=bool(getattr(args, "reset_attention_mask", False)),
-        eod_mask_loss=bool(getattr(args, "eod_mask_loss", False)),
+        reset_position_ids=data.reset_position_ids,
+        reset_attention_mask=data.reset_attention_mask,
+        eod_mask_loss=data.eod_mask_loss,
         create_attention_mask=True,
-        mmap_bin_files=not getattr(args, "no_mmap_bin_files", False),
+        mmap_bin_files=data.mmap_bin_files,
     )
 
 
@@ -116,16 +115,16 @@ def check_split_not_empty(config: GPTDatasetConfig) -> None:
                     f"({num_docs} documents) empty; give it weight 0 or more data (e.g. 90,10,0)")
 
 
-def build_datasets(args: argparse.Namespace, tokenizer: Any) -> list[Any]:
+def build_datasets(run: RunConfig, tokenizer: Any) -> list[Any]:
     """[train, valid, test] datasets (None where a split is empty), built on every rank."""
-    config = dataset_config(args, tokenizer)
-    cls = MockGPTDataset if args.mock_data else GPTDataset
+    config = dataset_config(run, tokenizer)
+    cls = MockGPTDataset if run.data.mock_data else GPTDataset
     try:
-        if not args.mock_data:
+        if not run.data.mock_data:
             check_prefixes_exist(config)
             check_split_not_empty(config)
         return BlendedMegatronDatasetBuilder(
-            cls, train_valid_test_num_samples(args), lambda: True, config
+            cls, train_valid_test_num_samples(run), lambda: True, config
         ).build()
     except FileNotFoundError as err:
         raise PlanError(f"--data-path: {err}; give the prefix written by "

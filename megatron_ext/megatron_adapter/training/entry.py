@@ -17,20 +17,20 @@ import argparse
 import logging
 import os
 import sys
+import time
 from collections.abc import Sequence
 
 from megatron_ext.errors import PlanError
 from megatron_ext.flags.parser import parse_megatron_args
+from megatron_ext.flags.schedule import check_schedule_flags
 from megatron_ext.megatron_adapter.training import console
 
 logger = logging.getLogger("megatron_ext.pretrain")
 
 def check_supported(args: argparse.Namespace) -> None:
-    """What this loop needs beyond the flag table (flags/catalog.py refuses what it lacks)."""
-    if not getattr(args, "train_iters", None):
-        raise PlanError("--train-iters is required")
-    if getattr(args, "lr", None) is None:
-        raise PlanError("--lr is required")
+    """What this loop needs beyond the flag table (flags/catalog.py refuses what it lacks):
+    a run length and a learning rate, iteration- or sample-based as Megatron-LM checks them."""
+    check_schedule_flags(args)
 
 
 def check_device(args: argparse.Namespace) -> None:
@@ -47,6 +47,7 @@ def check_device(args: argparse.Namespace) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse Megatron-LM flags, train, return the exit code."""
     console.install_warning_filters()
+    start_time_s = time.time()
     argv = sys.argv[1:] if argv is None else list(argv)
     rank = console.rank_from_env()
     try:
@@ -64,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_device(args)
         from megatron_ext.megatron_adapter.training.pretrain import launch
 
-        return launch(args)
+        return launch(args, start_time_s=start_time_s)
     except PlanError as err:
         return console.report_user_error(str(err))
     except Exception as err:

@@ -19,7 +19,6 @@ data-parallel group, the world: a stock `DistributedDataParallel` (bucketed, ove
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import time
@@ -29,22 +28,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.distributed import (
-    DistributedDataParallel,
-    DistributedDataParallelConfig,
-)
+from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer import get_megatron_optimizer
 from megatron.core.transformer.module import Float16Module
 
 from megatron_ext.errors import PlanError
 from megatron_ext.megatron_adapter.flexsp.model import build_flexsp_gpt, flexsp_step
-from megatron_ext.megatron_adapter.layers import rope_kwargs
+from megatron_ext.megatron_adapter.losses import check_loss
 from megatron_ext.megatron_adapter.training.backend import Backend
 from megatron_ext.megatron_adapter.training.data import DataShard
 from megatron_ext.megatron_adapter.training.model_config import (
+    ddp_config,
     optimizer_config,
-    transformer_config,
+    run_transformer_config,
 )
+from megatron_ext.megatron_adapter.training.run_config import RunConfig
+from megatron_ext.megatron_adapter.transformer_config import gpt_model_kwargs
 from megatron_ext.plan import ParallelPlan
 from megatron_ext.planner.flexsp import FlexSPCostModel, StepPlan, plan_step
 from megatron_ext.planner.flexsp.cost import cost_model_for_plan, cost_model_from_specs
@@ -69,10 +68,11 @@ def _cost_model(plan: ParallelPlan) -> FlexSPCostModel:
                                  max_degree=plan.flexsp.max_group_size)
 
 
-def _check(args: argparse.Namespace, plan: ParallelPlan, cost: FlexSPCostModel) -> None:
+def _check(run: RunConfig, cost: FlexSPCostModel) -> None:
     """User errors, before any group beyond the world is created."""
-    dropout = getattr(args, "attention_dropout", None)
-    if dropout is None or dropout != 0:  # Megatron's default is 0.1
+    plan = run.plan
+    dropout = run.model.attention_dropout
+    if dropout != 0:  # Megatron's default is 0.1
         raise PlanError(f"--attention-dropout={dropout}: FlexSP attention has no dropout; pass "
                         "--attention-dropout 0")
     if plan.layers[0].zero > 1:
@@ -104,43 +104,37 @@ def _describe(plan: StepPlan, planner_ms: float) -> str:
             f"planned in {planner_ms:.1f} ms")
 
 
-def _build_ddp(args: argparse.Namespace, plan: ParallelPlan, config: Any,
-               padded_vocab: int) -> DistributedDataParallel:
-    model = plan.model
+def _build_ddp(run: RunConfig, config: Any, padded_vocab: int) -> DistributedDataParallel:
+    kwargs = gpt_model_kwargs(run.plan.model, run.model)
     gpt: torch.nn.Module = build_flexsp_gpt(
-        config, vocab_size=padded_vocab, max_sequence_length=model.max_position_embeddings,
-        position_embedding_type=model.position_embedding, tied_embeddings=model.tied_embeddings,
-        **rope_kwargs(model))
-    if plan.precision in ("bf16", "fp16"):
+        config, vocab_size=padded_vocab, max_sequence_length=kwargs.pop("max_sequence_length"),
+        position_embedding_type=kwargs.pop("position_embedding_type"),
+        tied_embeddings=kwargs.pop("share_embeddings_and_output_weights"), **kwargs)
+    if run.plan.precision in ("bf16", "fp16"):
         gpt = Float16Module(config, gpt)
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=bool(getattr(args, "accumulate_allreduce_grads_in_fp32", False)),
-        overlap_grad_reduce=bool(getattr(args, "overlap_grad_reduce", False)),
-        use_distributed_optimizer=plan.layers[0].zero >= 1,
-        check_for_nan_in_grad=bool(getattr(args, "check_for_nan_in_loss_and_grad", False)),
-    )
-    ddp = DistributedDataParallel(config, ddp_config, gpt)
+    ddp = DistributedDataParallel(config, ddp_config(run, zero=run.plan.layers[0].zero), gpt)
     ddp.broadcast_params()
     return ddp
 
 
-def build_flexsp_backend(args: argparse.Namespace, plan: ParallelPlan,
-                         padded_vocab: int, eod: int) -> Backend:
+def build_flexsp_backend(run: RunConfig, padded_vocab: int, eod: int) -> Backend:
     """Model, optimizer and the per-step FlexSP driver for this rank; samples are cut into
     documents after each `eod` token (the tokenizer's end-of-document id)."""
+    plan = run.plan
     assert plan.flexsp is not None
     cost = _cost_model(plan)
-    _check(args, plan, cost)
+    _check(run, cost)
     parallel_state.initialize_model_parallel(  # tp = pp = cp = 1: one data-parallel group
-        distributed_timeout_minutes=getattr(args, "distributed_timeout_minutes", None) or 10)
-    tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
+        distributed_timeout_minutes=run.system.distributed_timeout_minutes)
+    tensor_parallel.model_parallel_cuda_manual_seed(run.system.seed)
     # per-token loss: DDP sums gradients; each rank's loss is already over the global count
-    config = transformer_config(args, plan, plan.layers[0], calculate_per_token_loss=True)
-    ddp = _build_ddp(args, plan, config, padded_vocab)
+    config = run_transformer_config(run, plan.layers[0], calculate_per_token_loss=True)
+    ddp = _build_ddp(run, config, padded_vocab)
     optimizer = get_megatron_optimizer(optimizer_config(
-        args, plan, use_distributed_optimizer=plan.layers[0].zero >= 1), [ddp])
+        run, use_distributed_optimizer=plan.layers[0].zero >= 1), [ddp])
     groups = FlexSPGroups(max_degree=cost.effective_max_degree)
-    log_interval = getattr(args, "log_interval", None) or 100
+    log_interval = run.logging.log_interval
+    check_nan = run.optimizer.check_for_nan_in_loss_and_grad
     steps = [0]
 
     def forward_backward(data: Iterator | None, num_microbatches: int,
@@ -158,6 +152,8 @@ def build_flexsp_backend(args: argparse.Namespace, plan: ParallelPlan,
         assert all(owners[i] == dist.get_rank() for i in local)
         loss = flexsp_step(ddp, step_plan, local, owners, groups=groups,
                            forward_only=forward_only)
+        if check_nan:  # the step's global loss, the same on every rank
+            check_loss(torch.tensor(loss, dtype=torch.float64))
         steps[0] += 0 if forward_only else 1
         if dist.get_rank() == 0 and not forward_only and steps[0] % log_interval == 0:
             logger.info(_describe(step_plan, planner_ms))
@@ -167,7 +163,7 @@ def build_flexsp_backend(args: argparse.Namespace, plan: ParallelPlan,
     return Backend(
         model=[ddp], optimizer=optimizer, config=config,
         shard=DataShard(index=dist.get_rank(), count=world),
-        micro_batch_size=plan.micro_batch_size // world, needs_data=True,
+        rank_micro_batch_size=plan.micro_batch_size // world, needs_data=True, name="flexsp",
         dp_cp_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
         forward_backward=forward_backward, padded_vocab_size=padded_vocab,
     )

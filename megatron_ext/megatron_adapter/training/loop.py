@@ -8,12 +8,12 @@ global batch of samples.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_ext.megatron_adapter.training.backend import Backend
@@ -22,43 +22,32 @@ from megatron_ext.megatron_adapter.training.checkpoint import (
     save_checkpoint,
 )
 from megatron_ext.megatron_adapter.training.data import MicroBatchIterator
+from megatron_ext.megatron_adapter.training.rampup import global_batch_size_at
 from megatron_ext.megatron_adapter.training.report import Reporter
-from megatron_ext.plan import ParallelPlan
+from megatron_ext.megatron_adapter.training.run_config import RunConfig
 
 logger = logging.getLogger(__name__)
 
 
-def _flag(args: argparse.Namespace, name: str, default: Any) -> Any:
-    value = getattr(args, name, None)
-    return default if value is None else value
-
-
-def build_scheduler(args: argparse.Namespace, optimizer: Any) -> OptimizerParamScheduler:
-    """Megatron-LM's `get_optimizer_param_scheduler` for iteration-based training."""
-    gbs = args.global_batch_size
-    decay_steps = _flag(args, "lr_decay_iters", args.train_iters) * gbs
-    warmup_fraction = getattr(args, "lr_warmup_fraction", None)
-    warmup_steps = (warmup_fraction * decay_steps if warmup_fraction is not None
-                    else _flag(args, "lr_warmup_iters", 0) * gbs)
-    wsd_iters = getattr(args, "lr_wsd_decay_iters", None)
-    weight_decay = _flag(args, "weight_decay", 0.01)
+def build_scheduler(run: RunConfig, optimizer: Any) -> OptimizerParamScheduler:
+    """Megatron-LM's `get_optimizer_param_scheduler`; its steps are samples (ScheduleConfig)."""
+    sched, opt = run.schedule, run.optimizer
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=_flag(args, "lr_warmup_init", 0.0),
-        max_lr=args.lr,
-        min_lr=_flag(args, "min_lr", 0.0),
-        lr_warmup_steps=warmup_steps,
-        lr_decay_steps=decay_steps,
-        lr_decay_style=_flag(args, "lr_decay_style", "linear"),
-        start_wd=_flag(args, "start_weight_decay", weight_decay),
-        end_wd=_flag(args, "end_weight_decay", weight_decay),
-        wd_incr_steps=args.train_iters * gbs,
-        wd_incr_style=_flag(args, "weight_decay_incr_style", "constant"),
-        use_checkpoint_opt_param_scheduler=bool(
-            _flag(args, "use_checkpoint_opt_param_scheduler", False)),
-        override_opt_param_scheduler=bool(_flag(args, "override_opt_param_scheduler", False)),
-        wsd_decay_steps=wsd_iters * gbs if wsd_iters else None,
-        lr_wsd_decay_style=getattr(args, "lr_wsd_decay_style", None),
+        init_lr=sched.lr_warmup_init,
+        max_lr=opt.lr,
+        min_lr=opt.min_lr,
+        lr_warmup_steps=sched.lr_warmup_samples,
+        lr_decay_steps=sched.lr_decay_samples,
+        lr_decay_style=sched.lr_decay_style,
+        start_wd=sched.start_weight_decay,
+        end_wd=sched.end_weight_decay,
+        wd_incr_steps=sched.train_samples,
+        wd_incr_style=sched.weight_decay_incr_style,
+        use_checkpoint_opt_param_scheduler=sched.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=sched.override_opt_param_scheduler,
+        wsd_decay_steps=sched.lr_wsd_decay_samples,
+        lr_wsd_decay_style=sched.lr_wsd_decay_style,
     )
 
 
@@ -88,35 +77,50 @@ def evaluate(backend: Backend, data: Any, num_microbatches: int, eval_iters: int
     return sum(losses) / len(losses)
 
 
-def _iterator(backend: Backend, dataset: Any, consumed: int, plan: ParallelPlan,
+def _iterator(backend: Backend, dataset: Any, consumed: int, run: RunConfig,
               num_workers: int, cyclic: bool) -> MicroBatchIterator | None:
     if dataset is None or not backend.needs_data:
         return None
-    return MicroBatchIterator(dataset, consumed=consumed, global_micro_batch=plan.micro_batch_size,
+    return MicroBatchIterator(dataset, consumed=consumed,
+                              global_micro_batch=run.batch.global_micro_batch_size,
                               shard=backend.shard, num_workers=num_workers, cyclic=cyclic)
 
 
-def train(args: argparse.Namespace, plan: ParallelPlan, backend: Backend,
-          scheduler: OptimizerParamScheduler, datasets: list[Any], state: TrainState) -> TrainState:
-    """Run from `state.iteration` to `--train-iters`, logging, evaluating and saving as asked."""
-    num_workers = _flag(args, "num_workers", 2)
+def out_of_time(run: RunConfig, start_time_s: float) -> bool:
+    """--exit-duration-in-mins: the same answer on every rank (any rank over the limit)."""
+    limit = run.schedule.exit_duration_in_mins
+    if not limit:
+        return False
+    done = torch.tensor([(time.time() - start_time_s) / 60.0 > limit], dtype=torch.int)
+    if dist.is_initialized():
+        dist.all_reduce(done, op=dist.ReduceOp.MAX)
+    return bool(done.item())
+
+
+def train(run: RunConfig, backend: Backend, scheduler: OptimizerParamScheduler,
+          datasets: list[Any], state: TrainState, *, start_time_s: float) -> TrainState:
+    """Run from `state.iteration` to the run's last iteration, logging, evaluating and saving
+    as asked. `start_time_s`: when the job started (--exit-duration-in-mins counts from it)."""
+    plan, sched, batch, save = run.plan, run.schedule, run.batch, run.checkpoint.save
     train_ds, valid_ds = datasets[0], datasets[1]
-    train_data = _iterator(backend, train_ds, state.consumed_train_samples, plan, num_workers,
-                           cyclic=False)
-    valid_data = _iterator(backend, valid_ds, state.consumed_valid_samples, plan, 0, cyclic=True)
-    reporter = Reporter(plan=plan, train_iters=args.train_iters,
-                        tensorboard_dir=getattr(args, "tensorboard_dir", None))
-    log_interval = _flag(args, "log_interval", 100)
-    eval_interval, eval_iters = getattr(args, "eval_interval", None), _flag(args, "eval_iters", 100)
-    save_interval, last_saved = getattr(args, "save_interval", None), state.iteration
+    train_data = _iterator(backend, train_ds, state.consumed_train_samples, run,
+                           run.data.num_workers, cyclic=False)
+    valid_data = _iterator(backend, valid_ds, state.consumed_valid_samples, run, 0, cyclic=True)
+    reporter = Reporter(plan=plan, train_iters=sched.train_iters,
+                        tensorboard_dir=run.logging.tensorboard_dir)
+    log_interval = run.logging.log_interval
+    eval_interval, eval_iters = sched.eval_interval, sched.eval_iters
+    save_interval, last_saved = run.checkpoint.save_interval, state.iteration
     for chunk in backend.model:
         chunk.train()
-    while state.iteration < args.train_iters:
+    while state.iteration < sched.train_iters:
         start_s = time.perf_counter()
-        loss, grad_norm, ok = train_step(backend, scheduler, train_data, plan.num_microbatches,
-                                         plan.global_batch_size)
+        global_batch = global_batch_size_at(batch, state.consumed_train_samples)
+        loss, grad_norm, ok = train_step(backend, scheduler, train_data,
+                                         global_batch // batch.global_micro_batch_size,
+                                         global_batch)
         state.iteration += 1
-        state.consumed_train_samples += plan.global_batch_size
+        state.consumed_train_samples += global_batch
         state.skipped_iterations += 0 if ok else 1
         reporter.stats.add(loss, time.perf_counter() - start_s, grad_norm)
         if state.iteration % log_interval == 0:
@@ -128,20 +132,24 @@ def train(args: argparse.Namespace, plan: ParallelPlan, backend: Backend,
         if eval_interval and valid_ds is not None and eval_iters > 0 and \
                 state.iteration % eval_interval == 0:
             reporter.log_validation(iteration=state.iteration, loss=evaluate(
-                backend, valid_data, plan.num_microbatches, eval_iters))
-            state.consumed_valid_samples += eval_iters * plan.global_batch_size
-        if args.save and save_interval and state.iteration % save_interval == 0:
-            save_checkpoint(args.save, backend, scheduler, state, plan)
+                backend, valid_data, batch.num_microbatches, eval_iters))
+            state.consumed_valid_samples += eval_iters * batch.global_batch_size
+        if save and save_interval and state.iteration % save_interval == 0:
+            save_checkpoint(save, backend, scheduler, state, plan)
             last_saved = state.iteration
             reporter_info(reporter, f"saved checkpoint at iteration {state.iteration} "
-                                    f"to {args.save}")
-        exit_interval = getattr(args, "exit_interval", None)
-        if exit_interval and state.iteration % exit_interval == 0:
+                                    f"to {save}")
+        if sched.exit_interval and state.iteration % sched.exit_interval == 0:
             reporter_info(reporter, f"exiting at iteration {state.iteration} (--exit-interval)")
             break
-    if args.save and last_saved != state.iteration:
-        save_checkpoint(args.save, backend, scheduler, state, plan)
-        reporter_info(reporter, f"saved checkpoint at iteration {state.iteration} to {args.save}")
+        if out_of_time(run, start_time_s):
+            reporter_info(reporter, f"exiting at iteration {state.iteration} after "
+                                    f"{sched.exit_duration_in_mins} minutes "
+                                    "(--exit-duration-in-mins)")
+            break
+    if save and last_saved != state.iteration:
+        save_checkpoint(save, backend, scheduler, state, plan)
+        reporter_info(reporter, f"saved checkpoint at iteration {state.iteration} to {save}")
     reporter.close()
     return state
 

@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import socket
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -29,10 +30,16 @@ from megatron_ext.megatron_adapter.training.checkpoint import (
 )
 from megatron_ext.megatron_adapter.training.data import build_datasets
 from megatron_ext.megatron_adapter.training.loop import build_scheduler, train
-from megatron_ext.megatron_adapter.training.model_config import padded_vocab_size
+from megatron_ext.megatron_adapter.training.run_config import (
+    RunConfig,
+    TokenizerConfig,
+    build_run_config,
+    tokenizer_config,
+)
 from megatron_ext.megatron_adapter.training.select import build_backend
 from megatron_ext.megatron_adapter.training.tokenizer import build_tokenizer
 from megatron_ext.plan import ParallelPlan
+from megatron_ext.planner.cost.compute import padded_vocab_size
 from megatron_ext.planner.report import format_duration
 
 logger = logging.getLogger("megatron_ext.pretrain")
@@ -44,26 +51,48 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _have_apex_wgrad_kernel() -> bool:
+    try:
+        import fused_weight_gradient_mlp_cuda  # noqa: F401
+    except ImportError:  # an optional kernel: without it the fusion is off, as in Megatron-LM
+        return False
+    return True
+
+
+def run_config_from_args(args: argparse.Namespace, plan: ParallelPlan) -> RunConfig:
+    """The run configuration of parsed flags under `plan` (probes the optional
+    transformer-engine / apex kernels once)."""
+    from megatron_ext.megatron_adapter.sp_norm import have_transformer_engine
+
+    have_te = have_transformer_engine()
+    if args.transformer_impl == "transformer_engine" and not have_te and dist.get_rank() == 0:
+        logger.warning("--transformer-impl transformer_engine: transformer-engine is not "
+                       "installed, using the local (megatron-core) layers")
+    return build_run_config(args, plan, cpu=args.cpu, have_te=have_te,
+                            have_wgrad_kernel=_have_apex_wgrad_kernel())
+
+
 def init_distributed(args: argparse.Namespace) -> None:
     """Join the torchrun job (or a one-process job when not launched by torchrun)."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
-    on_cpu = bool(getattr(args, "cpu", False))  # without it entry.check_device required CUDA
+    on_cpu = args.cpu  # without it entry.check_device required CUDA
     if not on_cpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    minutes = getattr(args, "distributed_timeout_minutes", None) or 10
-    dist.init_process_group("gloo" if on_cpu else "nccl", timeout=timedelta(minutes=minutes))
+    dist.init_process_group("gloo" if on_cpu else "nccl",
+                            timeout=timedelta(minutes=args.distributed_timeout_minutes))
     if on_cpu:
         from megatron_ext.megatron_adapter.cpu import compat as cpu_compat
 
         cpu_compat.apply(force=True)
 
 
-def _log_startup(args: argparse.Namespace, plan: ParallelPlan, tokenizer: Any) -> None:
+def _log_startup(config: RunConfig, tokenizer: Any) -> None:
     """Rank 0's first lines: plan, ranks, device, precision, layers, data, what gets loaded."""
     if dist.get_rank() != 0:
         return
+    plan = config.plan
     device = (f"{torch.cuda.get_device_name()}, nccl" if dist.get_backend() == "nccl"
               else "cpu, gloo")
     lines = [f"plan: {plan.model.name} on {plan.world_size} ranks ({device}), pp={plan.pp}, "
@@ -75,11 +104,15 @@ def _log_startup(args: argparse.Namespace, plan: ParallelPlan, tokenizer: Any) -
     if plan.prediction is not None:
         lines.append(f"  predicted iteration {format_duration(plan.prediction.iteration_time_s)}, "
                      f"{plan.prediction.tokens_per_s:.0f} tokens/s")
-    data = "mock data" if getattr(args, "mock_data", False) else " ".join(
-        getattr(args, "data_path", None) or ["per-split paths"])
-    lines.append(f"  data: {_shorten(data)}; tokenizer {getattr(args, 'tokenizer_type', None)}, "
+    data = "mock data" if config.data.mock_data else " ".join(
+        config.data.data_path or ["per-split paths"])
+    lines.append(f"  data: {_shorten(data)}; tokenizer {config.tokenizer.tokenizer_type}, "
                  f"vocab {tokenizer.vocab_size}")
-    load = getattr(args, "load", None)
+    if config.batch.rampup_batch_size is not None:
+        lines.append(f"  --rampup-batch-size {' '.join(map(str, config.batch.rampup_batch_size))}"
+                     f": the plan is made for the final global batch of "
+                     f"{config.batch.global_batch_size} samples")
+    load = config.checkpoint.load
     lines.append(f"  load: {_shorten(load)}" if load else "  load: none (random initialisation)")
     logger.info("\n".join(lines))
 
@@ -89,9 +122,9 @@ def _shorten(text: str, limit: int = 120) -> str:
     return text if len(text) <= limit else f"{text[:limit // 2 - 2]}...{text[-(limit // 2 - 1):]}"
 
 
-def _padded_vocab(args: argparse.Namespace, plan: ParallelPlan, vocab_size: int,
-                  info: dict[str, Any] | None) -> int:
+def _padded_vocab(run: RunConfig, vocab_size: int, info: dict[str, Any] | None) -> int:
     """Megatron's padding, unless a checkpoint being resumed fixed it and this plan can use it."""
+    plan = run.plan
     multiple = plan.vocab.tp * (plan.pp if plan.vocab.mode == "vocab_parallel" else 1)
     saved = int(info["padded_vocab_size"]) if info else None
     if saved is not None and saved >= vocab_size and saved % multiple == 0:
@@ -99,59 +132,56 @@ def _padded_vocab(args: argparse.Namespace, plan: ParallelPlan, vocab_size: int,
     if saved is not None:
         raise PlanError(f"--load checkpoint has a vocabulary padded to {saved} rows, which does "
                         f"not split over the {multiple} vocabulary shards of this plan")
-    return padded_vocab_size(vocab_size, args, multiple)
+    return padded_vocab_size(vocab_size, multiple, run.model.make_vocab_size_divisible_by)
 
 
-def tokenizer_from_args(args: argparse.Namespace) -> Any:
+def tokenizer_from_config(config: TokenizerConfig) -> Any:
     return build_tokenizer(
-        tokenizer_type=getattr(args, "tokenizer_type", None),
-        vocab_file=getattr(args, "vocab_file", None), merge_file=getattr(args, "merge_file", None),
-        tokenizer_model=getattr(args, "tokenizer_model", None),
-        vocab_size=getattr(args, "vocab_size", None))
+        tokenizer_type=config.tokenizer_type, vocab_file=config.vocab_file,
+        merge_file=config.merge_file, tokenizer_model=config.tokenizer_model,
+        vocab_size=config.vocab_size)
 
 
-def run(args: argparse.Namespace, plan: ParallelPlan, tokenizer: Any) -> TrainState:
-    """Train under `plan`; the process group is initialised."""
-    _log_startup(args, plan, tokenizer)
-    # With --strategy-config the plan carries the batch shape; the loop reads it from args.
-    args.global_batch_size = plan.global_batch_size
-    args.seq_length = plan.seq_length
-    if getattr(args, "save", None):
+def run(config: RunConfig, tokenizer: Any, *, start_time_s: float | None = None) -> TrainState:
+    """Train as `config` says; the process group is initialised."""
+    plan, ckpt = config.plan, config.checkpoint
+    _log_startup(config, tokenizer)
+    if ckpt.save:
         prewarm_checkpoint_writer()
-    info = checkpoint_info(args.load) if getattr(args, "load", None) else None
-    load_optimizer = not (getattr(args, "no_load_optim", False)
-                          or getattr(args, "finetune", False))
+    info = checkpoint_info(ckpt.load) if ckpt.load else None
+    load_optimizer = not (ckpt.no_load_optim or ckpt.finetune)
     if info is not None and load_optimizer:
-        check_optimizer_layout(info, plan, args.load)
-    backend = build_backend(args, plan, _padded_vocab(args, plan, tokenizer.vocab_size, info),
+        check_optimizer_layout(info, plan, ckpt.load)
+    backend = build_backend(config, _padded_vocab(config, tokenizer.vocab_size, info),
                             model_format=info.get("model_format", "megatron") if info else None,
                             eod=tokenizer.eod if plan.flexsp is not None else None)
-    scheduler = build_scheduler(args, backend.optimizer)
+    scheduler = build_scheduler(config, backend.optimizer)
     state = TrainState()
-    if getattr(args, "load", None):
-        finetune = bool(getattr(args, "finetune", False))
+    if ckpt.load:
         loaded = load_checkpoint(
-            args.load, backend, scheduler, plan,
-            load_optimizer=load_optimizer,
-            load_rng=not (getattr(args, "no_load_rng", False) or finetune))
-        if loaded is None and getattr(args, "exit_on_missing_checkpoint", False):
-            raise PlanError(f"--load={args.load} holds no checkpoint "
+            ckpt.load, backend, scheduler, plan, load_optimizer=load_optimizer,
+            load_rng=not (ckpt.no_load_rng or ckpt.finetune))
+        if loaded is None and ckpt.exit_on_missing_checkpoint:
+            raise PlanError(f"--load={ckpt.load} holds no checkpoint "
                             "(--exit-on-missing-checkpoint)")
-        state = TrainState() if finetune or loaded is None else loaded
-    datasets = build_datasets(args, tokenizer)
-    return train(args, plan, backend, scheduler, datasets, state)
+        state = TrainState() if ckpt.finetune or loaded is None else loaded
+    datasets = build_datasets(config, tokenizer)
+    return train(config, backend, scheduler, datasets, state,
+                 start_time_s=time.time() if start_time_s is None else start_time_s)
 
 
-def launch(args: argparse.Namespace) -> int:
+def launch(args: argparse.Namespace, *, start_time_s: float | None = None) -> int:
     """Join the process group, derive the plan, train; `args` are parsed and checked (entry.py).
+    `start_time_s`: when the job started (--exit-duration-in-mins counts from it).
 
     A PlanError propagates to the entry point, which prints it once."""
+    start_time_s = time.time() if start_time_s is None else start_time_s
     init_distributed(args)
     try:
-        tokenizer = tokenizer_from_args(args)
+        tokenizer = tokenizer_from_config(tokenizer_config(args))
         plan = plan_from_megatron_args(args, dist.get_world_size(),
                                        vocab_size=tokenizer.vocab_size)
-        run(args, plan, tokenizer)
+        run(run_config_from_args(args, plan), tokenizer, start_time_s=start_time_s)
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()

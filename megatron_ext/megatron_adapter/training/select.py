@@ -1,41 +1,140 @@
-"""Which backend runs a plan: stock megatron-core, the layerwise runtime, or FlexSP."""
+"""Which backend runs a plan (stock megatron-core, the layerwise runtime, or FlexSP), and which
+run settings each backend honours.
+
+- `flexsp`: plans with a `flexsp` section;
+- `stock`: plans megatron-core expresses on its own (`stock_unsupported_reason` is None) and,
+  with context parallelism, only with transformer-engine (megatron-core's local attention has
+  no context parallelism: "Context parallelism is only supported by TEDotProductAttention");
+- `layerwise`: every other plan (per-layer strategies, Ulysses, ZeRO-3 refusals, vocabulary
+  parallelism, context parallelism without transformer-engine: runtime/ring_attention.py).
+
+`BACKEND_SETTINGS` is the table of run settings x backends: a setting that is on is either
+honoured by the chosen backend or refused with one line before any model is built.
+"""
 
 from __future__ import annotations
 
-import argparse
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from megatron_ext.errors import PlanError
 from megatron_ext.megatron_adapter.training.backend import Backend
 from megatron_ext.megatron_adapter.training.flexsp_backend import build_flexsp_backend
+from megatron_ext.megatron_adapter.training.run_config import RunConfig
 from megatron_ext.megatron_adapter.training.runtime_backend import build_runtime_backend
 from megatron_ext.megatron_adapter.training.stock_backend import (
     build_stock_backend,
     stock_unsupported_reason,
 )
-from megatron_ext.plan import ParallelPlan
+
+__all__ = ["BACKEND_SETTINGS", "BackendSetting", "build_backend", "check_backend_settings",
+           "select_backend"]
+
+BACKENDS = ("stock", "layerwise", "flexsp")
 
 
-def build_backend(args: argparse.Namespace, plan: ParallelPlan, padded_vocab: int, *,
-                  model_format: str | None = None, eod: int | None = None) -> Backend:
-    """The stock backend when megatron-core can express the plan, else the layerwise runtime.
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BackendSetting:
+    """One run setting and what each backend does with it when it is on."""
 
-    `model_format` is the format of the checkpoint to be loaded: a "layerwise" checkpoint is
-    resumed by the layerwise runtime even under a uniform plan; a "megatron" one cannot be
-    loaded by the runtime yet (the two key layouts differ). `eod` (the tokenizer's end-of-
-    document id) is needed by FlexSP plans, which cut samples into documents.
+    flag: str
+    """The Megatron-LM flag (as users write it)."""
+    is_on: Callable[[RunConfig], bool]
+    """Whether this run turns the setting on."""
+    refused_by: dict[str, str]
+    """backend -> the fix to print when that backend cannot honour it; absent: honoured."""
+
+
+BACKEND_SETTINGS: tuple[BackendSetting, ...] = (
+    BackendSetting(flag="--overlap-grad-reduce",
+                   is_on=lambda r: r.optimizer.overlap_grad_reduce, refused_by={}),
+    BackendSetting(flag="--overlap-param-gather",
+                   is_on=lambda r: r.optimizer.overlap_param_gather, refused_by={}),
+    BackendSetting(flag="--check-for-nan-in-loss-and-grad (on by default)",
+                   is_on=lambda r: r.optimizer.check_for_nan_in_loss_and_grad, refused_by={}),
+    BackendSetting(flag="--accumulate-allreduce-grads-in-fp32 (default with --bf16)",
+                   is_on=lambda r: r.optimizer.grad_reduce_in_fp32, refused_by={}),
+    BackendSetting(flag="--ddp-bucket-size",
+                   is_on=lambda r: r.optimizer.ddp_bucket_size is not None, refused_by={}),
+    BackendSetting(flag="--calculate-per-token-loss",
+                   is_on=lambda r: r.optimizer.calculate_per_token_loss, refused_by={}),
+    BackendSetting(
+        flag="--eod-mask-loss without --calculate-per-token-loss",
+        is_on=lambda r: r.data.eod_mask_loss and not r.optimizer.calculate_per_token_loss,
+        refused_by=dict.fromkeys(
+            ("layerwise", "flexsp"),
+            "this backend divides by the global batch's loss tokens; add "
+            "--calculate-per-token-loss")),
+    BackendSetting(flag="--reset-attention-mask",
+                   is_on=lambda r: r.data.reset_attention_mask,
+                   refused_by={"layerwise": "the layerwise runtime's attention is causal over "
+                               "the whole sample; drop the flag or use a uniform plan"}),
+    BackendSetting(flag="--fp16", is_on=lambda r: r.plan.precision == "fp16",
+                   refused_by={"layerwise": "the layerwise runtime runs bf16 or fp32; use "
+                               "--bf16"}),
+    BackendSetting(flag="--use-rope-scaling",
+                   is_on=lambda r: r.plan.model.rope_scaling, refused_by={}),
+    BackendSetting(flag="--rotary-seq-len-interpolation-factor",
+                   is_on=lambda r: r.model.rotary_seq_len_interpolation_factor is not None,
+                   refused_by={}),
+    BackendSetting(flag="--rampup-batch-size",
+                   is_on=lambda r: r.batch.rampup_batch_size is not None, refused_by={}),
+    BackendSetting(flag="--exit-duration-in-mins",
+                   is_on=lambda r: r.schedule.exit_duration_in_mins is not None, refused_by={}),
+    BackendSetting(flag="--attention-dropout other than 0",
+                   is_on=lambda r: r.model.attention_dropout != 0,
+                   refused_by={"flexsp": "FlexSP attention has no dropout; pass "
+                               "--attention-dropout 0"}),
+)
+
+
+def select_backend(run: RunConfig, *, model_format: str | None = None) -> str:
+    """"stock", "layerwise" or "flexsp" for this run (see the module docstring).
+
+    `model_format`: the format of the checkpoint to be loaded ("layerwise" checkpoints resume on
+    the layerwise runtime even under a uniform plan)."""
+    plan = run.plan
+    if plan.flexsp is not None:
+        return "flexsp"
+    if model_format == "layerwise" or stock_unsupported_reason(plan) is not None:
+        return "layerwise"
+    if plan.layers[0].cp > 1 and not run.model.use_transformer_engine:
+        return "layerwise"
+    return "stock"
+
+
+def check_backend_settings(run: RunConfig, backend: str) -> None:
+    """One-line PlanError for the first setting this run turns on that `backend` refuses."""
+    for setting in BACKEND_SETTINGS:
+        fix = setting.refused_by.get(backend)
+        if fix is not None and setting.is_on(run):
+            raise PlanError(f"{setting.flag} is not supported by the {backend} backend this "
+                            f"plan runs on: {fix}")
+
+
+def build_backend(run: RunConfig, padded_vocab: int, *, model_format: str | None = None,
+                  eod: int | None = None) -> Backend:
+    """The backend `select_backend` picks, after `check_backend_settings`.
+
+    `model_format` is the format of the checkpoint to be loaded: a "megatron" one cannot be
+    loaded by the layerwise runtime yet (the two key layouts differ). `eod` (the tokenizer's
+    end-of-document id) is needed by FlexSP plans, which cut samples into documents.
     """
-    reason = stock_unsupported_reason(plan)
-    if plan.flexsp is not None:  # its checkpoints use GPTModel's keys: any format but layerwise
+    plan = run.plan
+    name = select_backend(run, model_format=model_format)
+    check_backend_settings(run, name)
+    if name == "flexsp":  # its checkpoints use GPTModel's keys: any format but layerwise
         if model_format == "layerwise":
             raise PlanError("--load holds a layerwise-runtime checkpoint; a FlexSP plan loads "
                             "only stock (megatron) checkpoints")
         assert eod is not None, "FlexSP plans need the tokenizer's eod id"
-        return build_flexsp_backend(args, plan, padded_vocab, eod)
-    if reason is None and model_format != "layerwise":
-        return build_stock_backend(args, plan, padded_vocab)
-    if reason is not None and model_format == "megatron":
+        return build_flexsp_backend(run, padded_vocab, eod)
+    if name == "stock":
+        return build_stock_backend(run, padded_vocab)
+    if model_format == "megatron":
+        reason = stock_unsupported_reason(plan) or "context parallelism without transformer-engine"
         raise PlanError(f"--load holds a checkpoint of a uniform (stock megatron-core) plan, "
                         f"but this plan needs the layerwise runtime ({reason}), whose checkpoint "
                         "layout differs; start from a uniform plan, or convert is not supported "
                         "yet")
-    return build_runtime_backend(args, plan, padded_vocab)
+    return build_runtime_backend(run, padded_vocab)

@@ -19,10 +19,9 @@ from typing import Any
 
 import torch
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-from megatron.core.utils import get_attr_wrapped_model
 
 from megatron_ext.megatron_adapter.ddp import HeteroDDP
-from megatron_ext.megatron_adapter.losses import global_loss, loss_func
+from megatron_ext.megatron_adapter.losses import forward_step, global_loss, vocab_view
 from megatron_ext.megatron_adapter.model import HeteroGPTModel
 from megatron_ext.megatron_adapter.vocab.schedule import schedule_for_plan
 from megatron_ext.runtime.groups import PlanGroups
@@ -34,16 +33,10 @@ __all__ = ["vocab_forward_backward", "vocab_forward_step"]
 Batch = dict[str, torch.Tensor]
 
 
-def vocab_forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module
-                       ) -> tuple[torch.Tensor, Callable[..., Any]]:
-    """megatron `forward_step_func` of a body stage: hidden states out `[s_loc, b_loc, h]`; the
-    loss function (called on the last stage by the schedule's L pass) takes the per-token losses
-    `[b_loc, s_loc]` of this rank's vocabulary block and masks them with its part of loss_mask."""
-    batch = next(data_iterator)
-    inner: HeteroGPTModel = get_attr_wrapped_model(model, "vocab_tokens", return_model_obj=True)
-    output = model(position_ids=batch.get("position_ids"))  # input via set_input_tensor
-    mask = inner.vocab_tokens(batch["loss_mask"])  # [b_loc, s_loc]
-    return output, partial(loss_func, mask, batch["loss_mask"].sum())
+vocab_forward_step = partial(forward_step, vocab_view, False)
+"""megatron `forward_step_func` of a body stage: hidden states out `[s_loc, b_loc, h]`; the loss
+function (called on the last stage by the schedule's L pass) takes the per-token losses
+`[b_loc, s_loc]` of this rank's vocabulary block and masks them with its part of loss_mask."""
 
 
 def vocab_forward_backward(
@@ -54,6 +47,8 @@ def vocab_forward_backward(
     forward_step_func: Callable[..., Any] | None = None,
     forward_only: bool = False,
     schedule_options: dict[str, Any] | None = None,
+    check_nan: bool = False,
+    num_microbatches: int | None = None,
 ) -> dict[str, float]:
     """`train_step.forward_backward` for vocab_parallel plans: grads finalized, the global
     per-token loss and token count returned on every rank. `schedule_options`: extra
@@ -71,8 +66,9 @@ def vocab_forward_backward(
         plan, inner.vocab_groups, p2p_shapes=(recv or block, send or block), hidden_shape=block,
         select_tokens=inner.vocab_tokens, **(schedule_options or {}))
     reports = schedule(
-        forward_step_func=forward_step_func or vocab_forward_step, data_iterator=data_iterator,
-        model=chunks, num_microbatches=plan.num_microbatches, seq_length=plan.seq_length,
+        forward_step_func=forward_step_func or partial(forward_step, vocab_view, check_nan),
+        data_iterator=data_iterator, model=chunks,
+        num_microbatches=num_microbatches or plan.num_microbatches, seq_length=plan.seq_length,
         micro_batch_size=plan.micro_batch_size, forward_only=forward_only,
         p2p_communicator=P2PCommunicator(pp_group=groups.pp, config=config),
         pg_collection=inner.pg_collection)

@@ -132,10 +132,11 @@ def model_parameters(model: ModelSpec) -> int:
     return model.num_layers * layer_params(model) + embedding + positions + final_norm
 
 
-def padded_vocab_size(model: ModelSpec, num_shards: int) -> int:
-    """Megatron pads the vocabulary to a multiple of 128 x (ranks sharing it)."""
-    multiple = 128 * num_shards
-    return math.ceil(model.vocab_size / multiple) * multiple
+def padded_vocab_size(vocab_size: int, num_shards: int, divisible_by: int = 128) -> int:
+    """Megatron-LM's padding: a multiple of --make-vocab-size-divisible-by x (ranks sharing the
+    vocabulary). The one copy: the planner's cost model and the adapter's model builders use it."""
+    multiple = divisible_by * num_shards
+    return math.ceil(vocab_size / multiple) * multiple
 
 
 def model_flops_per_token(model: ModelSpec, seq_length: int) -> float:

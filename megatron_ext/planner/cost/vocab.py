@@ -102,7 +102,7 @@ def _place(cm, vocab: VocabStrategy, pp: int, width: int, tokens: float, infligh
     """(params, forward s, backward s, activation bytes, side-stream comm s) per stage [pp]."""
     model, e, tv = cm.model, cm.element_bytes, vocab.tp
     spread = pp if vocab.mode == "vocab_parallel" else 1
-    shard_rows = C.padded_vocab_size(model, tv * spread) / (tv * spread)
+    shard_rows = C.padded_vocab_size(model.vocab_size, tv * spread) / (tv * spread)
     weight_params = shard_rows * model.hidden_size
     pos = model.max_position_embeddings * model.hidden_size
     pos = pos if model.position_embedding == "learned_absolute" else 0

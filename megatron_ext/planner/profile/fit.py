@@ -132,7 +132,7 @@ def layer_features(model: ModelSpec, *, tp: ArrayLike, sp: ArrayLike,
 
 def vocab_features(model: ModelSpec, *, tp: ArrayLike, tokens: ArrayLike) -> np.ndarray:  # [..., 4]
     tp_arr = np.asarray(tp, dtype=np.int64)
-    vocab = np.vectorize(lambda t: padded_vocab_size(model, int(t)))(tp_arr)
+    vocab = np.vectorize(lambda t: padded_vocab_size(model.vocab_size, int(t)))(tp_arr)
     shard = vocab / tp_arr
     n = np.asarray(tokens, dtype=float)
     h = model.hidden_size

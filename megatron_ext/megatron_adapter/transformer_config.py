@@ -1,0 +1,146 @@
+"""ModelSpec -> megatron-core TransformerConfig and GPTModel arguments: the one mapping.
+
+Every backend (stock GPTModel, the layerwise runtime, FlexSP), the profilers and the tests build
+their TransformerConfig with `transformer_config` and their GPTModel position arguments with
+`gpt_model_kwargs`. A new ModelSpec field that changes the model (rotary base, qkv bias,
+qk-layernorm, ...) is mapped here, once.
+
+`ModelOptions` holds what the plan's ModelSpec does not carry (dropout, init, fusions, RoPE
+interpolation, ...); its defaults are CPU-safe (no dropout, no fused kernels), and the training path
+sets every field from Megatron-LM's flags (training/run_config.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_ext.plan import LayerStrategy
+from megatron_ext.specs import ModelSpec
+
+__all__ = ["ModelOptions", "gpt_model_kwargs", "params_dtype", "transformer_config"]
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelOptions:
+    """TransformerConfig / GPTModel settings the plan's ModelSpec does not carry.
+
+    Defaults are the library's CPU-safe ones (no dropout, no fused kernels) for code that builds
+    a model without flags; the training path sets every field from the flags (Megatron-LM's
+    defaults there: dropout 0.1, fusions on where the kernels exist)."""
+
+    hidden_dropout: float = 0.0
+    """--hidden-dropout."""
+    attention_dropout: float = 0.0
+    """--attention-dropout."""
+    init_method_std: float = 0.02
+    """--init-method-std."""
+    apply_query_key_layer_scaling: bool = False
+    """--apply-query-key-layer-scaling."""
+    attention_softmax_in_fp32: bool = False
+    """--attention-softmax-in-fp32."""
+    rotary_seq_len_interpolation_factor: int | None = None
+    """--rotary-seq-len-interpolation-factor (linear position interpolation)."""
+    make_vocab_size_divisible_by: int = 128
+    """--make-vocab-size-divisible-by (per vocabulary shard)."""
+    use_transformer_engine: bool = False
+    """--transformer-impl transformer_engine, and transformer-engine imports."""
+    use_cpu_initialization: bool = True
+    """--use-cpu-initialization (always on CPU)."""
+    masked_softmax_fusion: bool = False
+    """Fused kernels: Megatron-LM's --no-*-fusion switches; off on CPU (no kernels there)."""
+    bias_activation_fusion: bool = False
+    bias_dropout_fusion: bool = False
+    apply_rope_fusion: bool = False
+    gradient_accumulation_fusion: bool = False
+    """Also needs apex's fused_weight_gradient_mlp_cuda."""
+
+
+def params_dtype(precision: str) -> torch.dtype:
+    return _DTYPES[precision]
+
+
+def _recompute_fields(strategy: LayerStrategy) -> dict[str, Any]:
+    if strategy.recompute == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform",
+                "recompute_num_layers": 1}
+    if strategy.recompute == "selective":
+        return {"recompute_granularity": "selective"}
+    return {"recompute_granularity": None}
+
+
+def transformer_config(
+    model: ModelSpec,
+    *,
+    precision: str = "fp32",
+    options: ModelOptions | None = None,
+    strategy: LayerStrategy | None = None,
+    pp: int = 1,
+    **overrides: Any,
+) -> TransformerConfig:
+    """The TransformerConfig of `model` with the degrees of `strategy` (stock path: the plan's
+    one strategy; the layerwise runtime replaces them per layer) on `pp` stages."""
+    options = options or ModelOptions()
+    strategy = strategy or LayerStrategy()
+    dtype = _DTYPES[precision]
+    swiglu = model.activation == "swiglu"
+    fields: dict[str, Any] = dict(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.head_dim,
+        normalization=model.normalization,
+        gated_linear_unit=swiglu,
+        activation_func=F.silu if swiglu else F.gelu,
+        add_bias_linear=model.add_bias_linear,
+        add_qkv_bias=model.add_qkv_bias,
+        qk_layernorm=model.qk_layernorm,
+        layernorm_epsilon=model.norm_epsilon,
+        hidden_dropout=options.hidden_dropout,
+        attention_dropout=options.attention_dropout,
+        init_method_std=options.init_method_std,
+        apply_query_key_layer_scaling=options.apply_query_key_layer_scaling,
+        attention_softmax_in_fp32=options.attention_softmax_in_fp32,
+        tensor_model_parallel_size=strategy.tp,
+        pipeline_model_parallel_size=pp,
+        context_parallel_size=strategy.cp,
+        sequence_parallel=strategy.sp,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        use_cpu_initialization=options.use_cpu_initialization or not torch.cuda.is_available(),
+        deallocate_pipeline_outputs=True,
+        masked_softmax_fusion=options.masked_softmax_fusion,
+        bias_activation_fusion=options.bias_activation_fusion,
+        bias_dropout_fusion=options.bias_dropout_fusion,
+        apply_rope_fusion=options.apply_rope_fusion,
+        gradient_accumulation_fusion=options.gradient_accumulation_fusion,
+        persist_layer_norm=False,
+        **_recompute_fields(strategy),
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def gpt_model_kwargs(model: ModelSpec, options: ModelOptions | None = None) -> dict[str, Any]:
+    """GPTModel constructor arguments for positions and embeddings (same for every backend)."""
+    options = options or ModelOptions()
+    return dict(
+        max_sequence_length=model.max_position_embeddings,
+        share_embeddings_and_output_weights=model.tied_embeddings,
+        position_embedding_type=model.position_embedding,
+        rotary_percent=model.rotary_percent,
+        rotary_base=model.rotary_base,
+        rope_scaling=model.rope_scaling,
+        rope_scaling_factor=model.rope_scaling_factor,
+        seq_len_interpolation_factor=options.rotary_seq_len_interpolation_factor,
+    )
