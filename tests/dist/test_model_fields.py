@@ -9,7 +9,6 @@ exactly (the same float computation, no tolerance needed).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 import pytest
@@ -65,15 +64,14 @@ def _stock(rank: int, world_size: int) -> dict[str, bool]:
     from megatron.core import parallel_state
 
     from megatron_ext.megatron_adapter.cpu import compat
-    from megatron_ext.megatron_adapter.training.model_config import transformer_config
     from megatron_ext.megatron_adapter.training.stock_backend import _build_gpt
+    from megatron_ext.megatron_adapter.transformer_config import ModelOptions, transformer_config
 
     compat.apply(force=True)  # as pretrain_gpt.py --cpu does
     parallel_state.initialize_model_parallel()
     plan = _plan()
-    args = argparse.Namespace(cpu=True, transformer_impl="local")
-    config = transformer_config(args, plan, plan.layers[0])
-    return _check(_build_gpt(args, plan, config, 512))
+    config = transformer_config(plan.model, precision=plan.precision)
+    return _check(_build_gpt(plan, ModelOptions(), config, 512))
 
 
 @pytest.mark.parametrize("path", [_layerwise, _stock], ids=["layerwise", "stock"])

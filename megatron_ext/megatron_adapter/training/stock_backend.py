@@ -32,7 +32,7 @@ from megatron_ext.megatron_adapter.training.model_config import (
 )
 from megatron_ext.megatron_adapter.training.report import reduce_loss
 from megatron_ext.megatron_adapter.training.run_config import RunConfig
-from megatron_ext.megatron_adapter.transformer_config import gpt_model_kwargs
+from megatron_ext.megatron_adapter.transformer_config import ModelOptions, gpt_model_kwargs
 from megatron_ext.plan import ParallelPlan
 
 
@@ -61,17 +61,17 @@ def _layout(plan: ParallelPlan) -> PipelineParallelLayerLayout | None:
     return PipelineParallelLayerLayout(text, plan.pp)
 
 
-def _build_gpt(run: RunConfig, config: Any, vocab: int) -> Any:
+def _build_gpt(plan: ParallelPlan, options: ModelOptions, config: Any, vocab: int) -> Any:
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=gpt_block_spec(
-            config, use_transformer_engine=run.model.use_transformer_engine),
+            config, use_transformer_engine=options.use_transformer_engine),
         vocab_size=vocab,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
-        **gpt_model_kwargs(run.plan.model, run.model),
+        **gpt_model_kwargs(plan.model, options),
     )
-    if run.plan.precision in ("bf16", "fp16"):
+    if plan.precision in ("bf16", "fp16"):
         gpt = Float16Module(config, gpt)
     return gpt
 
@@ -91,7 +91,7 @@ def build_stock_backend(run: RunConfig, padded_vocab: int) -> Backend:
     config = run_transformer_config(
         run, s, pipeline_model_parallel_layout=_layout(plan),
         calculate_per_token_loss=run.optimizer.calculate_per_token_loss)
-    gpt = _build_gpt(run, config, padded_vocab)
+    gpt = _build_gpt(plan, run.model, config, padded_vocab)
     ddp = DistributedDataParallel(config, ddp_config(run, zero=s.zero), gpt)
     ddp.broadcast_params()  # replicas start equal even if init streams differ
     optimizer = get_megatron_optimizer(optimizer_config(
