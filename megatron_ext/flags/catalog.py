@@ -163,7 +163,7 @@ NO_EFFECT: tuple[tuple[tuple[str, ...], str], ...] = (
      "a logging switch megatron_ext's loop does not implement; its log line has loss, grad "
      "norm, timings and tokens/s"),
     (("--attention-backend", "--use-flash-attn", "--cross-entropy-loss-fusion",
-      "--cross-entropy-fusion-impl", "--no-persist-layer-norm", "--ddp-bucket-size",
+      "--cross-entropy-fusion-impl", "--no-persist-layer-norm",
       "--empty-unused-memory-level", "--num-dataset-builder-threads",
       "--no-create-attention-mask-in-dataloader"),
      "a kernel / memory / loader implementation switch; the attention, loss and norms compute "
@@ -338,7 +338,6 @@ REFUSED: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("--num-distributed-optimizer-instances",), "several distributed-optimizer instances",
      "use 1"),
     (("--use-megatron-fsdp",), "Megatron FSDP", "use --use-torch-fsdp2 or a plan with zero=3"),
-    (("--grad-reduce-in-bf16",), "bf16 gradient reduction", "drop it"),
     (("--no-save-optim", "--no-save-rng"), "checkpoints without optimizer or RNG state",
      "drop it: checkpoints hold both, so a resume continues exactly"),
     (("--dataloader-type",), "data loaders other than Megatron-LM's single (cyclic, external)",
