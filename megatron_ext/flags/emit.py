@@ -16,9 +16,9 @@ Mapping decisions (Megatron-LM core_v0.16.1 semantics):
   for any context parallelism.
 - zero: 1 is `--use-distributed-optimizer`; 2 needs --strategy-config (Megatron-LM's only
   ZeRO-2 is Megatron-FSDP `optim_grads`, which megatron_ext does not run); 3 is
-  `--use-torch-fsdp2` (plus the
-  `--no-gradient-accumulation-fusion` Megatron-LM requires with it). Megatron-LM allows FSDP2
-  only with pp=1, untied embeddings and no fp16; other zero=3 plans need --strategy-config.
+  `--use-torch-fsdp2` (plus `--no-gradient-accumulation-fusion`). Megatron-LM allows FSDP2
+  only with pp=1 (validate_args); megatron_ext's stock FSDP2 path also needs untied embeddings
+  and no fp16 (flags/checks.py); other zero=3 plans need --strategy-config.
 - recompute: selective is `--recompute-granularity selective` (core attention, Megatron's
   default module); full in every layer is `full` + `--recompute-method uniform
   --recompute-num-layers 1`; full in the first k layers of every stage (fewer if the stage is
@@ -220,8 +220,8 @@ def _zero_values(plan: ParallelPlan, zero: Any, reasons: list[str]) -> dict[str,
         ]
         if limits:
             reasons.append(
-                f"zero=3 with {', '.join(limits)} (Megatron-LM's --use-torch-fsdp2 needs pp=1, "
-                "untied embeddings and no fp16)"
+                f"zero=3 with {', '.join(limits)} (--use-torch-fsdp2 needs pp=1 in Megatron-LM, "
+                "and untied embeddings and no fp16 in megatron_ext)"
             )
             return dict.fromkeys(keys, PLAN_ONLY)
         return dict(zip(keys, (False, True, False)))
