@@ -196,3 +196,22 @@ def test_args_emit_and_read_back_the_new_model_fields(tmp_path: Path):
                                    plan.world_size)
     assert back.model == plan.model.__class__.from_dict({**plan.model.to_dict(),
                                                          "name": "custom"})
+
+
+PLANNED_HF = sorted(n for n, e in HF_EXPECTED.items() if not isinstance(e, str))
+
+
+@pytest.mark.parametrize("name", PLANNED_HF)
+def test_hf_model_round_trips_through_args(name: str) -> None:
+    """`megatron-ext args` prints every field the config set (RoPE base and scaling, biases, q/k
+    norms, norm epsilon) and plan-from-args reads the same model back."""
+    from megatron_ext.plan import LayerStrategy, ParallelPlan
+
+    model = model_file_with_notes(DATA / "hf_configs" / f"{name}.json")[0]
+    plan = ParallelPlan(world_size=1, pp=1, stages=((0, model.num_layers),),
+                        layers=(LayerStrategy(),) * model.num_layers, model=model,
+                        micro_batch_size=1, global_batch_size=1, seq_length=1024,
+                        precision="bf16")
+    argv = list(plan_to_megatron_args(plan).argv)
+    back = plan_from_megatron_args(parse_megatron_args(argv, world_size=1), 1).model
+    assert back.to_dict() == {**model.to_dict(), "name": "custom"}
