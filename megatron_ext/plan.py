@@ -188,10 +188,21 @@ class Prediction:
     """Predicted peak memory per pipeline stage, one entry per stage."""
     stage_time_s: tuple[float, ...] = ()
     """Predicted busy time per stage for one iteration."""
+    iteration_time_interval_s: tuple[float, float] | None = None
+    """90% interval [low, high] of the iteration time, from the cost model's errors on held-out
+    published runs like this one (planner/cost/interval.py); absent in older plans."""
+    runners_up: tuple[dict[str, Any], ...] = ()
+    """The next-best layouts the search scored (summary, iteration time and interval each), when
+    their intervals overlap this plan's: within the model's error of it."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: (list(v) if isinstance(v, tuple) else v)
-                for k, v in dataclasses.asdict(self).items()}
+        out = {k: (list(v) if isinstance(v, tuple) else v)
+               for k, v in dataclasses.asdict(self).items()}
+        if self.iteration_time_interval_s is None:
+            del out["iteration_time_interval_s"]
+        if not self.runners_up:
+            del out["runners_up"]
+        return out
 
     @classmethod
     def from_dict(cls, data: Any, path: str = "prediction") -> Prediction:
@@ -201,10 +212,22 @@ class Prediction:
             key: get_float_list(data, key, path)
             for key in ("stage_peak_memory_gib", "stage_time_s")
         }
+        interval = None
+        if "iteration_time_interval_s" in data:
+            interval = get_float_list(data, "iteration_time_interval_s", path)
+            if len(interval) != 2 or not 0 < interval[0] <= interval[1]:
+                raise PlanError(
+                    f"{path}.iteration_time_interval_s={list(interval)} must be [low, high] "
+                    "seconds with 0 < low <= high; drop it or re-run search/evaluate"
+                )
+        runners_up = expect_list(data.get("runners_up", []), f"{path}.runners_up")
         return cls(
             iteration_time_s=get_float(data, "iteration_time_s", path, positive=True),
             tokens_per_s=get_float(data, "tokens_per_s", path, positive=True),
             mfu=get_float(data, "mfu", path, default=0.0),
+            iteration_time_interval_s=interval,
+            runners_up=tuple(expect_object(r, f"{path}.runners_up[{i}]")
+                             for i, r in enumerate(runners_up)),
             **lists,
         )
 

@@ -91,12 +91,12 @@ def evaluate_plan(plan: ParallelPlan, args: argparse.Namespace, *, label: str) -
         f"global batch {plan.global_batch_size}, seq {plan.seq_length}, {plan.precision}\n"
     )
     mine = _breakdown(cm, plan)
-    sys.stderr.write(report_text(plan, mine))
+    sys.stderr.write(report_text(plan, mine, cluster=c.name))
     out: dict[str, Any] = {
         "plan": label,
         "model": plan.model.name,
         "cluster": c.to_dict(),
-        "evaluation": report_dict(plan, mine),
+        "evaluation": report_dict(plan, mine, cluster=c.name),
     }
     if args.against_search:
         from megatron_ext.planner.report import plan_summary
@@ -107,9 +107,10 @@ def evaluate_plan(plan: ParallelPlan, args: argparse.Namespace, *, label: str) -
         found = search(cm)
         theirs = _breakdown(cm, found.plan)
         sys.stderr.write(f"searched plan (search took {found.search_s:.2f} s):\n")
-        sys.stderr.write(report_text(found.plan, theirs))
+        sys.stderr.write(report_text(found.plan, theirs, cluster=c.name))
         sys.stderr.write(_side_by_side(plan_summary(plan), mine, plan_summary(found.plan), theirs))
-        out["search"] = {**report_dict(found.plan, theirs), "plan": found.plan.to_dict()}
+        out["search"] = {**report_dict(found.plan, theirs, cluster=c.name),
+                         "plan": found.plan.to_dict()}
     if args.json == "-":
         sys.stdout.write(json.dumps(out, indent=2) + "\n")
     elif args.json:
@@ -195,10 +196,23 @@ def _breakdown(cm, plan: ParallelPlan):
     )
 
 
-def report_dict(plan: ParallelPlan, b) -> dict[str, Any]:
+def _interval(plan: ParallelPlan, b, cluster: str) -> tuple[float, float, tuple[str, ...]]:
+    """90% interval of the evaluated iteration time (planner/cost/interval.py)."""
+    from megatron_ext.planner.cost.interval import plan_interval
+
+    return plan_interval(plan, b.evaluation.iteration_s, cluster)
+
+
+def report_dict(plan: ParallelPlan, b, *, cluster: str = "custom") -> dict[str, Any]:
     """The machine-readable evaluation of one plan (GiB and seconds)."""
     ev = b.evaluation
+    low, high, unseen = _interval(plan, b, cluster)
     return {
+        "prediction": {
+            "iteration_time_s": ev.iteration_s,
+            "iteration_time_interval_s": [low, high],
+            "interval_unseen_features": list(unseen),
+        },
         "pp": plan.pp,
         "micro_batch_size": plan.micro_batch_size,
         "vocab": {"mode": plan.vocab.mode, "tp": plan.vocab.tp},
@@ -244,7 +258,7 @@ def _unit(*breakdowns) -> tuple[float, str]:
     return (GIB, "GiB") if peak >= GIB else (2**20, "MiB")
 
 
-def report_text(plan: ParallelPlan, b) -> str:
+def report_text(plan: ParallelPlan, b, *, cluster: str = "custom") -> str:
     from megatron_ext.planner.cost.breakdown import MEMORY_PARTS
 
     ev = b.evaluation
@@ -279,8 +293,11 @@ def report_text(plan: ParallelPlan, b) -> str:
     )
     fits = "fits" if ev.feasible else "DOES NOT FIT"
     free = min(b.memory_cap_bytes - s.peak_bytes for s in b.stages)
+    low, high, unseen = _interval(plan, b, cluster)
     lines.append(
-        f"predicted: iteration {ev.iteration_s:.3f} s, {ev.tokens_per_s:,.0f} tokens/s, "
+        f"predicted: iteration {ev.iteration_s:.3f} s (90% interval {low:.3f} - {high:.3f} s"
+        + (f"; no published run with {', '.join(unseen)}: the widest interval" if unseen else "")
+        + f"), {ev.tokens_per_s:,.0f} tokens/s, "
         f"MFU {100 * ev.mfu:.1f}%; {fits} "
         + (f"({free / unit:.2f} {label} left on the fullest stage)" if ev.feasible
            else f"({-free / unit:.2f} {label} over on the fullest stage)")

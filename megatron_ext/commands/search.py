@@ -109,6 +109,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="print the best uniform layout beside the plan and why they differ",
     )
+    p.add_argument(
+        "--objective",
+        choices=("time", "p90"),
+        default="time",
+        help="time: the fastest predicted iteration (default); p90: the lowest upper end of "
+        "the 90%% prediction interval (the plan least likely to be slow)",
+    )
     p.add_argument("--plot", default=None, help="draw strategies and stage bars to this PNG")
     p.add_argument("--out", default=None, help="write the plan JSON here")
     p.set_defaults(run=run)
@@ -196,7 +203,13 @@ class _Progress:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_ext.planner.report import check_plot_support, explain, plan_table, plot_plan
+    from megatron_ext.planner.report import (
+        check_plot_support,
+        explain,
+        overlap_note,
+        plan_table,
+        plot_plan,
+    )
     from megatron_ext.planner.search import SearchOptions, search
 
     if args.plot:  # before the search and --out: a missing matplotlib costs nothing
@@ -216,12 +229,17 @@ def run(args: argparse.Namespace) -> int:
         f"{c.memory_gib:g} GiB), global batch {args.global_batch_size}, "
         f"seq {args.seq_length}, {args.precision}"
         + (", uniform layouts only" if args.uniform else "")
+        + (", objective: upper end of the 90% interval" if args.objective == "p90" else "")
         + "\n"
     )
-    result = search(cm, options=SearchOptions(uniform_only=args.uniform), progress=_Progress())
+    result = search(
+        cm, options=SearchOptions(uniform_only=args.uniform, objective=args.objective),
+        progress=_Progress(),
+    )
     plan = result.plan
     sys.stderr.write(f"search took {result.search_s:.2f} s\n")
     sys.stderr.write(plan_table(plan))
+    sys.stderr.write(overlap_note(plan, args.objective))
     if args.explain:
         sys.stderr.write(
             explain(plan, result.evaluation, result.uniform_plan, result.uniform_evaluation)

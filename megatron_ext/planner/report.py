@@ -36,6 +36,49 @@ def format_duration(value_s: float) -> str:
     return f"{ms:.1f} ms" if ms >= 1.0 else f"{ms:.3g} ms"
 
 
+def describe_interval(plan: ParallelPlan, cluster: str | None = None) -> str:
+    """'90% interval 1.230 s - 1.450 s' (and the features no published run shares), or ''."""
+    from megatron_ext.planner.cost.interval import plan_interval
+
+    pred = plan.prediction
+    if pred is None or pred.iteration_time_interval_s is None:
+        return ""
+    name = cluster if cluster is not None else (plan.cluster.name if plan.cluster else "custom")
+    low, high = pred.iteration_time_interval_s
+    _, _, unseen = plan_interval(plan, pred.iteration_time_s, name)
+    text = f"90% interval {format_duration(low)} - {format_duration(high)}"
+    if unseen:
+        text += f" (no published run with {', '.join(unseen)}: the widest interval)"
+    return text
+
+
+def overlap_note(plan: ParallelPlan, objective: str = "time") -> str:
+    """'plans 1-3 are within the model's error; they differ in pp, micro-batch' when the plan's
+    runners-up (prediction.runners_up) have overlapping 90% intervals, one line per runner-up."""
+    pred = plan.prediction
+    if pred is None or not pred.runners_up:
+        return ""
+    mine = {k: v for k, v in plan_summary(plan).items() if k != "peak GiB"}
+    mine["layers"] = sorted({s.describe() for s in plan.layers})
+    others = list(pred.runners_up)
+    differ = [k for k in mine if any(str(r.get(k)) != str(mine[k]) for r in others)]
+    by = "upper end of the 90% interval" if objective == "p90" else "predicted time"
+    lines = [
+        f"plans 1-{len(others) + 1} (by {by}) are within the model's error (their 90% intervals "
+        f"overlap); they differ in {', '.join(differ) or 'nothing listed'}:"
+    ]
+    for i, r in enumerate([{**mine, "iteration_time_s": pred.iteration_time_s,
+                            "iteration_time_interval_s": pred.iteration_time_interval_s},
+                           *others]):
+        low, high = r["iteration_time_interval_s"]
+        lines.append(
+            f"  {i + 1}. {format_duration(r['iteration_time_s'])} ({format_duration(low)} - "
+            f"{format_duration(high)}): "
+            + ", ".join(f"{k} {r[k] if k != 'layers' else ' | '.join(r[k])}" for k in differ)
+        )
+    return "\n".join(lines) + "\n"
+
+
 def format_percent(fraction: float) -> str:
     """`47.4%`, or 2 significant digits under 1% (`0.012%`), never `0.0%` for a non-zero value."""
     pct = 100.0 * fraction
@@ -71,9 +114,11 @@ def plan_table(plan: ParallelPlan) -> str:
         f"micro-batches = {plan.global_batch_size}, seq {plan.seq_length}, {plan.precision}"
     )
     if pred is not None:
+        interval = describe_interval(plan)
         lines.append(
-            f"predicted: iteration {format_duration(pred.iteration_time_s)}, "
-            f"{pred.tokens_per_s:,.0f} tokens/s, MFU {format_percent(pred.mfu)}"
+            f"predicted: iteration {format_duration(pred.iteration_time_s)}"
+            + (f" ({interval})" if interval else "")
+            + f", {pred.tokens_per_s:,.0f} tokens/s, MFU {format_percent(pred.mfu)}"
         )
     return "\n".join(lines) + "\n"
 

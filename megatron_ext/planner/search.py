@@ -39,11 +39,13 @@ from megatron_ext.plan import ParallelPlan, VocabStrategy
 from megatron_ext.plan_checks import check_sequence
 from megatron_ext.planner.bounds import combo_bound
 from megatron_ext.planner.cost.evaluate import Evaluation
+from megatron_ext.planner.cost.interval import search_relax, with_interval
 from megatron_ext.planner.cost.model import CostModel, LayerCosts
 from megatron_ext.planner.cost.vocab import StageExtras, stage_extras
 from megatron_ext.planner.dp import MaxSwitch, StageDP, layer_dp, switch_groups
 from megatron_ext.planner.infeasible import explain_infeasible
 from megatron_ext.planner.partition import best_partition, bmw_partition
+from megatron_ext.planner.report import plan_summary
 from megatron_ext.planner.space import (
     StrategyTable,
     divisors,
@@ -51,7 +53,7 @@ from megatron_ext.planner.space import (
     prune_strategies,
     vocab_options,
 )
-from megatron_ext.planner.uniform import Layout, search_uniform
+from megatron_ext.planner.uniform import Layout, score_uniform, search_uniform
 
 Progress = Callable[[str], None]
 
@@ -74,6 +76,12 @@ class SearchOptions:
     """Score exactly only layouts whose DP estimate is within this fraction of the best."""
     explain_infeasible: bool = True
     """When nothing fits, work out the smallest memory and GPU count that would (slower)."""
+    objective: Literal["time", "p90"] = "time"
+    """time: the fastest predicted iteration; p90: the lowest upper end of the 90% prediction
+    interval (planner/cost/interval.py) among the candidates the search scored exactly (each
+    visited combo's finalists, the uniform baseline, the layerwise result)."""
+    runners_up: int = 3
+    """Candidates whose interval overlaps the chosen plan's, kept in its prediction."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -92,6 +100,8 @@ class SearchResult:
     """Wall-clock seconds the search took."""
     stats: dict[str, int] = field(default_factory=dict)
     """Combos visited / pruned, DP runs, exact evaluations."""
+    candidates: tuple[ParallelPlan, ...] = ()
+    """The exactly scored layouts, best first by the objective (the plan is the first)."""
 
 
 @dataclass(slots=True)
@@ -115,9 +125,10 @@ def search(
     stats = {"combos": 0, "combos_pruned": 0, "dp_runs": 0, "exact_evaluations": 0}
     uniform = search_uniform(cm, progress=progress)
     best: tuple[Layout, Evaluation] | None = uniform
+    seen: list[tuple[Layout, Evaluation]] = [uniform] if uniform else []
     if not options.uniform_only:
         found = _layerwise(
-            cm, options, uniform[1].iteration_s if uniform else math.inf, stats, progress
+            cm, options, uniform[1].iteration_s if uniform else math.inf, stats, progress, seen
         )
         if found is not None and (best is None or found[1].iteration_s < best[1].iteration_s):
             best = found
@@ -125,16 +136,94 @@ def search(
         if not options.explain_infeasible:
             raise InfeasiblePlanError(f"no layout of {cm.model.name} fits")
         raise InfeasiblePlanError(explain_infeasible(cm, partial(_fits_with_memory, cm)))
-    plan = layout_to_plan(cm, best[0], best[1])
+    _near_candidates(cm, options, best, stats, seen)
+    ranked = _rank_candidates(cm, best, seen, options)
+    plan, evaluation = ranked[0]
     uniform_plan = layout_to_plan(cm, uniform[0], uniform[1]) if uniform else None
     return SearchResult(
         plan=plan,
-        evaluation=best[1],
+        evaluation=evaluation,
         uniform_plan=uniform_plan,
         uniform_evaluation=uniform[1] if uniform else None,
         search_s=time.perf_counter() - start,
         stats=stats,
+        candidates=tuple(p for p, _ in ranked),
     )
+
+
+def _near_candidates(
+    cm: CostModel,
+    options: SearchOptions,
+    best: tuple[Layout, Evaluation],
+    stats: dict[str, int],
+    seen: list[tuple[Layout, Evaluation]],
+) -> None:
+    """Add to `seen` the layouts that could have a lower interval upper end than the fastest
+    one: predicted faster than its upper end / search_relax (interval.py; exact, since scale,
+    precision and cluster are fixed within a search). The best uniform layout per (pp,
+    micro-batch) for both objectives (the overlap note compares them); with --objective p90 the
+    layerwise search again at that bound."""
+    plan = layout_to_plan(cm, best[0], best[1])
+    relax = search_relax(num_gpus=cm.cluster.num_gpus, precision=cm.training.precision,
+                         cluster=cm.cluster.name)
+    bound = _upper(plan) / relax
+    for pp in [p for p in divisors(cm.cluster.num_gpus) if p <= cm.model.num_layers]:
+        for mbs in divisors(cm.training.global_batch_size):
+            found = score_uniform(cm, pp, mbs, bound)
+            if found is not None:
+                seen.append((found[1], found[1].evaluate(cm)))
+    if options.objective == "p90" and not options.uniform_only:
+        _layerwise(cm, options, bound, stats, None, seen)
+
+
+def _upper(plan: ParallelPlan) -> float:
+    interval = plan.prediction.iteration_time_interval_s
+    return interval[1] if interval else plan.prediction.iteration_time_s
+
+
+def _rank_candidates(
+    cm: CostModel,
+    best: tuple[Layout, Evaluation],
+    seen: list[tuple[Layout, Evaluation]],
+    options: SearchOptions,
+) -> list[tuple[ParallelPlan, Evaluation]]:
+    """The exactly scored layouts as plans with intervals, best first by the objective (ties:
+    the faster point prediction); the chosen plan's prediction lists the runners-up whose
+    interval overlaps its own."""
+    unique: dict[tuple, tuple[Layout, Evaluation]] = {}
+    for layout, ev in [best, *seen]:
+        if ev.feasible:
+            key = (layout.pp, layout.stages, layout.layers, layout.micro_batch_size, layout.vocab)
+            unique.setdefault(key, (layout, ev))
+    plans = [(layout_to_plan(cm, layout, ev), ev) for layout, ev in unique.values()]
+    if options.objective == "p90":
+        plans.sort(key=lambda pe: (_upper(pe[0]), pe[1].iteration_s))
+    else:
+        plans.sort(key=lambda pe: pe[1].iteration_s)
+    chosen = plans[0][0]
+    low = chosen.prediction.iteration_time_interval_s
+    overlapping = [
+        p for p, _ in plans[1:]
+        if low is not None and p.prediction.iteration_time_interval_s is not None
+        and p.prediction.iteration_time_interval_s[0] <= low[1]
+        and low[0] <= p.prediction.iteration_time_interval_s[1]
+    ][: options.runners_up]
+    if overlapping:
+        chosen = dataclasses.replace(chosen, prediction=dataclasses.replace(
+            chosen.prediction, runners_up=tuple(runner_up(p) for p in overlapping)))
+    return [(chosen, plans[0][1]), *plans[1:]]
+
+
+def runner_up(plan: ParallelPlan) -> dict:
+    """A runner-up as the plan file's prediction keeps it: its layout in brief and its
+    prediction."""
+    pred = plan.prediction
+    return {
+        **{k: v for k, v in plan_summary(plan).items() if k != "peak GiB"},
+        "layers": sorted({s.describe() for s in plan.layers}),
+        "iteration_time_s": round(pred.iteration_time_s, 6),
+        "iteration_time_interval_s": list(pred.iteration_time_interval_s or ()),
+    }
 
 
 def _fits_with_memory(cm: CostModel, memory_gib: float) -> bool:
@@ -149,7 +238,7 @@ def _fits_with_memory(cm: CostModel, memory_gib: float) -> bool:
 
 def layout_to_plan(cm: CostModel, layout: Layout, evaluation: Evaluation) -> ParallelPlan:
     t = cm.training
-    return ParallelPlan(
+    return with_interval(ParallelPlan(
         world_size=cm.cluster.num_gpus,
         pp=layout.pp,
         stages=layout.stages,
@@ -162,7 +251,7 @@ def layout_to_plan(cm: CostModel, layout: Layout, evaluation: Evaluation) -> Par
         precision=t.precision,
         cluster=cm.cluster,
         prediction=evaluation.prediction(),
-    )
+    ))
 
 
 def _layerwise(
@@ -171,6 +260,7 @@ def _layerwise(
     best_s: float,
     stats: dict[str, int],
     progress: Progress | None,
+    seen: list[tuple[Layout, Evaluation]] | None = None,
 ) -> tuple[Layout, Evaluation] | None:
     combos = sorted(_combos(cm), key=lambda c: c.bound_s)
     stats["combos"] = len(combos)
@@ -182,6 +272,8 @@ def _layerwise(
         for layout in _solve_combo(cm, combo, options, best_s, stats):
             ev = layout.evaluate(cm)
             stats["exact_evaluations"] += 1
+            if seen is not None and ev.feasible:
+                seen.append((layout, ev))
             if ev.feasible and ev.iteration_s < best_s:
                 best, best_s = (layout, ev), ev.iteration_s
         if progress is not None:

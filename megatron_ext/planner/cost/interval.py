@@ -25,6 +25,7 @@ runs scored against a table built without that source).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -120,6 +121,33 @@ def plan_interval(plan: ParallelPlan, predicted_s: float, cluster: str
     return prediction_interval(
         predicted_s, num_gpus=plan.world_size, micro_batch_size=replica_micro_batch(plan),
         pp=plan.pp, precision=plan.precision, cluster=cluster)
+
+
+def with_interval(plan: ParallelPlan, cluster: str | None = None) -> ParallelPlan:
+    """The plan with prediction.iteration_time_interval_s set (cluster: the preset the plan is
+    priced on, default plan.cluster.name); unchanged when it has no prediction."""
+    pred = plan.prediction
+    if pred is None:
+        return plan
+    name = cluster if cluster is not None else (plan.cluster.name if plan.cluster else "custom")
+    low, high, _ = plan_interval(plan, pred.iteration_time_s, name)
+    return dataclasses.replace(plan, prediction=dataclasses.replace(
+        pred, iteration_time_interval_s=(round(low, 6), round(high, 6))))
+
+
+def search_relax(*, num_gpus: int, precision: str, cluster: str) -> float:
+    """exp of the largest 95% quantile among the groups a search cannot change (scale,
+    precision, cluster): every layout of the search has an upper end >= predicted x this, so one
+    predicted slower than (best upper end) / this cannot have a lower upper end."""
+    table = load_table()
+    feats = plan_features(num_gpus=num_gpus, micro_batch_size=1, pp=1, precision=precision,
+                          cluster=cluster)
+    highs = []
+    for feature in ("scale", "precision", "cluster"):
+        group = table["groups"].get(feature, {}).get(feats[feature])
+        ok = group is not None and group["runs"] >= MIN_RUNS
+        highs.append(group["high"] if ok else table["all"]["max"])
+    return math.exp(max(highs))
 
 
 @functools.lru_cache(maxsize=1)
