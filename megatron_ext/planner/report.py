@@ -48,7 +48,7 @@ def describe_interval(plan: ParallelPlan, cluster: str | None = None) -> str:
     _, _, unseen = plan_interval(plan, pred.iteration_time_s, name)
     text = f"90% interval {format_duration(low)} - {format_duration(high)}"
     if unseen:
-        text += f" (no published run with {', '.join(unseen)}: the widest interval)"
+        text += f"; no published run with {', '.join(unseen)}: the widest interval"
     return text
 
 

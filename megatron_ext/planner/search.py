@@ -39,7 +39,7 @@ from megatron_ext.plan import ParallelPlan, VocabStrategy
 from megatron_ext.plan_checks import check_sequence
 from megatron_ext.planner.bounds import combo_bound
 from megatron_ext.planner.cost.evaluate import Evaluation
-from megatron_ext.planner.cost.interval import search_relax, with_interval
+from megatron_ext.planner.cost.interval import overlap_relax, search_relax, with_interval
 from megatron_ext.planner.cost.model import CostModel, LayerCosts
 from megatron_ext.planner.cost.vocab import StageExtras, stage_extras
 from megatron_ext.planner.dp import MaxSwitch, StageDP, layer_dp, switch_groups
@@ -158,18 +158,19 @@ def _near_candidates(
     stats: dict[str, int],
     seen: list[tuple[Layout, Evaluation]],
 ) -> None:
-    """Add to `seen` the layouts that could have a lower interval upper end than the fastest
-    one: predicted faster than its upper end / search_relax (interval.py; exact, since scale,
-    precision and cluster are fixed within a search). The best uniform layout per (pp,
-    micro-batch) for both objectives (the overlap note compares them); with --objective p90 the
-    layerwise search again at that bound."""
+    """Add to `seen` the best uniform layout per (pp, micro-batch) whose interval could overlap
+    the fastest layout's (predicted faster than its upper end x overlap_relax: the overlap note
+    compares them) and, with --objective p90, the layerwise layouts that could have a lower
+    upper end (predicted faster than its upper end / search_relax; exact, since scale,
+    precision and cluster are fixed within a search)."""
     plan = layout_to_plan(cm, best[0], best[1])
     relax = search_relax(num_gpus=cm.cluster.num_gpus, precision=cm.training.precision,
                          cluster=cm.cluster.name)
     bound = _upper(plan) / relax
+    near = max(bound, _upper(plan) * overlap_relax())
     for pp in [p for p in divisors(cm.cluster.num_gpus) if p <= cm.model.num_layers]:
         for mbs in divisors(cm.training.global_batch_size):
-            found = score_uniform(cm, pp, mbs, bound)
+            found = score_uniform(cm, pp, mbs, near)
             if found is not None:
                 seen.append((found[1], found[1].evaluate(cm)))
     if options.objective == "p90" and not options.uniform_only:
