@@ -191,8 +191,8 @@ class Prediction:
     iteration_time_interval_s: tuple[float, float] | None = None
     """90% interval [low, high] of the iteration time, from the cost model's errors on held-out
     published runs like this one (planner/cost/interval.py); absent in older plans."""
-    runners_up: tuple[dict[str, Any], ...] = ()
-    """The next-best layouts the search scored (summary, iteration time and interval each), when
+    runners_up: tuple[dict[str, Any], ...] = dataclasses.field(default=(), hash=False)
+    """(Not hashed: dicts.) The next-best layouts the search scored (summary, iteration time and interval each), when
     their intervals overlap this plan's: within the model's error of it."""
 
     def to_dict(self) -> dict[str, Any]:
