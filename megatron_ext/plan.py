@@ -192,8 +192,8 @@ class Prediction:
     """90% interval [low, high] of the iteration time, from the cost model's errors on held-out
     published runs like this one (planner/cost/interval.py); absent in older plans."""
     runners_up: tuple[dict[str, Any], ...] = dataclasses.field(default=(), hash=False)
-    """(Not hashed: dicts.) The next-best layouts the search scored (summary, iteration time and interval each), when
-    their intervals overlap this plan's: within the model's error of it."""
+    """The next-best layouts the search scored (summary, iteration time and interval each), when
+    their intervals overlap this plan's: within the model's error of it. Not hashed (dicts)."""
 
     def to_dict(self) -> dict[str, Any]:
         out = {k: (list(v) if isinstance(v, tuple) else v)
