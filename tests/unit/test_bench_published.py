@@ -149,3 +149,23 @@ def test_residual_file_is_the_tools_output():
             assert stored["runs"] == g["runs"]
             assert stored["low"] == pytest.approx(g["low"], abs=1e-5)
             assert stored["high"] == pytest.approx(g["high"], abs=1e-5)
+
+
+def test_residual_file_matches_the_cost_model():
+    """The shipped residuals are the current cost model's held-out errors: a change to the cost
+    model that moves them must regenerate the file (the message says how)."""
+    from megatron_ext.planner.cost import interval as iv
+
+    tool = _tool()
+    data = json.loads(Path(tool.DEFAULT_DATA).read_text())
+    fresh = tool.residual_file(tool.run(data["rows"])["rows"])
+    shipped = json.loads(iv.TABLE_PATH.read_text())
+    stale = [
+        f"{a['id']}: {b['log_residual']:.4f} -> {a['log_residual']:.4f}"
+        for a, b in zip(fresh["runs"], shipped["runs"])
+        if a["id"] != b["id"] or abs(a["log_residual"] - b["log_residual"]) > 1e-4
+    ]
+    assert len(fresh["runs"]) == len(shipped["runs"]) and not stale, (
+        "the cost model's held-out errors moved; run `python tools/bench_published.py "
+        f"--write-residuals megatron_ext/planner/cost/residuals_a100.json`: {stale[:5]}"
+    )
