@@ -170,7 +170,7 @@ def _cost_model(plan: ParallelPlan, args: argparse.Namespace):
         global_batch_size=plan.global_batch_size,
         seq_length=plan.seq_length,
         precision=plan.precision,
-        allow_zero3=any(s.zero == 3 for s in plan.layers),
+        allow_zero3=any(s.zero >= 2 for s in plan.layers),
     )
     if profile is None and not args.model_profile:
         return CostModel(plan.model, cluster, training)

@@ -95,11 +95,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="keep the vocabulary layers on the first/last stage",
     )
     p.add_argument(
-        "--allow-zero3",
-        action="store_true",
-        help="let layers use ZeRO-3 (fully sharded per layer; off by default)",
-    )
-    p.add_argument(
         "--uniform",
         action="store_true",
         help="search only what stock Megatron-LM expresses (same strategy every layer)",
@@ -160,7 +155,6 @@ def _cost_model(args: argparse.Namespace, model: ModelSpec):
         seq_length=args.seq_length,
         precision=args.precision,
         allow_vocab_parallel=args.vocab_parallel,
-        allow_zero3=args.allow_zero3,
     )
     if not args.cluster_profile and not args.model_profile:
         cluster = cluster_preset(

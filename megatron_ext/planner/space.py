@@ -148,7 +148,7 @@ def _variants(
     elif d == 1:
         zeros = [1]
     else:
-        zeros = [1, 3, 0] if training.allow_zero3 else [1, 0]
+        zeros = [1, 2, 3, 0] if training.allow_zero3 else [1, 0]
     modes = ["none", "selective", "full"]
     if not uniform and training.flash_attention:
         modes = ["none", "full"]

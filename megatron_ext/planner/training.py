@@ -29,10 +29,11 @@ class TrainingSpec:
     """May use Ulysses sequence parallelism (not expressible with stock Megatron-LM flags)."""
     allow_cp: bool = True
     """May use context parallelism."""
-    allow_zero3: bool = False
-    """May fully shard parameters (ZeRO-3) on some layers (`megatron-ext search --allow-zero3`;
-    the layerwise runtime runs it through FSDP2 per layer). Off by default, as before the runtime
-    had it; the search is exact in this flag: allowing it never gives a slower plan."""
+    allow_zero3: bool = True
+    """Layers may shard gradients (ZeRO-2) or everything (ZeRO-3) over their data-parallel
+    group, as the layerwise runtime runs them (FSDP2 per layer). False keeps the search to
+    zero 0/1 (e.g. to plan for a runtime without them). The search is exact in this flag:
+    allowing it never gives a slower plan."""
     allow_flexsp: bool = False
     """Recorded for the FlexSP planner; the layerwise search itself never emits a FlexSP plan."""
     flash_attention: bool = True
