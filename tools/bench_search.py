@@ -145,9 +145,10 @@ SUITE = (
 )
 
 
-def run_case(case: Case) -> dict:
+def run_case(case: Case, sharded_zero: bool = True) -> dict:
     cluster = cluster_preset(case.cluster, num_nodes=case.nodes, memory_gib=case.memory_gib)
-    training = TrainingSpec(global_batch_size=case.global_batch_size, seq_length=case.seq_length)
+    training = TrainingSpec(global_batch_size=case.global_batch_size, seq_length=case.seq_length,
+                            allow_zero3=sharded_zero)
     cm = CostModel(model_preset(case.model), cluster, training)
     wall, cpu = time.perf_counter(), time.process_time()
     result = search(cm)
@@ -243,11 +244,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", default=None, help="write results here")
     parser.add_argument("--cases", nargs="*", default=None, help="case keys to run (default all)")
+    parser.add_argument("--no-sharded-zero", action="store_true",
+                        help="search zero 0/1 only (the space before ZeRO-2/3 ran), to compare")
     args = parser.parse_args()
     cases = [c for c in SUITE if args.cases is None or c.key in args.cases]
     rows = []
     for case in cases:
-        rows.append(run_case(case))
+        rows.append(run_case(case, sharded_zero=not args.no_sharded_zero))
         print(f"done {case.key}: {rows[-1]['search_s']:.2f} s", file=sys.stderr)
     print_table(rows)
     out = {
