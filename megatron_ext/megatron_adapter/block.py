@@ -31,6 +31,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import sharded_state_dict_default
 from megatron.core.utils import make_viewless_tensor
 
+from megatron_ext.megatron_adapter.fsdp import layer_sharded_state_dict
 from megatron_ext.runtime.groups import PlanGroups
 from megatron_ext.runtime.layout import Layout
 from megatron_ext.runtime.redistribute import redistribute
@@ -172,7 +173,8 @@ class HeteroTransformerBlock(TransformerBlock):
         for build in self._builds:
             meta = {**(metadata or {}), "dp_cp_group": build.pg_collection.dp_cp}
             layer = self.layers[str(build.layer_idx)]
-            out.update(layer.sharded_state_dict(f"{prefix}layers.{build.layer_idx}.", (), meta))
+            out.update(layer_sharded_state_dict(  # ZeRO-2/3 layers: gathered tp shards
+                layer, f"{prefix}layers.{build.layer_idx}.", (), meta))
         if self.final_layernorm is not None:
             meta = {**(metadata or {}), "dp_cp_group": self.pg_collection.dp_cp}
             out.update(sharded_state_dict_default(self.final_layernorm, f"{prefix}final_layernorm.",

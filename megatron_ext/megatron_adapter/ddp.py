@@ -137,6 +137,11 @@ class HeteroDDP(_BaseDataParallel):
         for ddp in self._ddps:
             ddp.start_param_sync(force_sync=force_sync, force_dispatch=force_dispatch)
 
+    def reshard(self) -> None:
+        """ZeRO-2/3 layers drop gathered weights (after a forward-only pass)."""
+        for ddp in self.sharded:
+            ddp.reshard()
+
     def scale_gradients(self, scaling_factor: float) -> None:
         for ddp in self._ddps:
             ddp.scale_gradients(scaling_factor)

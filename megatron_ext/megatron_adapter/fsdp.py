@@ -41,8 +41,10 @@ from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-__all__ = ["ShardedLayers", "shard_root", "sharded_params"]
+__all__ = ["ShardedLayers", "layer_sharded_state_dict", "shard_full_state", "shard_root",
+           "sharded_params"]
 
 
 def _custom_attrs(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
@@ -116,17 +118,11 @@ class ShardedLayers(_BaseDataParallel):
         """This rank's shard of a parameter's summed gradient."""
         return None if param.grad is None else param.grad.to_local()
 
-    @contextlib.contextmanager
-    def gathered(self) -> Iterator[None]:
-        """Full (tensor-parallel shard) parameters registered on the layers while inside, e.g.
-        for a state dict in megatron's format; sharded again on exit."""
+    def reshard(self) -> None:
+        """Free gathered weights: a ZeRO-2 layer keeps them after a forward without backward
+        (evaluation) until its next backward."""
         for layer in self.layers:
-            layer.unshard()
-        try:
-            yield
-        finally:
-            for layer in self.layers:
-                layer.reshard()
+            layer.reshard()
 
 
 def shard_root(block: torch.nn.Module, classes: list[ShardedLayers]) -> None:
@@ -148,6 +144,49 @@ def shard_root(block: torch.nn.Module, classes: list[ShardedLayers]) -> None:
     for prev, nxt in zip(order, order[1:]):
         prev.set_modules_to_forward_prefetch([nxt])
         nxt.set_modules_to_backward_prefetch([prev])
+
+
+def layer_sharded_state_dict(layer: torch.nn.Module, *args: Any) -> dict:
+    """Checkpoint hook: `layer.sharded_state_dict(*args)` of a ZeRO-2/3 layer as if it were a
+    DDP layer: its FSDP2 shards are swapped for the full tensor-parallel shards (an all-gather
+    over the layer's dp_cp group) while megatron builds the state dict, so it saves and loads
+    under the same global keys, shapes and offsets, and checkpoints reshard to and from any
+    plan. (megatron's own DTensor path, utils.py:966, cuts dim 0 by dp rank, which is wrong for
+    the gated fc1 [gate; up] factory and for FSDP2's padded uneven shards.) Collective: every
+    rank of the stage calls it in the same order."""
+    if not isinstance(layer, FSDPModule):
+        return layer.sharded_state_dict(*args)
+    layer.reshard()  # e.g. a ZeRO-2 layer after a forward-only pass
+    swapped = []
+    for module in layer.modules():
+        for name, param in list(module._parameters.items()):
+            if isinstance(param, DTensor):
+                full = torch.nn.Parameter(param.full_tensor().detach(),
+                                          requires_grad=param.requires_grad)
+                for key, value in vars(param).items():
+                    if not key.startswith("_"):  # megatron's tp attributes, not DTensor's own
+                        setattr(full, key, value)
+                module._parameters[name] = full  # FSDP2 stays "sharded": its hook is a no-op
+                swapped.append((module, name, param))
+    try:
+        return layer.sharded_state_dict(*args)
+    finally:
+        for module, name, param in swapped:
+            module._parameters[name] = param
+
+
+def shard_full_state(module: torch.nn.Module, state_dict: dict) -> dict:
+    """Checkpoint hook for loading: full tensors of `state_dict` whose parameter in `module` is
+    an FSDP2 shard become that shard (cut locally, no communication)."""
+    params = dict(module.named_parameters())
+    out = dict(state_dict)
+    for key, value in state_dict.items():
+        param = params.get(key)
+        if isinstance(param, DTensor) and torch.is_tensor(value) and not isinstance(value,
+                                                                                  DTensor):
+            out[key] = distribute_tensor(value.to(param.dtype), param.device_mesh,
+                                         param.placements, src_data_rank=None)
+    return out
 
 
 def sharded_params(chunks: list[torch.nn.Module]) -> set[int]:

@@ -34,6 +34,7 @@ from megatron_ext.megatron_adapter.block import HeteroTransformerBlock, LayerBui
 from megatron_ext.megatron_adapter.cross_entropy import (
     group_vocab_parallel_cross_entropy,
 )
+from megatron_ext.megatron_adapter.fsdp import shard_full_state
 from megatron_ext.megatron_adapter.vocab.layers import VocabParallelLayers
 from megatron_ext.plan import ParallelPlan
 from megatron_ext.runtime.groups import PlanGroups
@@ -129,6 +130,12 @@ class HeteroGPTModel(GPTModel):
             replica_id=(1, 0, dist.get_rank(group)),  # a copy of the first stage's embedding
             allow_shape_mismatch=True, tp_group=self.tp_group, dp_cp_group=group,
         )
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """Full tensors (as checkpoints hold them) of ZeRO-2/3 layers are cut to their FSDP2
+        shards first (fsdp.shard_full_state)."""
+        return super().load_state_dict(shard_full_state(self, state_dict), strict=strict,
+                                       assign=assign)
 
     def local_tokens(self, tokens: torch.Tensor, *, at_input: bool = False) -> torch.Tensor:
         """This rank's `[b_loc, s_loc]` part of full `[b, s]` ids / labels / loss mask: the

@@ -77,6 +77,9 @@ def forward_backward(
         micro_batch_size=plan.micro_batch_size, forward_only=forward_only,
         pg_collection=inner.pg_collection, **kwargs,
     )
+    if forward_only:
+        for chunk in chunks:
+            getattr(chunk, "reshard", lambda: None)()  # ZeRO-2 weights gathered for forward
     return global_loss(inner, groups, reports)
 
 

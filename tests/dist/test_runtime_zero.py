@@ -14,6 +14,8 @@ All 4-rank plans share one spawn, all 8-rank plans another; the reference runs o
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 import warnings
 
@@ -65,9 +67,42 @@ def plans_8() -> dict:
     }
 
 
-def _run_plans(rank: int, world_size: int) -> dict:
+def _check_checkpoint_reshard(plan_a, plan_b, path: str) -> tuple[float, float]:
+    """Train `plan_a` 2 steps, save its model with megatron-core dist checkpointing, load it
+    under `plan_b` (other layouts and ZeRO levels): the forward loss on a batch is the same."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from megatron_ext.megatron_adapter.build import build_model
+    from megatron_ext.megatron_adapter.optimizer import build_optimizer
+    from megatron_ext.megatron_adapter.train_step import forward_backward, train_step
+    from tests.dist.runtime_parity import make_batches, opt_config
+
+    micro = make_batches(plan_a, 1, seed=3)[0]
+    chunks, groups = build_model(plan_a, seed=11)
+    optimizer = build_optimizer(chunks, opt_config(plan_a))
+    for _ in range(2):
+        train_step(chunks, optimizer, iter(micro), groups)
+    before = forward_backward(chunks, iter(micro), groups, forward_only=True)["loss"]
+    if dist.get_rank() == 0:
+        os.makedirs(path)
+    dist.barrier()
+    dist_checkpointing.save(chunks[0].sharded_state_dict(), path)
+    chunks_b, groups_b = build_model(plan_b, seed=5)  # other initial weights
+    loaded = dist_checkpointing.load(chunks_b[0].sharded_state_dict(), path)
+    chunks_b[0].module.load_state_dict(loaded, strict=True)
+    after = forward_backward(chunks_b, iter(micro), groups_b, forward_only=True)["loss"]
+    return before, after
+
+
+def _run_plans(rank: int, world_size: int, ckpt_dir: str | None = None) -> dict:
     warnings.filterwarnings("ignore")
-    from tests.dist.runtime_parity import make_batches, reference_run, run_plan
+    from tests.dist.runtime_parity import (
+        check_sharded_state_dict,
+        make_batches,
+        reference_run,
+        run_plan,
+    )
 
     plans = plans_8() if world_size == 8 else plans_4()
     refs: dict = {}
@@ -80,18 +115,32 @@ def _run_plans(rank: int, world_size: int) -> dict:
         result = run_plan(plan, ref=refs[key], seed=11, overlap="overlap" in name,
                           **TOLERANCES)
         out[name] = {**result, "seconds": time.perf_counter() - start}
+    if ckpt_dir is not None:  # checkpoints: global keys, and resharding both ways
+        mixed = plans["zero 2/0/3/1 mixed"]
+        check_sharded_state_dict(mixed)
+        other = dataclasses.replace(mixed, layers=(L(dp=4, zero=3), L(tp=2, dp=2, zero=2),
+                                                   L(tp=2, dp=2), L(dp=4, zero=1)))
+        before, after = _check_checkpoint_reshard(mixed, other, f"{ckpt_dir}/a")
+        back, again = _check_checkpoint_reshard(other, mixed, f"{ckpt_dir}/b")
+        out["checkpoint"] = {"losses": [before, after, back, again]}
     return out
 
 
 def _check(results: list[dict]) -> None:
+    checkpoint = results[0].pop("checkpoint", None)
+    if checkpoint is not None:  # same weights, summed in other orders: fp32 rounding only
+        before, after, back, again = checkpoint["losses"]
+        assert abs(after - before) <= 1e-5 * before and abs(again - back) <= 1e-5 * back, \
+            checkpoint
     for name, result in results[0].items():
         assert result["grads_compared"] > 0, name
         assert result["losses"][-1] < result["losses"][0] - 0.3, (name, result["losses"])
 
 
-def test_zero_parity_4_ranks() -> None:
-    """ZeRO-3 / ZeRO-2 alone, mixed 0/1/2/3, with recompute, CP, Ulysses, SP, PP and tying."""
-    _check(run_distributed(_run_plans, world_size=4, timeout_s=900))
+def test_zero_parity_4_ranks(tmp_path) -> None:
+    """ZeRO-3 / ZeRO-2 alone, mixed 0/1/2/3, with recompute, CP, Ulysses, SP, PP and tying;
+    checkpoint keys of a mixed plan, and a model checkpoint resharded between ZeRO levels."""
+    _check(run_distributed(_run_plans, world_size=4, timeout_s=900, ckpt_dir=str(tmp_path)))
 
 
 def test_zero_parity_8_ranks() -> None:

@@ -176,8 +176,9 @@ def _commit(root: Path, tmp: Path, iteration: int) -> None:
 
 
 def save_checkpoint(root: str | Path, backend: Any, scheduler: Any, state: TrainState,
-                    plan: ParallelPlan) -> Path:
-    """Write iteration `state.iteration` under `root`; returns the published directory."""
+                    plan: ParallelPlan, *, with_optimizer: bool = True) -> Path:
+    """Write iteration `state.iteration` under `root`; returns the published directory.
+    `with_optimizer=False`: Megatron-LM's --no-save-optim (weights, scheduler, RNG only)."""
     root = Path(root)
     tmp = root / f"iter_{state.iteration:07d}.tmp"
     if dist.get_rank() == 0:
@@ -185,7 +186,8 @@ def save_checkpoint(root: str | Path, backend: Any, scheduler: Any, state: Train
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
-    sd = _state_dict(backend, scheduler, state, plan, is_loading=False)
+    sd = _state_dict(backend, scheduler, state, plan, is_loading=False,
+                     with_optimizer=with_optimizer)
     dist_checkpointing.save(sd, str(tmp))
     dist.barrier()
     if dist.get_rank() == 0:

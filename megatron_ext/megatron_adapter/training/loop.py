@@ -135,7 +135,8 @@ def train(run: RunConfig, backend: Backend, scheduler: OptimizerParamScheduler,
                 backend, valid_data, batch.num_microbatches, eval_iters))
             state.consumed_valid_samples += eval_iters * batch.global_batch_size
         if save and save_interval and state.iteration % save_interval == 0:
-            save_checkpoint(save, backend, scheduler, state, plan)
+            save_checkpoint(save, backend, scheduler, state, plan,
+                            with_optimizer=not run.checkpoint.no_save_optim)
             last_saved = state.iteration
             reporter_info(reporter, f"saved checkpoint at iteration {state.iteration} "
                                     f"to {save}")
@@ -148,7 +149,8 @@ def train(run: RunConfig, backend: Backend, scheduler: OptimizerParamScheduler,
                                     "(--exit-duration-in-mins)")
             break
     if save and last_saved != state.iteration:
-        save_checkpoint(save, backend, scheduler, state, plan)
+        save_checkpoint(save, backend, scheduler, state, plan,
+                        with_optimizer=not run.checkpoint.no_save_optim)
         reporter_info(reporter, f"saved checkpoint at iteration {state.iteration} to {save}")
     reporter.close()
     return state

@@ -148,6 +148,8 @@ class CheckpointConfig:
     no_load_rng: bool
     finetune: bool
     exit_on_missing_checkpoint: bool
+    no_save_optim: bool = False
+    """Megatron-LM's --no-save-optim: checkpoints hold no optimizer state."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -322,7 +324,8 @@ def build_run_config(ns: argparse.Namespace, plan: ParallelPlan, *, cpu: bool,
         checkpoint=CheckpointConfig(
             save=ns.save, save_interval=ns.save_interval, load=ns.load,
             no_load_optim=bool(ns.no_load_optim), no_load_rng=bool(ns.no_load_rng),
-            finetune=ns.finetune, exit_on_missing_checkpoint=ns.exit_on_missing_checkpoint),
+            finetune=ns.finetune, exit_on_missing_checkpoint=ns.exit_on_missing_checkpoint,
+            no_save_optim=bool(ns.no_save_optim)),
         logging=LoggingConfig(log_interval=ns.log_interval, tensorboard_dir=ns.tensorboard_dir),
         tokenizer=tokenizer_config(ns),
         system=SystemConfig(seed=ns.seed, cpu=cpu,
