@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"{r['case']:<24}{r['median_wall_s']:>10.2f}{r['exit_code']:>6}")
     print(load.table())
-    print(load.verdict())
+    print(load.verdict("read them as an upper bound"))
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "repeats": args.repeats,
                                                "load": load.to_dict()}, indent=1) + "\n")

@@ -64,7 +64,7 @@ class LoadLog:
     def stable(self) -> bool:
         return self.swing() <= self.max_swing
 
-    def verdict(self) -> str:
+    def verdict(self, consequence: str = "figures not reported") -> str:
         """One line: the spread of the reference loop and the load average, and what it means."""
         refs = [c.reference_s * 1e3 for c in self.checkpoints]
         loads = [c.load_avg_1m for c in self.checkpoints]
@@ -72,8 +72,8 @@ class LoadLog:
                   f"load average {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores")
         if self.stable():
             return f"load steady: {spread}"
-        return (f"load changed during the run: {spread} (allowed {self.max_swing:.2f}x); the "
-                "profile and the measurements saw different machines, figures not reported")
+        return (f"load changed during the run: {spread} (allowed {self.max_swing:.2f}x); "
+                f"figures taken at different loads are not comparable, {consequence}")
 
     def to_dict(self) -> dict:
         return {"max_swing": self.max_swing, "swing": self.swing(), "stable": self.stable(),
