@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -52,6 +53,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InfeasiblePlanError as err:
         sys.stderr.write(f"megatron-ext: infeasible: {err}\n")
         return 3
+    except BrokenPipeError:  # `megatron-ext ... | head` closed our stdout: not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit flush
+        return 0
 
 
 if __name__ == "__main__":

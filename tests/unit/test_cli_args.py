@@ -117,3 +117,13 @@ def test_bad_input_exits_2_with_one_line(capsys: Any, argv: list[str], message: 
     code, out, err = run(capsys, *argv)
     assert code == 2 and out == ""
     assert len(err) == 1 and err[0].startswith(message), err
+
+
+def test_a_closed_pipe_ends_quietly():
+    """`megatron-ext flags --class no_effect | head -1` (~77 KB, more than a pipe buffer holds,
+    so the write really meets the closed pipe) prints one line and no BrokenPipeError."""
+    cmd = f"{sys.executable} -m megatron_ext.cli flags --class no_effect | head -1"
+    out = subprocess.run(cmd, shell=True, capture_output=True, text=True, check=False,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.count("\n") == 1 and "no effect here" in out.stdout
+    assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr
