@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 
 
 def add_training_groups(parser: argparse.ArgumentParser) -> None:
@@ -85,6 +86,15 @@ def _add_learning_rate(parser: argparse.ArgumentParser) -> None:
                    action="store_true")
 
 
+def _signal(name: str) -> signal.Signals:
+    """Megatron-LM's enum_type_handler for --exit-signal: a signal name such as SIGTERM."""
+    try:
+        return signal.Signals[name]
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"{name!r} is not a signal name (e.g. SIGTERM, "
+                                         "SIGUSR1)") from None
+
+
 def _add_run_length(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("run length and evaluation")
     g.add_argument("--train-iters", type=int, default=None)
@@ -94,6 +104,11 @@ def _add_run_length(parser: argparse.ArgumentParser) -> None:
                    help="plan and cost model use the final --global-batch-size")
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-duration-in-mins", type=int, default=None)
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on --exit-signal (and SIGINT): save at the end of the current step, "
+                        "exit 0")
+    g.add_argument("--exit-signal", type=_signal, default="SIGTERM",  # argparse converts it
+                   help="signal --exit-signal-handler catches, e.g. SIGTERM (default), SIGUSR1")
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--eval-interval", type=int, default=None)
     g.add_argument("--skip-train", action="store_true", default=False)
@@ -110,6 +125,8 @@ def _add_checkpointing(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", action="store_true", default=None)
     g.add_argument("--finetune", action="store_true")
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
+    g.add_argument("--ckpt-step", type=int, default=None,
+                   help="load this iteration from --load instead of the tracker file's")
     g.add_argument("--ckpt-format", default="torch_dist",
                    choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"])
     g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true")

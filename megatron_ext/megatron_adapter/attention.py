@@ -54,6 +54,9 @@ class SequenceParallelCoreAttention(MegatronModule):
         assert pg_collection is not None
         self.cp_group = pg_collection.cp
         self.ulysses_group = ulysses_group
+        # MegatronModule.sharded_state_dict reads parallel_state's tp group without it
+        # (module.py:82), which the layerwise runtime never initialises
+        self.tp_group = pg_collection.tp
 
     def forward(
         self,

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -44,6 +45,26 @@ from megatron_ext.runtime.vocab.layout import vocab_parallel_layout
 from megatron_ext.runtime.vocab_parallel import VocabCommGroups
 
 __all__ = ["HeteroGPTModel"]
+
+
+_VOCAB_KEYS = (("vocab.embedding.", "embedding.word_embeddings."),
+               ("vocab.position_embeddings.", "embedding.position_embeddings."),
+               ("vocab.output_layer.", "output_layer."))
+"""Vocabulary-parallel shards under GPTModel's checkpoint keys (same global shapes: rows of
+the padded vocabulary), so vocab_parallel and tp-vocabulary plans load each other."""
+
+
+def _stock_vocab_keys(sharded: dict, prefix: str) -> None:
+    sharded.pop(f"{prefix}vocab.output_layer._extra_state", None)  # as GPTModel drops its own
+
+    def rename(entry: Any) -> Any:
+        key = getattr(entry, "key", None)
+        for old, new in _VOCAB_KEYS:
+            if isinstance(key, str) and key.startswith(prefix + old):
+                entry.key = prefix + new + key[len(prefix + old):]
+        return entry
+
+    dict_list_map_inplace(rename, sharded)
 
 
 class HeteroGPTModel(GPTModel):
@@ -113,7 +134,10 @@ class HeteroGPTModel(GPTModel):
         sets each layer's); a caller's `dp_cp_group` (one group for a uniform model) is
         replaced."""
         metadata = {**(metadata or {}), "dp_cp_group": self.pg_collection.dp_cp}
-        return super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.vocab is not None:
+            _stock_vocab_keys(out, prefix)
+        return out
 
     def tie_embeddings_and_output_weights_state_dict(
         self, sharded_state_dict: dict, output_layer_weight_key: str,

@@ -1,6 +1,7 @@
 """A small on-disk training corpus for end-to-end tests (no downloads): JSONL documents, a
 byte-level BPE tokenizer trained on them (gpt2-vocab.json / gpt2-merges.txt), and the Megatron
-indexed dataset `corpus_text_document` written by tools/preprocess_data.py --append-eod."""
+indexed dataset `corpus_text_document` written by tools/preprocess_data.py (--append-eod unless
+asked not to)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def write_corpus(root: Path, docs: list[str]) -> list[str]:
+def write_corpus(root: Path, docs: list[str], *, append_eod: bool = True) -> list[str]:
     """Write `docs` under `root`, tokenise and index them; returns pretrain_gpt data flags
-    (--data-path, --tokenizer-type, --vocab-file, --merge-file)."""
+    (--data-path, --tokenizer-type, --vocab-file, --merge-file). Without `append_eod` the
+    documents run into each other with no end-of-document token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     (root / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
@@ -30,6 +32,6 @@ def write_corpus(root: Path, docs: list[str]) -> list[str]:
     subprocess.run(
         [sys.executable, str(REPO / "tools" / "preprocess_data.py"), "--input",
          str(root / "corpus.jsonl"), "--output-prefix", str(root / "corpus"), *tokenizer,
-         "--append-eod"],
+         *(["--append-eod"] if append_eod else [])],
         check=True, capture_output=True, text=True, timeout=300)
     return ["--data-path", str(root / "corpus_text_document"), *tokenizer]

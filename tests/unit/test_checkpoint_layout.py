@@ -1,6 +1,8 @@
-"""Which layerwise checkpoints can restore their optimizer state under another plan (pure)."""
+"""Which checkpoints can restore their optimizer state under another plan (pure)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
@@ -45,5 +47,12 @@ def test_a_different_chain_is_one_line_naming_the_fix() -> None:
     other = _plan((TP2, TP2, DP2, DP2), ((0, 2), (2, 4)), tp1)
     with pytest.raises(PlanError, match=r"\[1, 1\] gradient classes .* \[2, 1\].*--no-load-optim"):
         check_optimizer_layout(info, other, "ckpt")
-    # stock-format checkpoints hold one optimizer per rank, which megatron-core reshards
-    check_optimizer_layout({**info, "model_format": "megatron"}, other, "ckpt")
+    # one optimizer per rank on both sides (stock, FlexSP, or one gradient class per stage):
+    # megatron-core reshards it whatever the stages
+    stock_pp1 = dataclasses.replace(saved, pp=1, stages=((0, 4),),
+                                    layers=(LayerStrategy(tp=1, dp=4),) * 4, micro_batch_size=4)
+    stock_info = {"model_format": "megatron", "plan": stock_pp1.to_json()}
+    check_optimizer_layout(stock_info, saved, "ckpt")  # -> layerwise [1, 1]
+    check_optimizer_layout(info, stock_pp1, "ckpt")  # layerwise [1, 1] -> stock
+    with pytest.raises(PlanError, match=r"\[1\] gradient classes .* \[2, 1\]"):
+        check_optimizer_layout(stock_info, other, "ckpt")

@@ -43,8 +43,9 @@ class Backend:
     name: Literal["stock", "layerwise", "flexsp"]
     """Which backend built it (select.py decides)."""
     model_format: str = "megatron"
-    """Checkpoint key layout: "megatron" (stock GPTModel, Megatron-LM compatible) or
-    "layerwise" (the heterogeneous runtime's per-layer keys)."""
+    """Which optimizer chain the checkpoint's optimizer state has: "megatron" (one megatron-core
+    optimizer per rank: the stock and FlexSP backends) or "layerwise" (the layerwise runtime's
+    chain of one optimizer per gradient class). The tensors' keys are the same for both."""
 
     def sharded_state_dict(self, metadata: dict[str, Any]) -> dict[str, Any]:
         """Model state, keyed by global layer index so any plan can load it."""

@@ -2,8 +2,10 @@
 
 Layout (Megatron-LM's): `SAVE/iter_0000010/` (torch_dist shards + common.pt) and
 `SAVE/latest_checkpointed_iteration.txt`. A save writes into `iter_0000010.tmp/`, and only after
-every rank has finished does rank 0 rename it and then replace the tracker file atomically; a run
-killed mid-save therefore leaves the previous checkpoint as the latest complete one.
+every rank has finished does rank 0 write the manifest (checkpoint_files.py), rename the
+directory and then replace the tracker file atomically (never with an older iteration); a run
+killed mid-save therefore leaves the previous checkpoint as the latest complete one. Loading
+verifies the directory against its manifest first (`resolve_load`, before any process group).
 
 Tensors are keyed by global layer index (`decoder.layers.7...`), so a different TP/PP/DP layout
 reshards on load. RNG states are per rank and restored only when the plan is unchanged; the data
@@ -18,6 +20,7 @@ import logging
 import os
 import random
 import shutil
+import signal
 import threading
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -31,10 +34,17 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_ext.errors import PlanError
+from megatron_ext.megatron_adapter.training.checkpoint_files import (
+    TRACKER_FILE,
+    LoadTarget,
+    iteration_dir,
+    publish_tracker,
+    resolve_load,
+    write_manifest,
+)
 from megatron_ext.plan import ParallelPlan
 
 logger = logging.getLogger(__name__)
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version
 
 
@@ -50,21 +60,6 @@ class TrainState:
     """Validation samples read, all replicas together."""
     skipped_iterations: int = 0
     """Steps the fp16 loss scaler skipped; iteration - skipped = optimizer `step` count."""
-
-
-def iteration_dir(root: str | Path, iteration: int) -> Path:
-    return Path(root) / f"iter_{iteration:07d}"
-
-
-def read_tracker(root: str | Path) -> int | None:
-    """The last completely written iteration under `root`, or None when there is none."""
-    tracker = Path(root) / TRACKER_FILE
-    if not tracker.is_file():
-        return None
-    text = tracker.read_text().strip()
-    if not text.isdigit():
-        raise PlanError(f"{tracker} holds {text!r}, not an iteration number; fix or delete it")
-    return int(text)
 
 
 def _plan_fingerprint(plan: ParallelPlan) -> str:
@@ -109,16 +104,28 @@ def _optimizer_format(optimizer: Any) -> str:
     return "+".join(sorted(kinds))
 
 
-def _metadata(backend: Any, sharding: str = DISTOPT_SHARDING) -> dict[str, Any]:
-    """Megatron-LM's `_build_sharded_state_dict_metadata` (mcore_cpu.md section 8.3)."""
+LAYER_KEYS = "global"
+"""Recorded as megatron_ext.layer_keys: layers are saved as `decoder.layers.{i}.*` with the
+global layer index `i` in the key (megatron-core's `non_homogeneous_layers`,
+transformer_block.py:822), so a layer's tensors do not depend on which stage holds it or how
+its neighbours are sharded; the stock GPTModel, the layerwise runtime and FlexSP all write and
+read them. Checkpoints without the record (older megatron_ext, Megatron-LM) stack the layers
+into one tensor per weight, `decoder.layers.*` with a layer axis: only a uniform plan reads them."""
+
+
+def _metadata(backend: Any, sharding: str = DISTOPT_SHARDING, *,
+              global_layer_keys: bool = True) -> dict[str, Any]:
+    """Megatron-LM's `_build_sharded_state_dict_metadata` (mcore_cpu.md section 8.3), with
+    per-layer keys (`LAYER_KEYS`)."""
     return {"dp_cp_group": backend.dp_cp_group, "singleton_local_shards": False,
-            "chained_optim_avoid_prefix": True, "distrib_optim_sharding_type": sharding}
+            "chained_optim_avoid_prefix": True, "distrib_optim_sharding_type": sharding,
+            "non_homogeneous_layers": global_layer_keys}
 
 
 def _state_dict(backend: Any, scheduler: Any, state: TrainState, plan: ParallelPlan, *,
-                is_loading: bool, with_rng: bool = True,
-                with_optimizer: bool = True) -> dict[str, Any]:
-    metadata = _metadata(backend)
+                is_loading: bool, with_rng: bool = True, with_optimizer: bool = True,
+                global_layer_keys: bool = True) -> dict[str, Any]:
+    metadata = _metadata(backend, global_layer_keys=global_layer_keys)
     sd = backend.sharded_state_dict(metadata)
     if with_optimizer:
         sd["optimizer"] = backend.optimizer.sharded_state_dict(
@@ -130,14 +137,14 @@ def _state_dict(backend: Any, scheduler: Any, state: TrainState, plan: ParallelP
     sd["megatron_ext"] = {"plan": plan.to_json(), "fingerprint": _plan_fingerprint(plan),
                           "padded_vocab_size": backend.padded_vocab_size,
                           "optimizer_format": _optimizer_format(backend.optimizer),
-                          "model_format": backend.model_format}
+                          "model_format": backend.model_format, "layer_keys": LAYER_KEYS}
     if with_rng:
         rank, world = dist.get_rank(), dist.get_world_size()
         sd["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
     return sd
 
 
-def prewarm_checkpoint_writer() -> threading.Thread:
+def prewarm_checkpoint_writer(shield: tuple[int, ...] = ()) -> threading.Thread:
     """Start megatron-core's checkpoint results queue now, in the background.
 
     `FileSystemWriterAsync` sends write results through a spawn-context Manager
@@ -145,8 +152,20 @@ def prewarm_checkpoint_writer() -> threading.Thread:
     which made the first save of a run take 10-20 s on a busy CPU box. Putting a torch object
     through the queue while the model and datasets are being built moves that cost off the
     critical path. Later saves reuse the same queue.
+
+    `shield` (--exit-signal-handler: its signals): the Manager process is started here, with
+    those signals ignored, which it inherits; a preemption signal sent to every process of the
+    job (Slurm) then leaves it alive for the save that follows.
     """
     from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if shield:
+        previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in shield}
+        try:
+            filesystem_async._get_write_results_queue()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def warm() -> None:
         try:
@@ -163,16 +182,14 @@ def prewarm_checkpoint_writer() -> threading.Thread:
 
 def _commit(root: Path, tmp: Path, iteration: int) -> None:
     """Rank 0: publish a fully written checkpoint directory, then point the tracker at it."""
+    write_manifest(tmp, iteration)  # last: a manifest means every rank's files are complete
     final = iteration_dir(root, iteration)
     if final.exists():  # an older save of the same iteration (a re-run): replace it
         shutil.rmtree(final)
     os.replace(tmp, final)
-    tracker_tmp = root / (TRACKER_FILE + ".tmp")
-    with open(tracker_tmp, "w") as f:
-        f.write(str(iteration))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tracker_tmp, root / TRACKER_FILE)
+    if not publish_tracker(root, iteration):
+        logger.warning("%s under %s names a newer iteration than %d; left unchanged",
+                       TRACKER_FILE, root, iteration)
 
 
 def save_checkpoint(root: str | Path, backend: Any, scheduler: Any, state: TrainState,
@@ -196,13 +213,15 @@ def save_checkpoint(root: str | Path, backend: Any, scheduler: Any, state: Train
     return iteration_dir(root, state.iteration)
 
 
-def checkpoint_info(root: str | Path) -> dict[str, Any] | None:
-    """megatron_ext's record (plan, padded_vocab_size, model_format, ...) of the latest
-    checkpoint under `root`, or None when there is none."""
-    iteration = read_tracker(root)
-    if iteration is None:
+def checkpoint_info(target: LoadTarget | str | Path | None) -> dict[str, Any] | None:
+    """megatron_ext's record (plan, padded_vocab_size, model_format, ...) of the checkpoint
+    `target` names (checkpoint_files.resolve_load; a directory: its latest), or None when there
+    is none."""
+    if not isinstance(target, LoadTarget):
+        target = resolve_load(target)
+    if target is None:
         return None
-    common = dist_checkpointing.load_common_state_dict(str(iteration_dir(root, iteration)))
+    common = dist_checkpointing.load_common_state_dict(str(target.directory))
     return dict(common["megatron_ext"])
 
 
@@ -225,24 +244,52 @@ def gradient_class_counts(plan: ParallelPlan) -> tuple[int, ...]:
     return tuple(counts)
 
 
-def check_optimizer_layout(info: dict[str, Any], plan: ParallelPlan, root: str | Path) -> None:
-    """One-line PlanError when a layerwise checkpoint's optimizer state (`info`: its
-    checkpoint_info record) cannot be restored under `plan`; checked before any model group.
+def optimizer_chain(plan: ParallelPlan, model_format: str) -> tuple[int, ...]:
+    """Per pipeline stage, how many optimizers are chained on a rank of the backend that runs
+    `plan` (`model_format`: "layerwise" for the layerwise runtime, "megatron" for the stock
+    and FlexSP backends, which build one megatron-core optimizer per rank)."""
+    if model_format == "layerwise":
+        return gradient_class_counts(plan)
+    return (1,) * plan.pp
 
-    megatron-core's ChainedOptimizer keys its state by optimizer index and keeps param groups in
-    the checkpoint's common (rank-0) part, so it reloads only into the same chain per stage;
-    weights reshard under any plan (--no-load-optim keeps them and restarts the moments).
+
+def check_optimizer_layout(info: dict[str, Any], plan: ParallelPlan, root: str | Path) -> None:
+    """One-line PlanError when a checkpoint's optimizer state (`info`: its checkpoint_info
+    record) cannot be restored under `plan`; checked before any model group.
+
+    The moments are keyed by the parameters' own (global layer) keys, so they reshard like the
+    weights, and one optimizer per rank reloads under any plan (stock, FlexSP, or a layerwise
+    plan with one gradient class per stage); but megatron-core's ChainedOptimizer keeps one
+    entry per chained optimizer, with its param groups in the checkpoint's common (rank-0) part,
+    and reloads only into the same number of optimizers per stage (optimizer.py:1218). Weights
+    reshard under any plan (--no-load-optim keeps them and restarts the moments).
     """
-    if info.get("model_format", "megatron") != "layerwise":
-        return  # stock format: one optimizer per rank, resharded by megatron-core
+    from megatron_ext.megatron_adapter.training.stock_backend import stock_unsupported_reason
+
     saved = ParallelPlan.from_dict(json.loads(info["plan"]))
-    was, now = gradient_class_counts(saved), gradient_class_counts(plan)
-    if was != now:
+    runs_stock = plan.flexsp is not None or stock_unsupported_reason(plan) is None
+    was = optimizer_chain(saved, info.get("model_format", "megatron"))
+    now = optimizer_chain(plan, "megatron" if runs_stock else "layerwise")
+    if was != now and not (set(was) == set(now) == {1}):
         raise PlanError(
             f"--load={root} holds optimizer state of a plan with {list(was)} gradient classes "
             f"per pipeline stage, this plan has {list(now)}; megatron-core's chained optimizer "
             "cannot reshard between them: add --no-load-optim (weights still load) or resume "
             "under the saved plan")
+
+
+def check_layer_keys(info: dict[str, Any], plan: ParallelPlan, root: str | Path) -> None:
+    """One-line PlanError when a checkpoint with stacked layer keys (`LAYER_KEYS`) is loaded
+    under a plan the stock backend cannot run."""
+    from megatron_ext.megatron_adapter.training.stock_backend import stock_unsupported_reason
+
+    reason = stock_unsupported_reason(plan)
+    if info.get("layer_keys") != LAYER_KEYS and reason is not None and plan.flexsp is None:
+        raise PlanError(
+            f"--load={root} stacks its layers into one tensor per weight (written by Megatron-LM "
+            f"or an older megatron_ext); this plan needs the layerwise runtime ({reason}), "
+            "which reads per-layer keys: resume it once under a uniform plan and save, then "
+            "load that checkpoint")
 
 
 def _inner_optimizers(optimizer: Any) -> list[Any]:
@@ -313,16 +360,13 @@ def _fix_adam_step(optimizer: Any, num_steps: int) -> None:
                                        if torch.is_tensor(step) else num_steps)
 
 
-def load_checkpoint(root: str | Path, backend: Any, scheduler: Any, plan: ParallelPlan, *,
-                    load_optimizer: bool = True, load_rng: bool = True) -> TrainState | None:
-    """Restore the latest checkpoint under `root`; None (and nothing changed) when there is none."""
-    iteration = read_tracker(root)
-    if iteration is None:
-        if dist.get_rank() == 0:
-            logger.warning("no %s under --load=%s; starting from scratch", TRACKER_FILE, root)
-        return None
-    ckpt_dir = str(iteration_dir(root, iteration))
+def load_checkpoint(target: LoadTarget, backend: Any, scheduler: Any, plan: ParallelPlan, *,
+                    load_optimizer: bool = True, load_rng: bool = True) -> TrainState:
+    """Restore the checkpoint `target` names (checkpoint_files.resolve_load verified it)."""
+    root, iteration = target.root, target.iteration
+    ckpt_dir = str(target.directory)
     common = dist_checkpointing.load_common_state_dict(ckpt_dir)
+    global_layer_keys = common["megatron_ext"].get("layer_keys") == LAYER_KEYS
     same_plan = common["megatron_ext"]["fingerprint"] == _plan_fingerprint(plan)
     with_rng = load_rng and same_plan
     saved_format = common["megatron_ext"]["optimizer_format"]
@@ -334,7 +378,7 @@ def load_checkpoint(root: str | Path, backend: Any, scheduler: Any, plan: Parall
     if load_optimizer:
         _ensure_distopt_state(backend.optimizer)
     sd = _state_dict(backend, scheduler, TrainState(), plan, is_loading=True, with_rng=with_rng,
-                     with_optimizer=load_optimizer)
+                     with_optimizer=load_optimizer, global_layer_keys=global_layer_keys)
     loaded = dist_checkpointing.load(sd, ckpt_dir)
     backend.load_model_state(loaded)
     state = TrainState(**loaded["train_state"])

@@ -24,6 +24,7 @@ from megatron_ext.errors import PlanError
 from megatron_ext.flags.parser import parse_megatron_args
 from megatron_ext.flags.schedule import check_schedule_flags
 from megatron_ext.megatron_adapter.training import console
+from megatron_ext.megatron_adapter.training.checkpoint_files import check_checkpoints
 
 logger = logging.getLogger("megatron_ext.pretrain")
 
@@ -53,6 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parse_megatron_args(argv, world_size=int(os.environ.get("WORLD_SIZE", "1")))
         check_supported(args)
+        target = check_checkpoints(args)  # verified --load, no rollback of --save
     except PlanError as err:
         return console.report_user_error(str(err), rank=rank)
     console.install_warning_filters(cpu=bool(getattr(args, "cpu", False)))
@@ -65,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_device(args)
         from megatron_ext.megatron_adapter.training.pretrain import launch
 
-        return launch(args, start_time_s=start_time_s)
+        return launch(args, start_time_s=start_time_s, target=target)
     except PlanError as err:
         return console.report_user_error(str(err))
     except Exception as err:

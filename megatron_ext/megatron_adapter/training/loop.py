@@ -22,6 +22,7 @@ from megatron_ext.megatron_adapter.training.checkpoint import (
     save_checkpoint,
 )
 from megatron_ext.megatron_adapter.training.data import MicroBatchIterator
+from megatron_ext.megatron_adapter.training.preemption import install_exit_signal_handler
 from megatron_ext.megatron_adapter.training.rampup import global_batch_size_at
 from megatron_ext.megatron_adapter.training.report import Reporter
 from megatron_ext.megatron_adapter.training.run_config import RunConfig
@@ -113,6 +114,7 @@ def train(run: RunConfig, backend: Backend, scheduler: OptimizerParamScheduler,
     save_interval, last_saved = run.checkpoint.save_interval, state.iteration
     for chunk in backend.model:
         chunk.train()
+    handler = install_exit_signal_handler(sched.exit_signals, backend)  # None: no handler
     while state.iteration < sched.train_iters:
         start_s = time.perf_counter()
         global_batch = global_batch_size_at(batch, state.consumed_train_samples)
@@ -140,6 +142,11 @@ def train(run: RunConfig, backend: Backend, scheduler: OptimizerParamScheduler,
             last_saved = state.iteration
             reporter_info(reporter, f"saved checkpoint at iteration {state.iteration} "
                                     f"to {save}")
+        received = handler.received() if handler is not None else None
+        if received is not None:  # Megatron-LM: save at the end of this step, exit 0
+            reporter_info(reporter, f"received {received.name}: exiting after iteration "
+                                    f"{state.iteration} (--exit-signal-handler)")
+            break
         if sched.exit_interval and state.iteration % sched.exit_interval == 0:
             reporter_info(reporter, f"exiting at iteration {state.iteration} (--exit-interval)")
             break
@@ -152,6 +159,8 @@ def train(run: RunConfig, backend: Backend, scheduler: OptimizerParamScheduler,
         save_checkpoint(save, backend, scheduler, state, plan,
                         with_optimizer=not run.checkpoint.no_save_optim)
         reporter_info(reporter, f"saved checkpoint at iteration {state.iteration} to {save}")
+    if handler is not None:
+        handler.release()
     reporter.close()
     return state
 

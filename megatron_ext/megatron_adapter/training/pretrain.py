@@ -23,11 +23,13 @@ from megatron_ext.errors import PlanError
 from megatron_ext.flags.to_plan import plan_from_megatron_args
 from megatron_ext.megatron_adapter.training.checkpoint import (
     TrainState,
+    check_layer_keys,
     check_optimizer_layout,
     checkpoint_info,
     load_checkpoint,
     prewarm_checkpoint_writer,
 )
+from megatron_ext.megatron_adapter.training.checkpoint_files import LoadTarget
 from megatron_ext.megatron_adapter.training.data import build_datasets
 from megatron_ext.megatron_adapter.training.loop import build_scheduler, train
 from megatron_ext.megatron_adapter.training.run_config import (
@@ -156,38 +158,42 @@ def _check_sharded_zero_checkpoints(config: RunConfig, load_optimizer: bool) -> 
                         "is not restored yet; add --no-load-optim")
 
 
-def run(config: RunConfig, tokenizer: Any, *, start_time_s: float | None = None) -> TrainState:
-    """Train as `config` says; the process group is initialised."""
+def run(config: RunConfig, tokenizer: Any, *, start_time_s: float | None = None,
+        target: LoadTarget | None = None) -> TrainState:
+    """Train as `config` says, from the checkpoint `target` (checkpoint_files.check_checkpoints
+    verified it before the process group); the process group is initialised."""
     plan, ckpt = config.plan, config.checkpoint
     _log_startup(config, tokenizer)
-    if ckpt.save:
-        prewarm_checkpoint_writer()
-    info = checkpoint_info(ckpt.load) if ckpt.load else None
+    if ckpt.save:  # shielded from the exit signals: the save after one needs the writer
+        prewarm_checkpoint_writer(config.schedule.exit_signals)
+    info = checkpoint_info(target)
     load_optimizer = not (ckpt.no_load_optim or ckpt.finetune)
-    if info is not None and load_optimizer:
-        check_optimizer_layout(info, plan, ckpt.load)
+    if info is not None:
+        check_layer_keys(info, plan, ckpt.load)
+        if load_optimizer:
+            check_optimizer_layout(info, plan, ckpt.load)
     _check_sharded_zero_checkpoints(config, load_optimizer and info is not None)
     backend = build_backend(config, _padded_vocab(config, tokenizer.vocab_size, info),
-                            model_format=info.get("model_format", "megatron") if info else None,
                             eod=tokenizer.eod if plan.flexsp is not None else None)
     scheduler = build_scheduler(config, backend.optimizer)
     state = TrainState()
-    if ckpt.load:
+    if target is not None:
         loaded = load_checkpoint(
-            ckpt.load, backend, scheduler, plan, load_optimizer=load_optimizer,
+            target, backend, scheduler, plan, load_optimizer=load_optimizer,
             load_rng=not (ckpt.no_load_rng or ckpt.finetune))
-        if loaded is None and ckpt.exit_on_missing_checkpoint:
-            raise PlanError(f"--load={ckpt.load} holds no checkpoint "
-                            "(--exit-on-missing-checkpoint)")
-        state = TrainState() if ckpt.finetune or loaded is None else loaded
+        state = TrainState() if ckpt.finetune else loaded
+    elif ckpt.load and dist.get_rank() == 0:
+        logger.warning("no checkpoint under --load=%s; starting from scratch", ckpt.load)
     datasets = build_datasets(config, tokenizer)
     return train(config, backend, scheduler, datasets, state,
                  start_time_s=time.time() if start_time_s is None else start_time_s)
 
 
-def launch(args: argparse.Namespace, *, start_time_s: float | None = None) -> int:
+def launch(args: argparse.Namespace, *, start_time_s: float | None = None,
+           target: LoadTarget | None = None) -> int:
     """Join the process group, derive the plan, train; `args` are parsed and checked (entry.py).
-    `start_time_s`: when the job started (--exit-duration-in-mins counts from it).
+    `start_time_s`: when the job started (--exit-duration-in-mins counts from it); `target`:
+    the verified checkpoint to load (checkpoint_files.check_checkpoints), if any.
 
     A PlanError propagates to the entry point, which prints it once."""
     start_time_s = time.time() if start_time_s is None else start_time_s
@@ -196,7 +202,8 @@ def launch(args: argparse.Namespace, *, start_time_s: float | None = None) -> in
         tokenizer = tokenizer_from_config(tokenizer_config(args))
         plan = plan_from_megatron_args(args, dist.get_world_size(),
                                        vocab_size=tokenizer.vocab_size)
-        run(run_config_from_args(args, plan), tokenizer, start_time_s=start_time_s)
+        run(run_config_from_args(args, plan), tokenizer, start_time_s=start_time_s,
+            target=target)
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()

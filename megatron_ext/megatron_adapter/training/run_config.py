@@ -18,6 +18,7 @@ Three batch counts, three names:
 from __future__ import annotations
 
 import argparse
+import signal
 from dataclasses import dataclass
 from typing import Literal
 
@@ -116,6 +117,8 @@ class ScheduleConfig:
     override_opt_param_scheduler: bool
     exit_interval: int | None
     exit_duration_in_mins: int | None
+    exit_signals: tuple[int, ...]
+    """--exit-signal-handler: --exit-signal and SIGINT save and stop the run; else empty."""
     eval_interval: int | None
     eval_iters: int
 
@@ -144,6 +147,8 @@ class CheckpointConfig:
     save: str | None
     save_interval: int | None
     load: str | None
+    ckpt_step: int | None
+    """--ckpt-step: the iteration loaded from --load instead of the tracker file's."""
     no_load_optim: bool
     no_load_rng: bool
     finetune: bool
@@ -252,6 +257,14 @@ def rampup_train_iters(batch: BatchConfig, train_samples: int) -> int:
     return iterations
 
 
+def _exit_signals(ns: argparse.Namespace) -> tuple[int, ...]:
+    """With --exit-signal-handler: --exit-signal (Megatron-LM's default SIGTERM) and SIGINT
+    (Ctrl-C), as training/preemption.py catches them; nothing without it."""
+    if not ns.exit_signal_handler:
+        return ()
+    return tuple(dict.fromkeys((signal.Signals(ns.exit_signal), signal.SIGINT)))
+
+
 def _schedule(ns: argparse.Namespace, batch: BatchConfig) -> ScheduleConfig:
     gbs = batch.global_batch_size
     if ns.train_iters:  # iteration counts in samples, as get_optimizer_param_scheduler does
@@ -284,7 +297,7 @@ def _schedule(ns: argparse.Namespace, batch: BatchConfig) -> ScheduleConfig:
         use_checkpoint_opt_param_scheduler=ns.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=ns.override_opt_param_scheduler,
         exit_interval=ns.exit_interval, exit_duration_in_mins=ns.exit_duration_in_mins,
-        eval_interval=ns.eval_interval, eval_iters=ns.eval_iters,
+        exit_signals=_exit_signals(ns), eval_interval=ns.eval_interval, eval_iters=ns.eval_iters,
     )
 
 
@@ -322,7 +335,7 @@ def build_run_config(ns: argparse.Namespace, plan: ParallelPlan, *, cpu: bool,
             reset_position_ids=ns.reset_position_ids,
             reset_attention_mask=ns.reset_attention_mask, eod_mask_loss=ns.eod_mask_loss),
         checkpoint=CheckpointConfig(
-            save=ns.save, save_interval=ns.save_interval, load=ns.load,
+            save=ns.save, save_interval=ns.save_interval, load=ns.load, ckpt_step=ns.ckpt_step,
             no_load_optim=bool(ns.no_load_optim), no_load_rng=bool(ns.no_load_rng),
             finetune=ns.finetune, exit_on_missing_checkpoint=ns.exit_on_missing_checkpoint,
             no_save_optim=bool(ns.no_save_optim)),

@@ -88,15 +88,14 @@ BACKEND_SETTINGS: tuple[BackendSetting, ...] = (
 )
 
 
-def select_backend(run: RunConfig, *, model_format: str | None = None) -> str:
-    """"stock", "layerwise" or "flexsp" for this run (see the module docstring).
-
-    `model_format`: the format of the checkpoint to be loaded ("layerwise" checkpoints resume on
-    the layerwise runtime even under a uniform plan)."""
+def select_backend(run: RunConfig) -> str:
+    """"stock", "layerwise" or "flexsp" for this run (see the module docstring). The three write
+    and read one checkpoint format (checkpoint.py), so a checkpoint being loaded does not
+    decide it."""
     plan = run.plan
     if plan.flexsp is not None:
         return "flexsp"
-    if model_format == "layerwise" or stock_unsupported_reason(plan) is not None:
+    if stock_unsupported_reason(plan) is not None:
         return "layerwise"
     if plan.layers[0].cp > 1 and not run.model.use_transformer_engine:
         return "layerwise"
@@ -112,29 +111,15 @@ def check_backend_settings(run: RunConfig, backend: str) -> None:
                             f"plan runs on: {fix}")
 
 
-def build_backend(run: RunConfig, padded_vocab: int, *, model_format: str | None = None,
-                  eod: int | None = None) -> Backend:
-    """The backend `select_backend` picks, after `check_backend_settings`.
-
-    `model_format` is the format of the checkpoint to be loaded: a "megatron" one cannot be
-    loaded by the layerwise runtime yet (the two key layouts differ). `eod` (the tokenizer's
-    end-of-document id) is needed by FlexSP plans, which cut samples into documents.
-    """
-    plan = run.plan
-    name = select_backend(run, model_format=model_format)
+def build_backend(run: RunConfig, padded_vocab: int, *, eod: int | None = None) -> Backend:
+    """The backend `select_backend` picks, after `check_backend_settings`. `eod` (the
+    tokenizer's end-of-document id) is needed by FlexSP plans, which cut samples into
+    documents."""
+    name = select_backend(run)
     check_backend_settings(run, name)
-    if name == "flexsp":  # its checkpoints use GPTModel's keys: any format but layerwise
-        if model_format == "layerwise":
-            raise PlanError("--load holds a layerwise-runtime checkpoint; a FlexSP plan loads "
-                            "only stock (megatron) checkpoints")
+    if name == "flexsp":
         assert eod is not None, "FlexSP plans need the tokenizer's eod id"
         return build_flexsp_backend(run, padded_vocab, eod)
     if name == "stock":
         return build_stock_backend(run, padded_vocab)
-    if model_format == "megatron":
-        reason = stock_unsupported_reason(plan) or "context parallelism without transformer-engine"
-        raise PlanError(f"--load holds a checkpoint of a uniform (stock megatron-core) plan, "
-                        f"but this plan needs the layerwise runtime ({reason}), whose checkpoint "
-                        "layout differs; start from a uniform plan, or convert is not supported "
-                        "yet")
     return build_runtime_backend(run, padded_vocab)
