@@ -13,10 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_ext.megatron_adapter.training.preemption import (
-    ExitSignalHandler,
-    exit_signals,
-)
+from megatron_ext.megatron_adapter.training.preemption import ExitSignalHandler
+from megatron_ext.megatron_adapter.training.run_config import _exit_signals
 
 
 @pytest.fixture
@@ -32,8 +30,8 @@ def world() -> None:
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_sets_a_flag_and_release_restores(world: None, sig: signal.Signals) -> None:
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
-    handler = ExitSignalHandler(exit_signals(argparse.Namespace(exit_signal=signal.SIGTERM)),
-                                torch.device("cpu")).install()
+    handler = ExitSignalHandler(_exit_signals(argparse.Namespace(
+        exit_signal_handler=True, exit_signal=signal.SIGTERM)), torch.device("cpu")).install()
     try:
         assert handler.received() is None
         os.kill(os.getpid(), sig)  # the process survives: the handler only records it
@@ -45,6 +43,10 @@ def test_signal_sets_a_flag_and_release_restores(world: None, sig: signal.Signal
 
 
 def test_exit_signal_flag_picks_the_signal() -> None:
-    assert exit_signals(argparse.Namespace(exit_signal=signal.SIGUSR1)) == (signal.SIGUSR1,
-                                                                            signal.SIGINT)
-    assert exit_signals(argparse.Namespace(exit_signal=signal.SIGINT)) == (signal.SIGINT,)
+    def signals(**flags: object) -> tuple[int, ...]:
+        return _exit_signals(argparse.Namespace(**flags))
+
+    assert signals(exit_signal_handler=False, exit_signal=signal.SIGTERM) == ()
+    assert signals(exit_signal_handler=True, exit_signal=signal.SIGUSR1) == (signal.SIGUSR1,
+                                                                             signal.SIGINT)
+    assert signals(exit_signal_handler=True, exit_signal=signal.SIGINT) == (signal.SIGINT,)
