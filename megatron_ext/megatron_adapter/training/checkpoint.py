@@ -34,6 +34,7 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_ext.errors import PlanError
+from megatron_ext.megatron_adapter.ddp import vocab_zero
 from megatron_ext.megatron_adapter.training.checkpoint_files import (
     TRACKER_FILE,
     LoadTarget,
@@ -237,9 +238,9 @@ def gradient_class_counts(plan: ParallelPlan) -> tuple[int, ...]:
     for stage, (start, end) in enumerate(plan.stages):
         keys = {(s.tp, s.zero) for s in plan.layers[start:end]}
         if stage == plan.pp - 1:  # final norm (and the output layer unless vocab-parallel)
-            keys.add((plan.vocab.tp, plan.layers[end - 1].zero))
+            keys.add((plan.vocab.tp, vocab_zero(plan.layers[end - 1].zero)))
         if (stage == 0 and not vocab_parallel) or vocab_parallel:  # embedding / vocab shards
-            keys.add((plan.vocab.tp, plan.layers[start].zero))
+            keys.add((plan.vocab.tp, vocab_zero(plan.layers[start].zero)))
         counts.append(len(keys))
     return tuple(counts)
 
