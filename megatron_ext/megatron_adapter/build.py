@@ -208,6 +208,8 @@ def build_model(
             init_vocab_plan_invariant(model.vocab, model.config, seed)
     elif init != "megatron":
         raise ValueError(f"init={init!r} must be 'plan_invariant' or 'megatron'")
+    if plan.precision == "bf16":  # every parameter, norms included, as Float16Module does
+        model.bfloat16()
     if not wrap_ddp:
         return [model], groups
     chunk = HeteroDDP(model, ddp_config or DistributedDataParallelConfig())

@@ -14,8 +14,11 @@ honoured by the chosen backend or refused with one line before any model is buil
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch.distributed as dist
 
 from megatron_ext.errors import PlanError
 from megatron_ext.megatron_adapter.training.backend import Backend
@@ -30,6 +33,7 @@ from megatron_ext.megatron_adapter.training.stock_backend import (
 __all__ = ["BACKEND_SETTINGS", "BackendSetting", "build_backend", "check_backend_settings",
            "select_backend"]
 
+logger = logging.getLogger(__name__)
 BACKENDS = ("stock", "layerwise", "flexsp")
 
 
@@ -117,6 +121,8 @@ def build_backend(run: RunConfig, padded_vocab: int, *, eod: int | None = None) 
     documents."""
     name = select_backend(run)
     check_backend_settings(run, name)
+    if dist.get_rank() == 0:
+        logger.info("backend: %s", name)
     if name == "flexsp":
         assert eod is not None, "FlexSP plans need the tokenizer's eod id"
         return build_flexsp_backend(run, padded_vocab, eod)
