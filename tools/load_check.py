@@ -17,7 +17,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 REFERENCE_ITERATIONS = 300_000
-"""About 20-40 ms of one core on the project's CPU machine when nothing else runs."""
+"""About 16 ms of one core on the project's CPU machine when a core is free (docs/benchmarks.md)."""
 
 
 def reference_loop_s(repeats: int = 5) -> float:
