@@ -176,8 +176,10 @@ def finalize_grads(
 
     DP reduction per class; SP layernorm grads over each class's tp group; tied embedding grads
     over the first/last-stage embedding group; grads divided by the global token count.
-    `num_tokens` is the step's global loss-token count, as `losses.loss_func` reports it on
-    the last stage (each rank holds the full loss mask); it is broadcast along the pipeline.
+    `num_tokens` is this rank's loss-token count, as `losses.loss_func` reports it on the last
+    stage (its `[b_loc, s_loc]` tokens); it is summed over the last stage's distinct token
+    blocks (its dp_cp group, as megatron-core's finalize_model_grads does) and broadcast along
+    the pipeline.
     """
     chunk = model[0]
     chunk.finish_grad_sync(force_all_reduce=force_all_reduce)
@@ -186,8 +188,10 @@ def finalize_grads(
     inner: HeteroGPTModel = chunk.module
     if inner.groups.embd is not None:
         _allreduce_word_embedding_grads(model, inner.config, inner.groups.embd, inner.groups.pp)
-    if num_tokens is not None:  # the step's global loss-token count, known on the last stage
+    if num_tokens is not None:  # this rank's loss tokens on the last stage
         total = num_tokens.detach().to(torch.float64).reshape(1)
+        if inner.groups.stage == inner.plan.pp - 1:
+            dist.all_reduce(total, group=inner.decoder.pg_collection.dp_cp)
         if inner.plan.pp > 1:
             last = dist.get_global_rank(inner.groups.pp, inner.plan.pp - 1)
             dist.broadcast(total, src=last, group=inner.groups.pp)

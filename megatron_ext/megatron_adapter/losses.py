@@ -9,8 +9,9 @@ its per-token losses cover; a `BatchView` says that:
 - `stock_view(cp_group)`: stock GPTModel: the batch cut to this context-parallel rank
   (`get_batch_on_this_cp_rank`), the local loss-token count (megatron-core's schedule and
   `finalize_model_grads` normalise);
-- `layerwise_view`: the layerwise runtime's `HeteroGPTModel` takes the micro-batch and slices
-  its part per layer layout; the count is the micro-batch's (each rank holds its loss mask);
+- `layerwise_view`: the layerwise runtime's `HeteroGPTModel` takes the rows this rank read
+  (`model.batch_shard`) and slices its part per layer layout; the local loss-token count
+  (`ddp.finalize_grads` sums it over the last stage's token blocks);
 - `vocab_view`: the same model as a body stage under vocabulary parallelism (input via
   `set_input_tensor`; losses of its vocabulary block).
 FlexSP cuts samples into documents and runs its own step (flexsp/model.py); it uses `loss_func`'s
@@ -103,14 +104,14 @@ def layerwise_view(batch: Batch, model: torch.nn.Module
     if not inner.post_process:
         return inputs, None, None
     mask = inner.local_tokens(batch["loss_mask"])  # [b_loc, s_loc]
-    return inputs, mask, batch["loss_mask"].sum()
+    return inputs, mask, None  # finalize_grads sums the counts over the token blocks
 
 
 def vocab_view(batch: Batch, model: torch.nn.Module
                ) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
     inner = _inner(model)
     mask = inner.vocab_tokens(batch["loss_mask"])  # [b_loc, s_loc]
-    return {"position_ids": batch.get("position_ids")}, mask, batch["loss_mask"].sum()
+    return {"position_ids": batch.get("position_ids")}, mask, None
 
 
 def global_loss(inner: HeteroGPTModel, groups: PlanGroups, reports: list[dict]

@@ -98,6 +98,9 @@ class HeteroGPTModel(GPTModel):
         self.vocab: VocabParallelLayers | None = None
         """vocab.mode vocab_parallel: this rank's shards of both vocabulary layers."""
         self.vocab_groups: VocabCommGroups | None = None
+        self.batch_shard: tuple[int, int] = (0, 1)
+        """(index, count): the batches this stage gets hold rows [index*b/count,
+        (index+1)*b/count) of each micro-batch (training/runtime_backend.py sets it)."""
         self.decoder = HeteroTransformerBlock(
             config, builds=builds, groups=groups, input_layout=input_layout,
             output_layout=output_layout, final_norm=final_norm,
@@ -114,7 +117,8 @@ class HeteroGPTModel(GPTModel):
     def vocab_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Full `[b, s]` ids / labels / loss mask -> this rank's `[b_loc, s_loc]` part in the
         vocabulary passes' layout (runtime/vocab/layout.py)."""
-        return local_tokens(tokens, vocab_parallel_layout(self.plan), self.groups.local_rank)
+        return local_tokens(tokens, vocab_parallel_layout(self.plan), self.groups.local_rank,
+                            self.batch_shard)
 
     def _add_vocab_positions(self, position_ids: torch.Tensor | None, seq_length: int) -> None:
         """First stage under vocabulary parallelism with learned absolute positions: the stage
@@ -122,7 +126,7 @@ class HeteroGPTModel(GPTModel):
         position embeddings, as megatron's LanguageModelEmbedding adds them."""
         hidden = self.decoder.input_tensor  # [s_loc, b_loc, h]
         if position_ids is None:
-            batch = hidden.shape[1] * vocab_parallel_layout(self.plan).dp
+            batch = hidden.shape[1] * vocab_parallel_layout(self.plan).dp // self.batch_shard[1]
             position_ids = torch.arange(seq_length, device=hidden.device).expand(batch, -1)
         positions = self.vocab_tokens(position_ids)  # [b_loc, s_loc]
         pos = self.vocab.position_embeddings(positions).transpose(0, 1)  # [s_loc, b_loc, h]
@@ -166,7 +170,8 @@ class HeteroGPTModel(GPTModel):
         tokens the output layer sees (its input is SP-gathered), or with `at_input` the tokens
         the embedding looks up (it reduce-scatters to SP itself)."""
         layout = self.decoder.input_layout if at_input else self.decoder.output_layout
-        return local_tokens(tokens, layout.attention_layout(), self.groups.local_rank)
+        return local_tokens(tokens, layout.attention_layout(), self.groups.local_rank,
+                            self.batch_shard)
 
     def forward(  # type: ignore[override]
         self,

@@ -209,6 +209,18 @@ def local_block(full: torch.Tensor, layout: Layout, rank: int) -> torch.Tensor:
     return full.index_select(0, positions)[:, lo:hi].contiguous()  # [s_loc, b_loc, h]
 
 
-def local_tokens(tokens: torch.Tensor, layout: Layout, rank: int) -> torch.Tensor:
-    """Batch-first `[b, s]` token ids (or masks) -> this rank's `[b_loc, s_loc]` part."""
-    return local_block(tokens.transpose(0, 1), layout, rank).transpose(0, 1).contiguous()
+def local_tokens(tokens: torch.Tensor, layout: Layout, rank: int,
+                 shard: tuple[int, int] = (0, 1)) -> torch.Tensor:
+    """Batch-first `[b, s]` token ids (or masks) -> this rank's `[b_loc, s_loc]` part.
+
+    `shard = (index, count)`: `tokens` holds only rows [index*b/count, (index+1)*b/count) of the
+    micro-batch (the part this rank read); its block must lie inside them."""
+    index, count = shard
+    if count == 1:
+        return local_block(tokens.transpose(0, 1), layout, rank).transpose(0, 1).contiguous()
+    rows = tokens.shape[0]  # b/count
+    lo, hi = layout.batch_range(rank, rows * count)
+    lo, hi = lo - index * rows, hi - index * rows
+    assert 0 <= lo and hi <= rows, (shard, layout, rank)
+    positions = torch.tensor(layout.positions(rank, tokens.shape[1]), device=tokens.device)
+    return tokens[lo:hi].index_select(1, positions).contiguous()  # [b_loc, s_loc]

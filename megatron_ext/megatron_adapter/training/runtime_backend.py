@@ -2,18 +2,20 @@
 
 `build_model(plan, config)` builds this rank's stage with per-layer strategies, `build_optimizer`
 one megatron-core optimizer per gradient class, and `forward_backward` drives megatron-core's
-schedules with the plan's stage shapes and losses.forward_step. Every rank of a stage reads the
-whole micro-batch (`DataShard(0, 1)`); the model slices its part per layer layout.
+schedules with the plan's stage shapes and losses.forward_step. Each rank reads only the rows of
+every micro-batch its stage's token layouts give it (`data_shard`); the model slices its part.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterator
 
 import torch.distributed as dist
 
 from megatron_ext.megatron_adapter.build import build_model
+from megatron_ext.megatron_adapter.model import HeteroGPTModel
 from megatron_ext.megatron_adapter.optimizer import build_optimizer
 from megatron_ext.megatron_adapter.train_step import forward_backward
 from megatron_ext.megatron_adapter.training.backend import Backend
@@ -24,6 +26,26 @@ from megatron_ext.megatron_adapter.training.model_config import (
     run_transformer_config,
 )
 from megatron_ext.megatron_adapter.training.run_config import RunConfig
+from megatron_ext.runtime.vocab.layout import vocab_parallel_layout
+
+
+def data_shard(model: HeteroGPTModel) -> DataShard | None:
+    """The rows of each micro-batch this rank reads, or None when its stage reads no tokens.
+
+    The layouts whose tokens the stage takes (embedding input on the first stage, loss on the
+    last; the vocabulary layout on every stage under vocabulary parallelism) cut the batch into
+    dp_l contiguous blocks, data-parallel rank outermost (runtime/layout.py); the blocks of
+    g = gcd(dp_l) nest them all, so the rank reads block local_rank * g // stage_width."""
+    plan, groups = model.plan, model.groups
+    if plan.vocab.mode == "vocab_parallel":
+        layouts = [vocab_parallel_layout(plan)]
+    else:
+        layouts = ([model.decoder.input_layout] if model.pre_process else []) + (
+            [model.decoder.output_layout] if model.post_process else [])
+    if not layouts:
+        return None
+    count = math.gcd(*(layout.dp for layout in layouts))
+    return DataShard(index=groups.local_rank * count // plan.stage_width, count=count)
 
 
 def build_runtime_backend(run: RunConfig, padded_vocab: int) -> Backend:
@@ -37,6 +59,10 @@ def build_runtime_backend(run: RunConfig, padded_vocab: int) -> Backend:
                                  seed=run.system.seed, use_te=run.model.use_transformer_engine,
                                  make_vocab_size_divisible_by=1, model_options=run.model)
     optimizer = build_optimizer(chunks, optimizer_config(run, use_distributed_optimizer=False))
+    inner: HeteroGPTModel = chunks[0].module
+    shard = data_shard(inner)
+    if shard is not None:
+        inner.batch_shard = (shard.index, shard.count)
     check_nan = run.optimizer.check_for_nan_in_loss_and_grad
 
     def step(data: Iterator | None, num_microbatches: int, forward_only: bool) -> float:
@@ -45,7 +71,8 @@ def build_runtime_backend(run: RunConfig, padded_vocab: int) -> Backend:
 
     return Backend(
         model=list(chunks), optimizer=optimizer, config=chunks[0].module.config,
-        shard=DataShard(index=0, count=1), rank_micro_batch_size=plan.micro_batch_size,
-        needs_data=True, dp_cp_group=dist.group.WORLD, name="layerwise",
+        shard=shard or DataShard(index=0, count=1),
+        rank_micro_batch_size=plan.micro_batch_size // (shard.count if shard else 1),
+        needs_data=shard is not None, dp_cp_group=dist.group.WORLD, name="layerwise",
         forward_backward=step, padded_vocab_size=padded_vocab, model_format="layerwise",
     )
