@@ -12,7 +12,8 @@ torch and megatron-core are imported).
 import sys
 
 # The guard is required, and the import sits inside it: megatron-core's checkpoint writer starts
-# a spawn-context Manager whose child re-imports this file (mcore_cpu.md section 8.2); keeping
+# a spawn-context Manager whose child re-imports this file
+# (megatron/core/dist_checkpointing/strategies/filesystem_async.py:54); keeping
 # the import here makes that child start in milliseconds instead of re-importing megatron-core.
 if __name__ == "__main__":
     from megatron_ext.megatron_adapter.training.entry import main

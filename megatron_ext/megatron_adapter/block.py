@@ -3,7 +3,8 @@
 Legend: s = sequence, b = micro-batch (all replicas), h = hidden; local blocks `[s_loc, b_loc, h]`
 per `runtime/layout.py` (e.g. `[s/tp, b/dp, h]` under SP).
 
-Subclasses megatron-core's `TransformerBlock` only where a hook is missing (mcore.md section 2.5):
+Subclasses megatron-core's `TransformerBlock` only where a hook is missing (docs/design.md,
+Runtime):
 `_build_layers` builds each stock `TransformerLayer` with its own config and
 `ProcessGroupCollection`; `forward` inserts `redistribute` between runs of equal layouts, gives
 each layout its own rotary table (positions of its sequence chunks) and applies full recompute

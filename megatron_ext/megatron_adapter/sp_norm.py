@@ -151,7 +151,8 @@ def gpt_block_spec(
     """This stage's GPT block spec (layer slice + final norm) via `get_gpt_decoder_block_spec`.
 
     With the local spec and SP, both the layer norms and the block's `final_layernorm`
-    (`TransformerBlockSubmodules.layer_norm`) become `SPNorm` (mcore.md section 3).
+    (`TransformerBlockSubmodules.layer_norm`) become `SPNorm`
+    (megatron/core/models/gpt/gpt_layer_specs.py).
     """
     if use_transformer_engine is None:
         use_transformer_engine = have_transformer_engine()

@@ -1,7 +1,7 @@
 """`run_distributed`: run a function on N gloo CPU processes and surface their results or errors.
 
 Importable (not under tests/) so any test tier, example or tool can use it; it imports no
-megatron. Robustness over STYLE.md snippet 5 (plain `mp.spawn`):
+megatron. Robustness over a plain `mp.spawn`:
 
 - a wall-clock `timeout_s` for the whole run (imports included), and a separate, shorter
   `collective_timeout_s` given to the gloo process group, so a hung collective raises inside the

@@ -3,7 +3,7 @@
 Each CUDA hard-code met on the CPU/gloo path is handled by one named patch; its builder's
 docstring names the megatron-core 0.16.1 `file:line` sites (paths relative to megatron/core/)
 it addresses. The catalogue, the verified minimal sets and the reasoning are in
-`/work/shared/reference/mcore_cpu.md` section 7 and in `patches/README.md`.
+`patches/README.md`.
 
 Usage (order matters for the module-attribute patches `causal_mask` and `rng`)::
 

@@ -49,7 +49,8 @@ class Backend:
 
     def sharded_state_dict(self, metadata: dict[str, Any]) -> dict[str, Any]:
         """Model state, keyed by global layer index so any plan can load it."""
-        # `.module`: DDP has no sharded_state_dict override (mcore_cpu.md section 8.3).
+        # `.module`: DDP has no sharded_state_dict override (megatron/core/distributed/
+        # data_parallel_base.py `_BaseDataParallel`): the wrapper would prefix every key.
         if len(self.model) == 1:
             return {"model": self.model[0].module.sharded_state_dict(metadata=metadata)}
         return {f"model{i}": chunk.module.sharded_state_dict(metadata=metadata)

@@ -93,7 +93,7 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 # The distributed optimizer's state is saved in the layout-independent format, so a checkpoint
 # loads under any other plan (Megatron-LM's --dist-ckpt-optim-fully-reshardable). Its default
 # `dp_reshardable` only survives a change of the DP degree; `fully_sharded_model_space` fails in
-# 0.16.1 (mcore_cpu.md section 8.4).
+# 0.16.1 ("ShardedTensor.flattened_range is not supported", dist_checkpointing/mapping.py:134).
 DISTOPT_SHARDING = "fully_reshardable"
 
 
@@ -116,7 +116,7 @@ into one tensor per weight, `decoder.layers.*` with a layer axis: only a uniform
 
 def _metadata(backend: Any, sharding: str = DISTOPT_SHARDING, *,
               global_layer_keys: bool = True) -> dict[str, Any]:
-    """Megatron-LM's `_build_sharded_state_dict_metadata` (mcore_cpu.md section 8.3), with
+    """Megatron-LM's `_build_sharded_state_dict_metadata` (megatron/training/checkpointing.py), with
     per-layer keys (`LAYER_KEYS`)."""
     return {"dp_cp_group": backend.dp_cp_group, "singleton_local_shards": False,
             "chained_optim_avoid_prefix": True, "distrib_optim_sharding_type": sharding,
@@ -317,7 +317,7 @@ def _tolerate_missing_step(optimizer: Any) -> Iterator[None]:
 
     The checkpoint holds param/exp_avg/exp_avg_sq per parameter, but the copy loop copies every
     key of the live state, including torch Adam's per-parameter `step`, and raises
-    KeyError('step') (distrib_optimizer.py:940, mcore_cpu.md section 8.5). For the duration of
+    KeyError('step') (megatron/core/optimizer/distrib_optimizer.py:940). For the duration of
     the load, `step` is set aside around each copy; `_fix_adam_step` sets it afterwards.
     """
     patched = []
@@ -349,7 +349,8 @@ def _tolerate_missing_step(optimizer: Any) -> Iterator[None]:
 
 def _fix_adam_step(optimizer: Any, num_steps: int) -> None:
     """Set torch Adam's per-parameter `step` lost by the distributed optimizer's load
-    (mcore_cpu.md section 8.5): every parameter has been stepped `num_steps` times."""
+    (distrib_optimizer.py:940 restores exp_avg/exp_avg_sq, not `step`): every parameter has been
+    stepped `num_steps` times."""
     for opt in _inner_optimizers(optimizer):
         inner = getattr(opt, "optimizer", None)
         if inner is None or not hasattr(inner, "state"):
@@ -384,7 +385,7 @@ def load_checkpoint(target: LoadTarget, backend: Any, scheduler: Any, plan: Para
     backend.load_model_state(loaded)
     state = TrainState(**loaded["train_state"])
     if load_optimizer:
-        # no_grad: distopt copies into views of leaf params (mcore_cpu.md 8.5)
+        # no_grad: distopt copies into views of leaf params (distrib_optimizer.py:940)
         with torch.no_grad(), _tolerate_missing_step(backend.optimizer):
             backend.optimizer.load_state_dict(loaded["optimizer"])
         if "distributed" in saved_format:

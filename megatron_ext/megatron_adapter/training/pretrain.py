@@ -1,7 +1,7 @@
 """Entry of `examples/pretrain_gpt.py`: Megatron-LM flags in, a trained (and saved) model out.
 
-Order (mcore_cpu.md section 7.2): init the process group, apply the CPU patches when running on
-gloo, derive the plan, build tokenizer -> model/optimizer -> scheduler, load a checkpoint, build
+Order (patches/README.md, "At runtime"): init the process group, apply the CPU patches when
+running on gloo, derive the plan, build tokenizer -> model/optimizer -> scheduler, load a checkpoint, build
 datasets, train. The flags arrive parsed and checked by entry.py, which also prints errors.
 """
 

@@ -3,8 +3,8 @@
 Between two tabulated quantiles (p_i, q_i) and (p_j, q_j) a uniform u is mapped to
 exp(lerp(ln q_i, ln q_j)) (log-length interpolated linearly in probability). Below the lowest
 published quantile (p10) the tail is extrapolated with the log-normal fit of ln(length), shifted
-so it meets the table at p10, and clamped to >= 1 token. Tables: /work/shared/data/
-seq_length_quantiles.json (FlexSP's Wikipedia length file; a WLB-LLM-like 128K-context set).
+so it meets the table at p10, and clamped to >= 1 token. Tables: the quantile
+tables below (FlexSP's Wikipedia length file; a WLB-LLM-like 128K-context set).
 
 `github_like` is synthetic: the WLB-LLM-like body with probability 1 - TAIL_WEIGHT and a Pareto
 tail (x_min 32K, shape TAIL_SHAPE) otherwise, tuned so about 16% of tokens come from sequences
