@@ -1,8 +1,9 @@
 """Entry of `examples/pretrain_gpt.py`: Megatron-LM flags in, a trained (and saved) model out.
 
 Order (patches/README.md, "At runtime"): init the process group, apply the CPU patches when
-running on gloo, derive the plan, build tokenizer -> model/optimizer -> scheduler, load a checkpoint, build
-datasets, train. The flags arrive parsed and checked by entry.py, which also prints errors.
+running on gloo, derive the plan, build tokenizer -> model/optimizer -> scheduler, load a
+checkpoint, build datasets, train. The flags arrive parsed and checked by entry.py, which also
+prints errors.
 """
 
 from __future__ import annotations
