@@ -49,7 +49,7 @@ def plan_from_megatron_args(
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise PlanError(f"world size {world_size!r} must be a positive integer")
     if ns.strategy_config is not None:
-        plan = _load_plan(ns.strategy_config)
+        plan = getattr(ns, "strategy_plan", None) or _load_plan(ns.strategy_config)
         _check_world(plan, world_size, ns.strategy_config)
         return plan
     model = model_from_args(ns, vocab_size=vocab_size)
@@ -254,9 +254,11 @@ def apply_strategy_config(ns: argparse.Namespace, defaults: argparse.ArgumentPar
 
     `defaults` is the parser that read `ns` (its defaults stand for flags not given).
     Values the plan varies per layer become None so no code mistakes a Megatron default for them.
+    The loaded plan is kept as `ns.strategy_plan`, so the file is read once per parse.
     """
     path = ns.strategy_config
     plan = _load_plan(path)
+    ns.strategy_plan = plan
     if world_size is not None:
         _check_world(plan, world_size, path)
     view = megatron_values(plan).values

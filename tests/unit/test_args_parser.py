@@ -238,6 +238,23 @@ def test_layout_parser_matches_megatron_core() -> None:
         assert [[names[c] for c in stage] for stage in ours] == theirs, text
 
 
+def test_strategy_config_is_read_once(tmp_path: Path, monkeypatch: Any) -> None:
+    """Parsing and deriving the plan read the --strategy-config file once, not once each."""
+    path = tmp_path / "plan.json"
+    path.write_text((PLANS_DIR / "llama2-7b_hetero_pp2.json").read_text())
+    reads: list[object] = []
+    original = ParallelPlan.load.__func__
+
+    def counting_load(cls: type, source: object) -> ParallelPlan:
+        reads.append(source)
+        return original(cls, source)
+
+    monkeypatch.setattr(ParallelPlan, "load", classmethod(counting_load))
+    ns = parse_megatron_args(["--strategy-config", str(path), "--lr", "3e-4"], world_size=8)
+    plan = plan_from_megatron_args(ns, 8)
+    assert len(reads) == 1 and plan is ns.strategy_plan
+
+
 def test_strategy_config_fills_and_checks(tmp_path: Path) -> None:
     src = PLANS_DIR / "llama2-7b_hetero_pp2.json"
     path = tmp_path / "plan.json"

@@ -258,10 +258,9 @@ def check_checkpoints(args: Any) -> LoadTarget | None:
     """The verified checkpoint `--load [--ckpt-step]` names (None: start from scratch), after
     refusing a rollback of `--save` and honouring --exit-on-missing-checkpoint; file checks
     only, run on every rank before torch is imported."""
-    load = getattr(args, "load", None)
-    target = resolve_load(load, getattr(args, "ckpt_step", None))
-    check_no_rollback(load=load, save=getattr(args, "save", None), target=target,
-                      finetune=bool(getattr(args, "finetune", False)))
-    if target is None and load and getattr(args, "exit_on_missing_checkpoint", False):
+    load = args.load
+    target = resolve_load(load, args.ckpt_step)
+    check_no_rollback(load=load, save=args.save, target=target, finetune=bool(args.finetune))
+    if target is None and load and args.exit_on_missing_checkpoint:
         raise PlanError(f"--load={load} holds no checkpoint (--exit-on-missing-checkpoint)")
     return target

@@ -36,7 +36,7 @@ def check_supported(args: argparse.Namespace) -> None:
 
 def check_device(args: argparse.Namespace) -> None:
     """Without --cpu the run needs CUDA (NCCL), as Megatron-LM's does; say so in one line."""
-    if getattr(args, "cpu", False):
+    if args.cpu:
         return
     import torch
 
@@ -57,11 +57,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         target = check_checkpoints(args)  # verified --load, no rollback of --save
     except PlanError as err:
         return console.report_user_error(str(err), rank=rank)
-    console.install_warning_filters(cpu=bool(getattr(args, "cpu", False)))
+    console.install_warning_filters(cpu=bool(args.cpu))
     console.setup_logging(rank=rank,
-                          level=console.logging_level(getattr(args, "logging_level", None)))
+                          level=console.logging_level(args.logging_level))
     if rank == 0:
-        for note in getattr(args, "no_effect_notes", ()):  # flags/catalog.py: once, with why
+        for note in args.no_effect_notes:  # flags/catalog.py: once, with why
             logger.info(note)
     try:
         check_device(args)
