@@ -8,8 +8,9 @@ the ones logged as having no effect here, is passed as the source has it. Each r
 log a finite loss every iteration, and print the no-effect notes for the flags that have them.
 
 - examples/train_gpt3_175b_distributed: GPT-3 (learned positions, LayerNorm, gelu), tp 8 -> 2,
-  pp 16 -> 2, --fp16 kept. Its --rampup-batch-size is refused (not implemented yet), so that one
-  flag is dropped and a separate test checks the refusal.
+  pp 16 -> 2, --fp16 kept. It combines --rampup-batch-size with iteration-based --train-iters,
+  which Megatron-LM's own validate_args refuses ("expected no batch-size rampup for
+  iteration-based training"), so that one flag is dropped and a separate test checks the refusal.
 - modelopt_conf/meta-llama__Llama-3.1-8B-Instruct plus the training flags a launcher adds:
   RoPE base 500000 with Llama 3 scaling, GQA, SwiGLU, RMSNorm, untied embeddings.
 - functional_tests/gpt3_mcore_tp1_pp2: a GPT functional-test config with its logging, rerun and
@@ -113,12 +114,15 @@ def _torchrun(argv: list[str]) -> subprocess.CompletedProcess[str]:
 
 
 def test_rampup_is_refused_before_training(corpus: list[str], tmp_path: Path) -> None:
+    """As in Megatron-LM: batch-size ramp-up needs sample-based training, one line, no launch."""
     from megatron_ext.errors import PlanError
     from megatron_ext.flags.parser import parse_megatron_args
+    from megatron_ext.flags.schedule import check_schedule_flags
 
     argv = scale_down(_source("examples/train_gpt3_175b_distributed"), corpus, tmp_path)
-    with pytest.raises(PlanError, match=r"^--rampup-batch-size 16 16 5859375: batch-size "):
-        parse_megatron_args([*argv, "--rampup-batch-size", "16", "16", "5859375"])
+    ns = parse_megatron_args([*argv, "--rampup-batch-size", "16", "16", "5859375"])
+    with pytest.raises(PlanError, match=r"^--rampup-batch-size needs sample-based training"):
+        check_schedule_flags(ns)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
