@@ -91,6 +91,32 @@ def test_other_ranks_stay_quiet_and_every_rank_writes_the_error_file(tmp_path: P
         assert int(data["extraInfo"]["timestamp"]) > 0
 
 
+def test_other_local_ranks_exit_after_local_rank0_reported(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun ends the job at the first exit: a rank 1 that parsed first must not stop rank 0
+    before it printed the line (seen in CI: the line was missing from the output)."""
+    import threading
+    import time
+
+    for rank in (0, 1):
+        (tmp_path / str(rank)).mkdir()
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "1" / "error.json"))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("RANK", "1")
+    rank0 = threading.Timer(0.5, (tmp_path / "0" / "error.json").write_text, args=("{}",))
+    start = time.monotonic()
+    rank0.start()
+    assert console.report_user_error("bad flag") == 2
+    assert time.monotonic() - start >= 0.45  # waited for rank 0's file
+    assert (tmp_path / "1" / "error.json").exists()
+    # A rank 0 that never reports: the wait is bounded.
+    (tmp_path / "0" / "error.json").unlink()
+    monkeypatch.setattr(console, "RANK0_WAIT_S", 0.2)
+    start = time.monotonic()
+    assert console.report_user_error("bad flag") == 2
+    assert 0.15 <= time.monotonic() - start < 5
+
+
 def test_no_cpu_flag_without_cuda_is_refused_in_one_line(tmp_path: Path) -> None:
     """A Megatron-LM user without --cpu means GPUs; no silent fall-back to gloo on CPU."""
     flags = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",

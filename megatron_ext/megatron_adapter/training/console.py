@@ -17,7 +17,10 @@ argument errors come back in well under a second).
 - Errors: a user error (PlanError) is one line on stderr from one rank and, on every rank that
   hit it, torchrun's error file (TORCHELASTIC_ERROR_FILE, the JSON layout of torch's
   `torch/distributed/elastic/multiprocessing/errors/error_handler.py`), so the root-cause block
-  torchrun prints last shows that line instead of "To enable traceback see ...".
+  torchrun prints last shows that line instead of "To enable traceback see ...". The other local
+  ranks exit only after local rank 0 has written its error file (or after `RANK0_WAIT_S`):
+  torchrun stops the whole job at the first exit, and a rank 1 that finished parsing first would
+  otherwise end the run before rank 0 printed the line.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ import time
 import warnings
 
 PROG = "pretrain_gpt.py"
+# How long a local rank other than 0 waits for local rank 0 to report the same error: parsing
+# takes ~0.1 s alone and a few seconds on an overloaded machine; a rank 0 that did not hit the
+# error never writes the file, and the rank then exits after this bound.
+RANK0_WAIT_S = 20.0
 
 # (message regex, category): third-party warnings with nothing for a user to do.
 KNOWN_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
@@ -143,7 +150,24 @@ def report_user_error(message: str, *, rank: int | None = None) -> int:
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
     write_error_file(f"PlanError: {message}", line)
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
+        _wait_for_local_rank0_report()
     return 2
+
+
+def _wait_for_local_rank0_report() -> None:
+    """Until local rank 0's error file exists (torchrun gives each local rank the file
+    `<attempt dir>/<local rank>/error.json`), at most RANK0_WAIT_S seconds."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    rank_dir = os.path.dirname(path)
+    rank0_file = os.path.join(os.path.dirname(rank_dir), "0", os.path.basename(path))
+    if os.path.basename(rank_dir) == "0":
+        return
+    deadline = time.monotonic() + RANK0_WAIT_S
+    while not os.path.exists(rank0_file) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def write_error_file(message: str, shown: str) -> None:
