@@ -56,11 +56,20 @@ class LayerStrategy:
     optimizer states sharded (weights gathered once per micro-batch), 3 = fully sharded."""
     recompute: Recompute = "none"
     """Activation recomputation: none, selective (core attention) or full (the whole layer)."""
+    ep: int = 1
+    """MoE layers only: expert-parallel degree (--expert-model-parallel-size); the routed experts
+    are split over ep ranks and tokens reach them by all-to-all."""
+    etp: int | None = None
+    """MoE layers only: expert tensor-parallel degree (--expert-tensor-parallel-size); None means
+    tp, Megatron-LM's default. The experts' data-parallel degree follows:
+    width / (ep * etp) (Megatron-Core's MoE parallel folding)."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "cp", "ulysses", "dp"):
+        for name in ("tp", "cp", "ulysses", "dp", "ep"):
             if getattr(self, name) < 1:
                 raise PlanError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.etp is not None and self.etp < 1:
+            raise PlanError(f"etp={self.etp} must be >= 1 (or left out: etp = tp)")
         if self.sp and self.tp == 1:
             raise PlanError("sp=true needs tp > 1; set sp=false or raise tp")
         if self.zero not in ZERO_CHOICES:
@@ -74,16 +83,32 @@ class LayerStrategy:
         """Ranks one replica-set of this layer spans: tp * cp * ulysses * dp."""
         return self.tp * self.cp * self.ulysses * self.dp
 
+    @property
+    def expert_tp(self) -> int:
+        """Expert tensor-parallel degree: etp, or tp when etp is not given."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """Replicas of each expert (MoE layers): width / (ep * expert_tp)."""
+        return self.width // (self.ep * self.expert_tp)
+
+    @property
+    def has_expert_dims(self) -> bool:
+        return self.ep != 1 or self.etp is not None
+
     def describe(self) -> str:
         parts = [f"tp{self.tp}" + ("+sp" if self.sp else "")]
         parts += [f"cp{self.cp}"] if self.cp > 1 else []
         parts += [f"uly{self.ulysses}"] if self.ulysses > 1 else []
         parts += [f"dp{self.dp}" + (f"/z{self.zero}" if self.zero else "")]
+        parts += [f"ep{self.ep}"] if self.ep > 1 else []
+        parts += [f"etp{self.etp}"] if self.etp is not None else []
         parts += [] if self.recompute == "none" else [f"rc:{self.recompute}"]
         return " ".join(parts)
 
 
-_STRATEGY_KEYS = frozenset({"tp", "sp", "cp", "ulysses", "dp", "zero", "recompute"})
+_STRATEGY_KEYS = frozenset({"tp", "sp", "cp", "ulysses", "dp", "zero", "recompute", "ep", "etp"})
 
 
 def _strategy_from_dict(data: Any, path: str) -> LayerStrategy:
@@ -98,6 +123,8 @@ def _strategy_from_dict(data: Any, path: str) -> LayerStrategy:
             zero=get_int(data, "zero", path, default=0),
             recompute=get_str(data, "recompute", path, default="none",
                               choices=RECOMPUTE_CHOICES),  # type: ignore[arg-type]
+            ep=get_int(data, "ep", path, default=1),
+            etp=get_int(data, "etp", path) if data.get("etp") is not None else None,
         )
     except PlanError as err:
         if str(err).startswith(path):
@@ -106,8 +133,13 @@ def _strategy_from_dict(data: Any, path: str) -> LayerStrategy:
 
 
 def _strategy_to_dict(strategy: LayerStrategy) -> dict[str, Any]:
-    return {k: getattr(strategy, k) for k in ("tp", "sp", "cp", "ulysses", "dp", "zero",
-                                              "recompute")}
+    out = {k: getattr(strategy, k) for k in ("tp", "sp", "cp", "ulysses", "dp", "zero",
+                                             "recompute")}
+    if strategy.ep != 1:  # the expert keys only where set: dense plans keep their JSON
+        out["ep"] = strategy.ep
+    if strategy.etp is not None:
+        out["etp"] = strategy.etp
+    return out
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

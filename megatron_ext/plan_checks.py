@@ -67,6 +67,7 @@ def check_plan(plan: ParallelPlan) -> None:
     for start, end, strategy in plan.layer_runs():
         label = f"layers[{start}]" if end - start == 1 else f"layers[{start}:{end}]"
         _check_layer(plan, strategy, label, start)
+        _check_experts(plan, strategy, start, end)
     _check_batch(plan)
     _check_vocab(plan)
     _check_flexsp(plan)
@@ -141,6 +142,34 @@ def _check_layer(plan: ParallelPlan, s: LayerStrategy, label: str, first: int) -
             f"seq_length={plan.seq_length} is not divisible by {chunks}, the sequence chunks of "
             f"{label} (tp if sp) * ulysses * (2*cp if cp>1); change seq_length or the degrees"
         )
+
+
+def _check_experts(plan: ParallelPlan, s: LayerStrategy, start: int, end: int) -> None:
+    """ep/etp on MoE layers only, and the rules megatron-core's MoELayer asserts."""
+    model = plan.model
+    moe_layers = [i for i in range(start, end) if model.is_moe_layer(i)]
+    if s.has_expert_dims and len(moe_layers) < end - start:
+        dense = next(i for i in range(start, end) if not model.is_moe_layer(i))
+        raise PlanError(
+            f"layers[{dense}] is a dense layer but has ep={s.ep}, etp={s.etp}; expert degrees "
+            "apply to MoE layers only (model.moe.layer_freq): drop ep/etp there"
+        )
+    if not moe_layers or model.moe is None:
+        return
+    label = f"layers[{start}]" if end - start == 1 else f"layers[{start}:{end}]"
+    if model.moe.num_experts % s.ep:
+        raise PlanError(f"{label}.ep={s.ep} does not divide model.moe.num_experts="
+                        f"{model.moe.num_experts}; use a divisor")
+    if s.width % (s.ep * s.expert_tp):
+        raise PlanError(f"{label}: ep*etp={s.ep * s.expert_tp} does not divide the layer's "
+                        f"{s.width} ranks (tp*cp*ulysses*dp); lower ep or etp")
+    ffn = model.moe.expert_ffn_hidden_size(model)
+    if ffn % s.expert_tp:
+        raise PlanError(f"{label}.etp={s.expert_tp} does not divide the expert FFN width {ffn}")
+    if s.tp > 1 and not s.sp:
+        # megatron-core 0.16.1 moe_layer.py:379-383 refuses MoE with tp > 1 without SP.
+        raise PlanError(f"{label} is an MoE layer with tp={s.tp} but sp=false; megatron-core's "
+                        "MoE layer needs sequence parallelism with tensor parallelism: set sp")
 
 
 def _check_batch(plan: ParallelPlan) -> None:

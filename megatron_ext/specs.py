@@ -22,6 +22,7 @@ from megatron_ext.schema import (
 Activation = Literal["gelu", "swiglu"]
 Normalization = Literal["LayerNorm", "RMSNorm"]
 PositionEmbedding = Literal["rope", "learned_absolute"]
+ScoreFunction = Literal["softmax", "sigmoid"]
 MAX_NUM_LAYERS = 100_000
 """Upper bound on ModelSpec.num_layers (the largest published models have a few hundred)."""
 
@@ -72,6 +73,8 @@ class ModelSpec:
     """Llama 3.x RoPE frequency scaling (--use-rope-scaling)."""
     rope_scaling_factor: float = 8.0
     """Its factor (--rope-scaling-factor; Llama 3.1: 8, Llama 3.2: 32)."""
+    moe: MoESpec | None = None
+    """Mixture-of-Experts shape; None for a dense model."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -95,6 +98,20 @@ class ModelSpec:
                 raise PlanError(f"model.{name}={getattr(self, name)} must be > 0")
         if self.rotary_base < 1:
             raise PlanError(f"model.rotary_base={self.rotary_base} must be >= 1")
+        if self.moe is not None:
+            freq = self.moe.layer_freq
+            if not isinstance(freq, int) and len(freq) != self.num_layers:
+                raise PlanError(f"model.moe.layer_freq has {len(freq)} entries but num_layers="
+                                f"{self.num_layers}; give one 1/0 per layer")
+            if not any(self.is_moe_layer(i) for i in range(self.num_layers)):
+                raise PlanError("model.moe.layer_freq makes no layer MoE; drop model.moe for a "
+                                "dense model")
+            if self.add_bias_linear:
+                # megatron-core 0.16.1 mlp.py:247 fails on expert biases at EP=1; Megatron-LM's
+                # MoE recipes all use --disable-bias-linear.
+                raise PlanError("model.add_bias_linear=true with model.moe: megatron-core's "
+                                "experts do not train with linear biases; use "
+                                "--disable-bias-linear (add_bias_linear=false)")
         if self.kv_channels == 0 and self.hidden_size % self.num_attention_heads:
             raise PlanError(
                 f"model.hidden_size={self.hidden_size} is not a multiple of "
@@ -105,8 +122,17 @@ class ModelSpec:
     def head_dim(self) -> int:
         return self.kv_channels or self.hidden_size // self.num_attention_heads
 
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        """Layer layer_idx (global, zero-based) has routed experts instead of a dense MLP."""
+        return self.moe is not None and self.moe.is_moe_layer(layer_idx)
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if self.moe is None:
+            del data["moe"]  # dense plans keep their JSON unchanged
+        else:
+            data["moe"] = self.moe.to_dict()
+        return data
 
     @classmethod
     def from_dict(cls, data: Any, path: str = "model") -> ModelSpec:
@@ -142,7 +168,115 @@ class ModelSpec:
             rotary_percent=get_float(data, "rotary_percent", path, default=1.0),
             rope_scaling=get_bool(data, "rope_scaling", path, default=False),
             rope_scaling_factor=get_float(data, "rope_scaling_factor", path, default=8.0),
+            moe=(MoESpec.from_dict(data["moe"], f"{path}.moe")
+                 if data.get("moe") is not None else None),
         )
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MoESpec:
+    """Mixture-of-Experts shape of a ModelSpec, in Megatron-LM's terms (`--num-experts`, ...).
+
+    Defaults are Megatron-LM core_v0.16.1's flag defaults. Which layers are MoE follows
+    `--moe-layer-freq`: an int f makes layer i MoE iff i % f == 0; a tuple gives 1 (MoE) or
+    0 (dense) per layer (megatron/core/models/gpt/gpt_layer_specs.py:579-596)."""
+
+    num_experts: int
+    """Routed experts per MoE layer (--num-experts)."""
+    router_topk: int = 2
+    """Experts each token is routed to (--moe-router-topk)."""
+    ffn_hidden_size: int = 0
+    """Each expert's FFN width (--moe-ffn-hidden-size); 0 means model.ffn_hidden_size."""
+    shared_expert_intermediate_size: int = 0
+    """Width of the shared experts, all of them together (--moe-shared-expert-intermediate-size);
+    0 means none."""
+    layer_freq: int | tuple[int, ...] = 1
+    """--moe-layer-freq: an int f (layer i is MoE iff i % f == 0) or one 1/0 per layer."""
+    router_load_balancing_type: str = "aux_loss"
+    """--moe-router-load-balancing-type: aux_loss, seq_aux_loss, global_aux_loss, sinkhorn, none."""
+    aux_loss_coeff: float = 0.0
+    """--moe-aux-loss-coeff."""
+    z_loss_coeff: float = 0.0
+    """--moe-z-loss-coeff; 0 means no z-loss."""
+    router_score_function: ScoreFunction = "softmax"
+    """--moe-router-score-function."""
+    router_pre_softmax: bool = False
+    """--moe-router-pre-softmax: softmax over all experts before top-k, no renormalisation."""
+    capacity_factor: float = 0.0
+    """--moe-expert-capacity-factor; 0 means dropless (Megatron's None)."""
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1:
+            raise PlanError(f"model.moe.num_experts={self.num_experts} must be >= 1")
+        if not 1 <= self.router_topk <= self.num_experts:
+            raise PlanError(f"model.moe.router_topk={self.router_topk} must be in "
+                            f"[1, num_experts={self.num_experts}]")
+        for name in ("ffn_hidden_size", "shared_expert_intermediate_size"):
+            if getattr(self, name) < 0:
+                raise PlanError(f"model.moe.{name}={getattr(self, name)} must be >= 0")
+        for name in ("aux_loss_coeff", "z_loss_coeff", "capacity_factor"):
+            if getattr(self, name) < 0:
+                raise PlanError(f"model.moe.{name}={getattr(self, name)} must be >= 0")
+        if self.router_load_balancing_type not in MOE_BALANCING:
+            raise PlanError(f"model.moe.router_load_balancing_type="
+                            f"{self.router_load_balancing_type!r} must be one of "
+                            f"{', '.join(MOE_BALANCING)}")
+        if self.router_score_function not in ("softmax", "sigmoid"):
+            raise PlanError(f"model.moe.router_score_function={self.router_score_function!r} "
+                            "must be softmax or sigmoid")
+        freq = self.layer_freq
+        if isinstance(freq, int):
+            if freq < 1:
+                raise PlanError(f"model.moe.layer_freq={freq} must be >= 1 or a list of 1/0")
+        elif not freq or any(v not in (0, 1) for v in freq):
+            raise PlanError(f"model.moe.layer_freq={list(freq)} must be a non-empty list of "
+                            "1 (MoE) / 0 (dense), one per layer, or an int")
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        freq = self.layer_freq
+        return layer_idx % freq == 0 if isinstance(freq, int) else bool(freq[layer_idx])
+
+    def expert_ffn_hidden_size(self, model: ModelSpec) -> int:
+        return self.ffn_hidden_size or model.ffn_hidden_size
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        if not isinstance(self.layer_freq, int):
+            data["layer_freq"] = list(self.layer_freq)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str = "model.moe") -> MoESpec:
+        data = expect_object(data, path)
+        reject_unknown(data, set(cls.__dataclass_fields__), path)
+        freq = data.get("layer_freq", 1)
+        if isinstance(freq, list):
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in freq):
+                raise PlanError(f"{path}.layer_freq={freq} must hold integers 1/0")
+            freq = tuple(freq)
+        elif not isinstance(freq, int) or isinstance(freq, bool):
+            raise PlanError(f"{path}.layer_freq={freq!r} must be an int or a list of 1/0")
+        return cls(
+            num_experts=get_int(data, "num_experts", path, minimum=1),
+            router_topk=get_int(data, "router_topk", path, default=2, minimum=1),
+            ffn_hidden_size=get_int(data, "ffn_hidden_size", path, default=0, minimum=0),
+            shared_expert_intermediate_size=get_int(
+                data, "shared_expert_intermediate_size", path, default=0, minimum=0),
+            layer_freq=freq,
+            router_load_balancing_type=get_str(data, "router_load_balancing_type", path,
+                                               default="aux_loss", choices=MOE_BALANCING),
+            aux_loss_coeff=get_float(data, "aux_loss_coeff", path, default=0.0),
+            z_loss_coeff=get_float(data, "z_loss_coeff", path, default=0.0),
+            router_score_function=get_str(data, "router_score_function", path,
+                                          default="softmax",
+                                          choices=("softmax", "sigmoid")),  # type: ignore[arg-type]
+            router_pre_softmax=get_bool(data, "router_pre_softmax", path, default=False),
+            capacity_factor=get_float(data, "capacity_factor", path, default=0.0),
+        )
+
+
+MOE_BALANCING: tuple[str, ...] = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn",
+                                  "none")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
