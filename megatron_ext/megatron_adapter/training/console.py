@@ -59,12 +59,16 @@ KNOWN_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
 # megatron-core log records that repeat at default verbosity without anything to act on.
 KNOWN_LOG_NOISE = (
     re.compile(r"Unable to save \w+ indexes because path_to_cache is None"),
+    # rerun_state_machine.py logs its mode at WARNING; result validation is off here (pretrain.py)
+    re.compile(r"RerunStateMachine initialized in mode RerunMode\.DISABLED"),
 )
 
 
 # Advice that only applies on GPUs: filtered when training on CPU (--cpu).
 CPU_ONLY_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
     ("When using async grad allreduce it is recommended to set the environment variable "
+     "CUDA_DEVICE_MAX_CONNECTIONS", UserWarning),
+    ("When using sequence parallelism it is recommended to set the environment variable "
      "CUDA_DEVICE_MAX_CONNECTIONS", UserWarning),
 )
 

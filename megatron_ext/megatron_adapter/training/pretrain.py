@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.rerun_state_machine import RerunMode, initialize_rerun_state_machine
 
 from megatron_ext.errors import PlanError
 from megatron_ext.flags.to_plan import plan_from_megatron_args
@@ -164,6 +165,10 @@ def run(config: RunConfig, tokenizer: Any, *, start_time_s: float | None = None,
     """Train as `config` says, from the checkpoint `target` (checkpoint_files.check_checkpoints
     verified it before the process group); the process group is initialised."""
     plan, ckpt = config.plan, config.checkpoint
+    # Megatron-LM sets its rerun state machine up before training (initialize.py); left to
+    # megatron-core's first loss check it is set up implicitly with two WARNING lines. Result
+    # validation (--rerun-mode) has no effect here (flags/catalog.py), so: disabled.
+    initialize_rerun_state_machine(mode=RerunMode.DISABLED)
     _log_startup(config, tokenizer)
     if ckpt.save:  # shielded from the exit signals: the save after one needs the writer
         prewarm_checkpoint_writer(config.schedule.exit_signals)
