@@ -52,12 +52,11 @@ class SequenceParallelCoreAttention(MegatronModule):
             layer_number=layer_number, attn_mask_type=attn_mask_type,
             attention_dropout=attention_dropout, softmax_scale=softmax_scale)
         assert pg_collection is not None
-        self.tp_group = pg_collection.tp  # MegatronModule.sharded_state_dict reads it (else the
-        self.cp_group = pg_collection.cp  # global parallel_state group, unset on this runtime)
-        self.ulysses_group = ulysses_group
         # MegatronModule.sharded_state_dict reads parallel_state's tp group without it
         # (module.py:82), which the layerwise runtime never initialises
         self.tp_group = pg_collection.tp
+        self.cp_group = pg_collection.cp
+        self.ulysses_group = ulysses_group
 
     def forward(
         self,
