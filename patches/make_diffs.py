@@ -199,6 +199,56 @@ DIFFS: dict[str, list[Edit]] = {
             r"\1    torch.cuda.default_stream().wait_stream(self.communication_stream)",
         ),
     ],
+    "te_gemm_stub": [
+        Edit(
+            path="transformer/moe/moe_utils.py",
+            count=1,
+            pattern=r"^except ImportError:\n    HAVE_TE = False$",
+            repl="except ImportError:\n    HAVE_TE = False\n"
+            "    te_general_gemm = None  # RouterGatingLinearFunction falls back to torch.mm",
+        ),
+    ],
+    "stream_events": [
+        Edit(
+            path="transformer/moe/token_dispatcher.py",
+            count=1,
+            pattern=r"= torch\.cuda\.Stream\(\)$",
+            repl="= (\n                torch.cuda.Stream() if torch.cuda.is_available() else None\n"
+            "            )",
+        ),
+        Edit(
+            path="transformer/moe/token_dispatcher.py",
+            count=1,
+            pattern=r"on_side_stream = torch\.cuda\.current_stream\(\) != "
+            r"self\.cuda_dtoh_stream$",
+            repl="on_side_stream = (\n                    self.cuda_dtoh_stream is not None\n"
+            "                    and torch.cuda.current_stream() != self.cuda_dtoh_stream\n"
+            "                )",
+        ),
+        Edit(
+            path="transformer/moe/token_dispatcher.py",
+            count=1,
+            pattern=r"^( *)self\.d2h_event = self\.cuda_dtoh_stream\.record_event\(\)$",
+            repl=r"\1self.d2h_event = (\n\1    self.cuda_dtoh_stream.record_event()\n"
+            r"\1    if self.cuda_dtoh_stream is not None\n\1    else None\n\1)",
+        ),
+        Edit(
+            path="transformer/moe/token_dispatcher.py",
+            count=1,
+            pattern=r"^( *)self\.d2h_event\.synchronize\(\)$",
+            repl=r"\1if self.d2h_event is not None:\n\1    self.d2h_event.synchronize()",
+        ),
+    ],
+    "host_splits": [
+        Edit(
+            path="transformer/moe/moe_utils.py",
+            count=1,
+            pattern=r"^(    )if torch\.is_tensor\(tensor\) and tensor\.is_cuda:$",
+            repl=r"\1if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:\n"
+            r"\1    return tensor.numpy()  # split sizes for all_to_all_single on CPU\n"
+            r"\1if torch.is_tensor(tensor) and tensor.is_cuda:",
+        ),
+    ],
 }
 """Diff name (= cpu_compat patch name) -> edits."""
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from megatron.core.fusions import fused_softmax
 from megatron.core.pipeline_parallel import schedules
+from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
 from megatron_ext.megatron_adapter.cpu import compat as cpu_compat
 from megatron_ext.megatron_adapter.cpu import patches as cpu_patches
@@ -27,6 +28,9 @@ EXPECTED_NAMES = [
     "tensor_cuda",
     "type_alias",
     "cuda_streams",
+    "te_gemm_stub",
+    "stream_events",
+    "host_splits",
 ]
 
 
@@ -46,6 +50,8 @@ def _sites() -> dict[str, object]:
         "add": tp_random.CudaRNGStatesTracker.add,
         "seed": tp_random.model_parallel_cuda_manual_seed,
         "seed_reexport": tp_pkg.model_parallel_cuda_manual_seed,
+        "host_splits": moe_utils.maybe_move_tensor_to_cpu,
+        "host_splits_dispatcher": token_dispatcher.maybe_move_tensor_to_cpu,
     }
 
 
@@ -178,3 +184,45 @@ def test_torch_proxy_rewrites_only_cuda_device_keywords() -> None:
         assert not is_cuda_device(device)
     assert proxy.full((2,), 3.0, device="cpu").tolist() == [3.0, 3.0]
     assert proxy.empty_like(torch.zeros(2), device="cuda").device.type == "cpu"
+
+
+def test_te_gemm_stub_binds_the_name_and_the_router_gemm_runs() -> None:
+    """Without TE, RouterGatingLinearFunction raises NameError (moe_utils.py:1192) unless the
+    stub binds te_general_gemm; with it, forward and backward equal plain torch matmuls."""
+    assert not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm")
+    inp = torch.randn(5, 8, requires_grad=True)  # [tokens, h]
+    weight = torch.randn(4, 8, requires_grad=True)  # [experts, h]
+    with pytest.raises(NameError, match="te_general_gemm"):
+        moe_utils.router_gating_linear(inp, weight, None, torch.float32)
+    cpu_compat.apply(["te_gemm_stub"])
+    out = moe_utils.router_gating_linear(inp, weight, None, torch.float32)  # [tokens, experts]
+    out.square().sum().backward()
+    ref_inp, ref_w = inp.detach().clone().requires_grad_(), weight.detach().clone().requires_grad_()
+    (ref_inp @ ref_w.t()).square().sum().backward()
+    torch.testing.assert_close(out, ref_inp @ ref_w.t())
+    torch.testing.assert_close(inp.grad, ref_inp.grad)
+    torch.testing.assert_close(weight.grad, ref_w.grad)
+    cpu_compat.undo(["te_gemm_stub"])
+    assert not hasattr(moe_utils, "te_general_gemm")
+
+
+def test_stream_events_dummy_stream_records_events() -> None:
+    cpu_compat.apply(["cuda_streams"])
+    with pytest.raises(AttributeError, match="record_event"):
+        torch.cuda.Stream().record_event()
+    cpu_compat.apply(["stream_events"])
+    event = torch.cuda.Stream().record_event()  # token_dispatcher.py:895
+    event.synchronize()
+    assert event.query()
+    cpu_compat.undo(["stream_events"])
+    assert not hasattr(torch.cuda.Stream(), "record_event")
+
+
+def test_host_splits_returns_numpy_split_sizes_for_cpu_tensors() -> None:
+    splits = torch.tensor([3, 1])
+    assert moe_utils.maybe_move_tensor_to_cpu(splits, as_numpy=True) is splits  # unpatched
+    cpu_compat.apply(["host_splits"])
+    for fn in (moe_utils.maybe_move_tensor_to_cpu, token_dispatcher.maybe_move_tensor_to_cpu):
+        got = fn(splits, as_numpy=True, record_stream=True)
+        assert not torch.is_tensor(got) and got.tolist() == [3, 1]
+        assert fn(splits) is splits  # without as_numpy: unchanged, as the original

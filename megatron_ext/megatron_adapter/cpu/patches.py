@@ -1,4 +1,4 @@
-"""The eight named CPU patches for megatron-core 0.16.1 and their registry (see `cpu_compat`).
+"""The eleven named CPU patches for megatron-core 0.16.1 and their registry (see `cpu_compat`).
 
 Each patch is a builder returning `(owner, attr, replacement)` targets; its docstring names the
 megatron-core 0.16.1 `file:line` sites (paths relative to megatron/core/) it addresses.
@@ -92,15 +92,28 @@ def _register(
     return decorator
 
 
+class _Missing:
+    """ORIGINAL of a replacement that added an attribute the owner did not have."""
+
+
+MISSING = _Missing()
+
+
 def current_value(owner: Any, attr: str) -> Any:
-    """Attribute as stored (for classes: no descriptor binding, found along the MRO)."""
+    """Attribute as stored (for classes: no descriptor binding, found along the MRO);
+    `MISSING` when the owner has no such attribute."""
     if isinstance(owner, type):
-        return inspect.getattr_static(owner, attr)
-    return getattr(owner, attr)
+        return inspect.getattr_static(owner, attr, MISSING)
+    return getattr(owner, attr, MISSING)
 
 
 def restore(owner: Any, attr: str, original: Any) -> None:
-    """Put `original` back; for a class whose original was inherited, just drop the shadow."""
+    """Put `original` back; for a class whose original was inherited, just drop the shadow; an
+    attribute a patch added (`MISSING` original) is deleted."""
+    if original is MISSING:
+        if current_value(owner, attr) is not MISSING:
+            delattr(owner, attr)
+        return
     if isinstance(owner, type) and attr in owner.__dict__:
         delattr(owner, attr)
         if inspect.getattr_static(owner, attr, None) is original:
@@ -119,7 +132,7 @@ def is_patched(owner: Any, attr: str) -> bool:
     return getattr(current_value(owner, attr), SENTINEL, None) is not None
 
 
-# ---------------------------------------------------------------------------- the eight patches
+# ---------------------------------------------------------------------------- the patches
 
 
 @_register("current_device")
@@ -359,3 +372,92 @@ def _build_cuda_streams() -> list[Target]:
         (torch.cuda, "default_stream", default_stream),
         (torch.cuda, "current_stream", current_stream),
     ]
+
+
+# ------------------------------------------------------- Mixture-of-Experts (transformer/moe/)
+
+
+def _moe_utils() -> Any:
+    return importlib.import_module("megatron.core.transformer.moe.moe_utils")
+
+
+def _te_gemm_on_apply() -> None:
+    moe_utils = _moe_utils()
+    if not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+        moe_utils._megatron_ext_te_gemm_stub = True
+
+
+def _te_gemm_on_undo() -> None:
+    moe_utils = _moe_utils()
+    if getattr(moe_utils, "_megatron_ext_te_gemm_stub", False):
+        del moe_utils.te_general_gemm
+        del moe_utils._megatron_ext_te_gemm_stub
+
+
+@_register("te_gemm_stub", on_apply=_te_gemm_on_apply, on_undo=_te_gemm_on_undo)
+def _build_te_gemm_stub() -> list[Target]:
+    """Bind `moe_utils.te_general_gemm = None` when Transformer Engine is absent.
+
+    transformer/moe/moe_utils.py:1192/1225 (`RouterGatingLinearFunction`, every MoE router
+    forward and backward) test `te_general_gemm is not None`, but the name is bound only inside
+    the `try: import transformer_engine` block (:22-38): without TE it is a NameError on any
+    device. With the name bound to None the router takes its own torch.mm path. Not a
+    CUDA hard-code but a missing fallback; no targets, only the module global (set on apply,
+    removed on undo).
+    """
+    return []
+
+
+class _DummyEvent:
+    """Stand-in for the `torch.cuda.Event` a stream records: everything already happened."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, *_args: Any, **_kwargs: Any) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+@_register("stream_events")
+def _build_stream_events() -> list[Target]:
+    """The dummy streams of `cuda_streams` record (dummy) events.
+
+    transformer/moe/token_dispatcher.py:895 `self.cuda_dtoh_stream.record_event()` and :899
+    `d2h_event.synchronize()` in `MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`, every
+    forward of the alltoall dispatcher (EP=1 included); its side stream is `torch.cuda.Stream()`
+    (:445), the `cuda_streams` dummy, which has no `record_event` (AttributeError).
+    """
+
+    def record_event(self: Any, *_args: Any, **_kwargs: Any) -> _DummyEvent:
+        return _DummyEvent()
+
+    return [(_DummyStream, "record_event", record_event)]
+
+
+@_register("host_splits")
+def _build_host_splits() -> list[Target]:
+    """`maybe_move_tensor_to_cpu(t, as_numpy=True)` returns `t.numpy()` for CPU tensors too.
+
+    transformer/moe/moe_utils.py:1093 converts only `tensor.is_cuda` tensors, so on CPU the
+    alltoall dispatcher's `input_splits` / `output_splits` (token_dispatcher.py:879-886) stay
+    int64 tensors and gloo's `all_to_all_single` rejects them as split sizes (TypeError at
+    tensor_parallel/mappings.py:444, ETP x EP > 1). Installed on moe_utils and on
+    token_dispatcher, which imports the function by name (token_dispatcher.py:31).
+    """
+    moe_utils = _moe_utils()
+    dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
+    original = original_value(moe_utils, "maybe_move_tensor_to_cpu")
+
+    @functools.wraps(original)
+    def maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False,
+                                 record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return [(moe_utils, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu),
+            (dispatcher, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)]
