@@ -54,6 +54,7 @@ from megatron_ext.planner.cost.model import CostModel
 from megatron_ext.planner.cost.pipeline import one_f_one_b
 from megatron_ext.planner.training import TrainingSpec
 from megatron_ext.presets import cluster_preset
+from megatron_ext.specs import ClusterSpec
 
 DEFAULT_DATA = str(Path(__file__).resolve().parent / "data" / "published_runs_a100.json")
 GIB = 2**30
@@ -67,6 +68,18 @@ at most this many parameters gathered, where FSDP2 holds two whole layers."""
 
 def is_zero3(row: dict[str, Any]) -> bool:
     return "ZeRO-3" in str(row.get("dp_sharding"))
+
+
+def is_zero1(row: dict[str, Any]) -> bool:
+    return "ZeRO-1" in str(row.get("dp_sharding"))
+
+
+def is_deepspeed_pipeline(row: dict[str, Any]) -> bool:
+    """Megatron-DeepSpeed with DeepSpeed's pipeline engine (ZeRO-1 rows): its schedule reduces
+    the gradients (ReduceGrads, ReduceTiedGrads) after the last micro-batch's backward and
+    ZeRO-1 gathers the updated weights after the step, neither overlapped with compute, where
+    Megatron-LM overlaps both (--overlap-grad-reduce, --overlap-param-gather)."""
+    return is_zero1(row) and "DeepSpeed" in str(row.get("dp_sharding"))
 
 
 def is_mosaic(row: dict[str, Any]) -> bool:
@@ -98,8 +111,30 @@ def virtual_stages_of(row: dict[str, Any]) -> int:
 
 
 def cluster_name(row: dict[str, Any]) -> str:
+    """The GPU preset the row is priced on (its kernel constants)."""
     gpu = str(row["gpu_type"])
     return "dgx-a100-80g" if "80GB" in gpu else "dgx-a100-40g"
+
+
+def cluster_label(row: dict[str, Any]) -> str:
+    """The cluster a sweep ran on: the preset, or the row's own cluster where its network differs
+    from the preset's (`cluster_label`, with `inter_node_bytes_per_s_per_gpu` from its spec)."""
+    return str(row.get("cluster_label") or cluster_name(row))
+
+
+def cluster_of(row: dict[str, Any]) -> ClusterSpec:
+    """The preset with the row's node count; a row that states its network
+    (inter_node_bytes_per_s_per_gpu, derived in cluster_notes from the cluster's published
+    spec) gets that inter-node bandwidth instead of the DGX's 8 HDR NICs."""
+    gpus, per_node = int(row["num_gpus"]), int(row["gpus_per_node"])
+    cluster = cluster_preset(cluster_name(row), num_nodes=max(1, gpus // per_node))
+    if gpus < per_node:  # a partial node (the 2020 single-node weak-scaling rows)
+        cluster = dataclasses.replace(cluster, gpus_per_node=gpus)
+    if row.get("inter_node_bytes_per_s_per_gpu"):
+        link = dataclasses.replace(cluster.inter_node, bandwidth_bytes_per_s=float(
+            row["inter_node_bytes_per_s_per_gpu"]))
+        cluster = dataclasses.replace(cluster, inter_node=link)
+    return cluster
 
 
 def megatron_flags(row: dict[str, Any]) -> list[str]:
@@ -123,8 +158,8 @@ def megatron_flags(row: dict[str, Any]) -> list[str]:
     elif rc == "full":
         flags += ["--recompute-granularity", "full", "--recompute-method", "uniform",
                   "--recompute-num-layers", "1"]
-    if is_zero3(row):
-        flags.append("--use-distributed-optimizer")  # raised to zero=3 by build_plan
+    if is_zero3(row) or is_zero1(row):
+        flags.append("--use-distributed-optimizer")  # ZeRO-3: raised to zero=3 by build_plan
     return [str(f) for f in flags]
 
 
@@ -177,10 +212,7 @@ def predict(row: dict[str, Any], plan: ParallelPlan,
             compute: ComputeProfile | None = None) -> dict[str, Any]:
     """Predicted iteration time and peak memory of the plan on the row's cluster (`compute`: the
     calibrated kernel constants, default the cost model's)."""
-    gpus, per_node = int(row["num_gpus"]), int(row["gpus_per_node"])
-    cluster = cluster_preset(cluster_name(row), num_nodes=max(1, gpus // per_node))
-    if gpus < per_node:  # a partial node (the 2020 single-node weak-scaling rows)
-        cluster = dataclasses.replace(cluster, gpus_per_node=gpus)
+    cluster = cluster_of(row)
     training = TrainingSpec(
         global_batch_size=plan.global_batch_size, seq_length=plan.seq_length,
         precision=plan.precision, flash_attention=is_mosaic(row), dropout=not is_mosaic(row),
@@ -192,8 +224,13 @@ def predict(row: dict[str, Any], plan: ParallelPlan,
     sums = stage_sums(cm, pp=plan.pp, stages=plan.stages, layers=plan.layers, vocab=plan.vocab,
                       micro_batch_size=plan.micro_batch_size)
     arr = sums.arr
-    pipe = one_f_one_b(arr["f"], arr["b"], sums.extras.p2p_s, arr["sync"], arr["gather"],
-                       arr["opt"], sums.num_microbatches, overlap_slowdown=cm.overlap_slowdown,
+    sync, gather, opt = arr["sync"], arr["gather"], arr["opt"]
+    p2p = sums.extras.p2p_s
+    if is_deepspeed_pipeline(row):  # reduction and gather after the last backward, unhidden
+        sync, gather, opt = 0.0 * sync, 0.0 * gather, opt + sync + gather
+        p2p = p2p * plan.layers[0].tp  # every tensor-parallel rank sends the whole activation
+    pipe = one_f_one_b(arr["f"], arr["b"], p2p, sync, gather,
+                       opt, sums.num_microbatches, overlap_slowdown=cm.overlap_slowdown,
                        virtual_stages=virtual_stages_of(row))
     peak = float(arr["mem"].max())
     return {
@@ -370,12 +407,12 @@ def run(rows: list[dict[str, Any]], *, loso: bool = True) -> dict[str, Any]:
         gpu_token = row["num_gpus"] / (row["global_batch_size"] * row["seq_len"])
         results.append({
             "id": row["id"], "source": row["source"], "model": row["model_name"],
-            "gpus": row["num_gpus"], "cluster": cluster_name(row), "layout": layout_label(row),
+            "gpus": row["num_gpus"], "cluster": cluster_label(row), "layout": layout_label(row),
             "global_batch_size": row["global_batch_size"], "seq_len": row["seq_len"],
             "features": iv.plan_features(num_gpus=row["num_gpus"],
                                          micro_batch_size=iv.replica_micro_batch(plan),
                                          pp=plan.pp,
-                                         precision=plan.precision, cluster=cluster_name(row)),
+                                         precision=plan.precision, cluster=cluster_label(row)),
             "measured_s": measured, "measured_from": how, **pred,
             "ratio": pred["predicted_s"] / measured,
             "measured_gpu_s_per_token": measured * gpu_token,
