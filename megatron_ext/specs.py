@@ -23,6 +23,7 @@ Activation = Literal["gelu", "swiglu"]
 Normalization = Literal["LayerNorm", "RMSNorm"]
 PositionEmbedding = Literal["rope", "learned_absolute"]
 ScoreFunction = Literal["softmax", "sigmoid"]
+TokenDropPolicy = Literal["probs", "position"]
 MAX_NUM_LAYERS = 100_000
 """Upper bound on ModelSpec.num_layers (the largest published models have a few hundred)."""
 
@@ -204,6 +205,22 @@ class MoESpec:
     """--moe-router-pre-softmax: softmax over all experts before top-k, no renormalisation."""
     capacity_factor: float = 0.0
     """--moe-expert-capacity-factor; 0 means dropless (Megatron's None)."""
+    shared_expert_gate: bool = False
+    """--moe-shared-expert-gate: a sigmoid gate on the shared experts' output (Qwen2-MoE)."""
+    router_topk_scaling_factor: float = 0.0
+    """--moe-router-topk-scaling-factor: multiplies the routing weights (DeepSeek's
+    routed_scaling_factor); 0 means none (Megatron's None)."""
+    router_num_groups: int = 0
+    """--moe-router-num-groups: expert groups for group-limited routing; 0 means none."""
+    router_group_topk: int = 0
+    """--moe-router-group-topk: groups each token may use; 0 means none."""
+    router_enable_expert_bias: bool = False
+    """--moe-router-enable-expert-bias: aux-loss-free balancing bias (sigmoid routing only)."""
+    router_bias_update_rate: float = 1e-3
+    """--moe-router-bias-update-rate: step of that bias per global batch."""
+    token_drop_policy: TokenDropPolicy = "probs"
+    """--moe-token-drop-policy (with a capacity factor): drop the lowest-probability tokens
+    (probs) or the last ones (position)."""
 
     def __post_init__(self) -> None:
         if self.num_experts < 1:
@@ -224,6 +241,7 @@ class MoESpec:
         if self.router_score_function not in ("softmax", "sigmoid"):
             raise PlanError(f"model.moe.router_score_function={self.router_score_function!r} "
                             "must be softmax or sigmoid")
+        self._check_router()
         freq = self.layer_freq
         if isinstance(freq, int):
             if freq < 1:
@@ -231,6 +249,42 @@ class MoESpec:
         elif not freq or any(v not in (0, 1) for v in freq):
             raise PlanError(f"model.moe.layer_freq={list(freq)} must be a non-empty list of "
                             "1 (MoE) / 0 (dense), one per layer, or an int")
+
+    def _check_router(self) -> None:
+        """The routing rules megatron-core 0.16.1's TransformerConfig.__post_init__ raises on
+        (transformer/transformer_config.py:1593-1659), so a plan never fails at model build."""
+        for name in ("router_topk_scaling_factor", "router_bias_update_rate"):
+            if getattr(self, name) < 0:
+                raise PlanError(f"model.moe.{name}={getattr(self, name)} must be >= 0")
+        if self.shared_expert_gate and not self.shared_expert_intermediate_size:
+            raise PlanError("model.moe.shared_expert_gate=true without "
+                            "shared_expert_intermediate_size: there is no shared expert to gate")
+        if self.token_drop_policy not in ("probs", "position"):
+            raise PlanError(f"model.moe.token_drop_policy={self.token_drop_policy!r} must be "
+                            "probs or position")
+        if self.router_enable_expert_bias and self.router_score_function != "sigmoid":
+            raise PlanError("model.moe.router_enable_expert_bias=true needs "
+                            "router_score_function='sigmoid' (--moe-router-score-function "
+                            "sigmoid), as megatron-core requires")
+        if (self.router_topk == 1 and self.router_score_function == "softmax"
+                and not self.router_pre_softmax
+                and self.router_load_balancing_type != "sinkhorn"):
+            raise PlanError("model.moe.router_topk=1 with softmax routing needs "
+                            "router_pre_softmax=true (--moe-router-pre-softmax): a softmax over "
+                            "one chosen logit has zero gradient; megatron-core refuses it")
+        if self.router_group_topk or self.router_num_groups:
+            groups, keep = self.router_num_groups, self.router_group_topk
+            if not groups or not keep:
+                raise PlanError(f"model.moe.router_num_groups={groups} and router_group_topk="
+                                f"{keep}: group-limited routing needs both (>= 1), or neither")
+            if groups < 0 or keep < 0 or self.num_experts % groups or keep > groups:
+                raise PlanError(f"model.moe.router_num_groups={groups} must divide num_experts="
+                                f"{self.num_experts} and router_group_topk={keep} be at most "
+                                "router_num_groups")
+        if self.capacity_factor and self.router_load_balancing_type == "sinkhorn":
+            raise PlanError("model.moe.capacity_factor with router_load_balancing_type='sinkhorn':"
+                            " megatron-core drops tokens only with aux_loss, seq_aux_loss, "
+                            "global_aux_loss or none balancing")
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         freq = self.layer_freq
@@ -272,6 +326,17 @@ class MoESpec:
                                           choices=("softmax", "sigmoid")),  # type: ignore[arg-type]
             router_pre_softmax=get_bool(data, "router_pre_softmax", path, default=False),
             capacity_factor=get_float(data, "capacity_factor", path, default=0.0),
+            shared_expert_gate=get_bool(data, "shared_expert_gate", path, default=False),
+            router_topk_scaling_factor=get_float(data, "router_topk_scaling_factor", path,
+                                                 default=0.0),
+            router_num_groups=get_int(data, "router_num_groups", path, default=0, minimum=0),
+            router_group_topk=get_int(data, "router_group_topk", path, default=0, minimum=0),
+            router_enable_expert_bias=get_bool(data, "router_enable_expert_bias", path,
+                                               default=False),
+            router_bias_update_rate=get_float(data, "router_bias_update_rate", path,
+                                              default=1e-3),
+            token_drop_policy=get_str(data, "token_drop_policy", path, default="probs",
+                                      choices=("probs", "position")),  # type: ignore[arg-type]
         )
 
 

@@ -85,7 +85,6 @@ def megatron_flags() -> dict[str, MegatronFlag]:
 # parser.py defines and no rule below names are honoured (a test checks both directions).
 # ---------------------------------------------------------------------------------------------
 
-_DENSE = "train the dense model (MoE support is a separate feature)"
 _NO_PRETRAIN = "Megatron-LM's pretrain_gpt.py does not read it either"
 
 # (options, reason) -- accepted, logged once.
@@ -200,19 +199,21 @@ NO_EFFECT: tuple[tuple[tuple[str, ...], str], ...] = (
       "--fp8-recipe", "--fp4-recipe", "--num-layers-at-start-in-bf16",
       "--num-layers-at-end-in-bf16", "--min-offloaded-tensor-size", "--dsa-indexer-n-heads",
       "--dsa-indexer-head-dim", "--dsa-indexer-topk", "--dsa-indexer-loss-coeff",
-      "--mtp-loss-scaling-factor", "--moe-router-topk", "--moe-router-score-function",
-      "--moe-token-dispatcher-type", "--moe-flex-dispatcher-backend", "--moe-token-drop-policy",
-      "--moe-router-bias-update-rate", "--moe-deepep-num-sms", "--moe-hybridep-num-sms",
-      "--moe-layer-freq", "--moe-router-load-balancing-type", "--moe-aux-loss-coeff",
-      "--moe-upcycling-granularity", "--moe-router-padding-for-quantization",
-      "--moe-router-padding-for-fp8", "--moe-per-layer-logging", "--moe-grouped-gemm",
-      "--moe-use-legacy-grouped-gemm", "--moe-permute-fusion", "--moe-router-fusion",
-      "--moe-shared-expert-overlap", "--moe-router-dtype", "--moe-pad-experts-for-cuda-graph-"
-      "inference", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim",
+      "--mtp-loss-scaling-factor", "--moe-deepep-num-sms", "--moe-hybridep-num-sms",
+      "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim",
       "--mscale", "--mscale-all-dim", "--rotary-scaling-factor", "--cache-mla-latents"),
      "a setting of a model, dataset, tokenizer or feature this run does not use (BERT / vision / "
-     "retrieval / Mamba models, FIM data, MoE, MLA, fp8, Muon, CPU offload); " + _NO_PRETRAIN
-     + " without that feature"),
+     "retrieval / Mamba models, FIM data, MLA, fp8, Muon, CPU offload, the flex MoE "
+     "dispatcher); " + _NO_PRETRAIN + " without that feature"),
+    (("--moe-use-legacy-grouped-gemm", "--moe-permute-fusion", "--moe-router-fusion",
+      "--moe-shared-expert-overlap"),
+     "a mixture-of-experts kernel / overlap switch (legacy GroupedMLP, transformer-engine fused "
+     "permute and router kernels, shared experts on a side stream); the experts compute the same "
+     "result without it"),
+    (("--moe-per-layer-logging",),
+     "a logging switch; megatron_ext logs the load-balancing loss summed over layers"),
+    (("--moe-pad-experts-for-cuda-graph-inference",),
+     "an inference-with-CUDA-graphs setting; " + _NO_PRETRAIN),
     (("--perform-rl-step",), "reinforcement-learning switch read by Megatron-LM's train_rl.py; "
      + _NO_PRETRAIN),
 )
@@ -238,9 +239,29 @@ _INFERENCE_ONLY = ("--flash-decode", "--max-tokens-to-oom", "--decode-only-cuda-
 
 # (options, unsupported feature, what to use instead) -- refused unless given Megatron's default.
 REFUSED: tuple[tuple[tuple[str, ...], str, str], ...] = (
-    (("--num-experts", "--expert-model-parallel-size", "--expert-tensor-parallel-size",
-      "--moe-extended-tp", "--overlap-moe-expert-parallel-comm",
-      "--ep-overlap-early-attn-memory-release"), "mixture of experts (MoE)", _DENSE),
+    (("--moe-extended-tp",), "the deprecated extended expert tensor parallelism",
+     "use --expert-tensor-parallel-size"),
+    (("--overlap-moe-expert-parallel-comm", "--ep-overlap-early-attn-memory-release"),
+     "overlapping the expert-parallel all-to-all with another micro-batch's compute (it needs "
+     "the interleaved pipeline schedule and CUDA streams)", "drop it"),
+    (("--moe-enable-deepep", "--moe-flex-dispatcher-backend"),
+     "the flex MoE token dispatcher (DeepEP / HybridEP fused all-to-all kernels)",
+     "use --moe-token-dispatcher-type alltoall"),
+    (("--moe-router-padding-for-quantization", "--moe-router-padding-for-fp8"),
+     "padding the routing map for fp8 / fp4 expert GEMMs", "drop it (fp8 / fp4 training is "
+     "refused; use --bf16)"),
+    (("--moe-use-upcycling", "--moe-upcycling-granularity"),
+     "upcycling a dense checkpoint into MoE", "train the MoE model from scratch, or convert the "
+     "checkpoint offline and --load it"),
+    (("--moe-latent-size",), "latent MoE projections (Nemotron-H style)", "drop it"),
+    (("--moe-layer-recompute",), "recomputing the MoE layer alone (--recompute-modules moe)",
+     "use --recompute-granularity full or selective (core attention)"),
+    (("--moe-apply-probs-on-input",), "applying the routing weights to the expert input "
+     "(Llama 4)", "drop it (the weights scale the expert output, Megatron-LM's default)"),
+    (("--moe-router-force-load-balancing",), "random router logits (a benchmarking mode)",
+     "drop it"),
+    (("--moe-enable-routing-replay",), "recording and replaying routing decisions (RL)",
+     "drop it"),
     (("--multi-latent-attention", "--q-lora-rank", "--rope-type"),
      "multi-latent attention (MLA)", "use standard multi-head or grouped-query attention"),
     (("--mtp-num-layers", "--mtp-standalone"), "multi-token prediction (MTP)", "drop it"),
@@ -346,7 +367,6 @@ REFUSED: tuple[tuple[tuple[str, ...], str, str], ...] = (
      "use torch_dist (the format that reshards across plans)"),
 )
 REFUSED_PREFIXES: tuple[tuple[str, str, str], ...] = (
-    ("--moe-", "mixture of experts (MoE)", _DENSE),
     ("--tp-comm-", "transformer-engine tensor-parallel communication overlap", "drop it"),
     ("--no-tp-comm-", "transformer-engine tensor-parallel communication overlap", "drop it"),
     ("--disable-tp-comm-", "transformer-engine tensor-parallel communication overlap",

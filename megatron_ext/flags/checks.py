@@ -15,6 +15,7 @@ import argparse
 import logging
 
 from megatron_ext.errors import PlanError
+from megatron_ext.flags.moe import check_moe_args
 from megatron_ext.flags.to_plan import data_parallel_size, stage_sizes
 from megatron_ext.plan_checks import check_sequence
 
@@ -48,6 +49,7 @@ def validate_megatron_args(
         if getattr(ns, dest) is None:
             raise PlanError(f"--{dest.replace('_', '-')} is missing; Megatron-LM requires it")
     _check_model(ns, derived)
+    check_moe_args(ns, derived)
     _check_pipeline(ns)
     _check_context(ns)
     _check_recompute(ns)
@@ -283,6 +285,15 @@ def _check_megatron_ext(ns: argparse.Namespace) -> None:
 
 def _check_world(ns: argparse.Namespace, world_size: int, derived: set[str]) -> None:
     dp = data_parallel_size(ns, world_size)
+    ep, pp = ns.expert_model_parallel_size, ns.pipeline_model_parallel_size
+    etp = ns.expert_tensor_parallel_size or ns.tensor_model_parallel_size
+    if ns.num_experts and None not in (ep, etp) and world_size % (ep * etp * pp):
+        # megatron-core's initialize_model_parallel builds the expert groups from
+        # world / (etp * ep * pp) ranks (parallel_state.py:785)
+        raise PlanError(
+            f"world size {world_size} is not divisible by --expert-tensor-parallel-size x "
+            f"--expert-model-parallel-size x --pipeline-model-parallel-size = {etp * ep * pp}"
+        )
     if ns.micro_batch_size is None:
         return
     if ns.global_batch_size is None:

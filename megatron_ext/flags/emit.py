@@ -26,6 +26,13 @@ Mapping decisions (Megatron-LM core_v0.16.1 semantics):
 - stages: even splits need no flag; [f, m, ..., m, l] uses
   `--decoder-first/last-pipeline-num-layers`; anything else `--pipeline-model-parallel-layout`
   such as `Et*3|tL`.
+- MoE: model.moe is `--num-experts` and the `--moe-*` flags of flags/moe.py (defaults left
+  out, except --moe-router-topk, --moe-router-load-balancing-type and --moe-aux-loss-coeff,
+  which Megatron-LM's recipes spell out). Dense layers carry no expert degrees; when every MoE
+  layer has the same ep and etp the plan is uniform in Megatron-LM's sense and they are
+  `--expert-model-parallel-size` / `--expert-tensor-parallel-size` (the latter only when it
+  differs from tp, Megatron-LM's default). The dispatcher and grouped GEMM are training flags,
+  not plan fields: add `--moe-token-dispatcher-type alltoall` / `--moe-grouped-gemm` yourself.
 - vocab_size is printed as `--vocab-size`; Megatron-LM reads it only with NullTokenizer, other
   tokenizers take the size from their files.
 """
@@ -36,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_ext.errors import PlanError
+from megatron_ext.flags.moe import layer_freq_text, moe_values
 from megatron_ext.flags.table import EMIT_TABLE
 from megatron_ext.plan import ParallelPlan
 
@@ -123,6 +131,8 @@ def render_argv(values: dict[str, Any]) -> list[str]:
             continue
         if kind == "value":
             argv += [flag, str(value)]
+        elif kind == "freq":
+            argv += [flag, layer_freq_text(value)]
         elif kind == "list":
             argv += [flag, *(str(v) for v in value)]
         elif (kind == "true") == bool(value):
@@ -156,6 +166,7 @@ def _model_values(plan: ParallelPlan) -> dict[str, Any]:
         "use_rope_scaling": m.rope_scaling,
         "rope_scaling_factor": _unless(m.rope_scaling_factor, 8.0),
         "vocab_size": m.vocab_size,
+        **moe_values(m.moe),
     }
 
 
@@ -179,10 +190,30 @@ def _layer_values(plan: ParallelPlan, reasons: list[str]) -> dict[str, Any]:
         "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": plan.pp,
         "sequence_parallel": sp, "_dp": dp,
     }
+    values.update(_expert_values(plan, tp, reasons))
     values.update(_context_values(plan, cp, ulysses, reasons))
     values.update(_zero_values(plan, zero, reasons))
     values.update(_recompute_values(plan, reasons))
     return values
+
+
+def _expert_values(plan: ParallelPlan, tp: Any, reasons: list[str]) -> dict[str, Any]:
+    """--expert-model/tensor-parallel-size: Megatron-LM gives every MoE layer the same ep and
+    etp (dense layers have none), so a plan whose MoE layers agree on them is uniform here."""
+    moe = [s for i, s in enumerate(plan.layers) if plan.model.is_moe_layer(i)]
+    keys = ("expert_model_parallel_size", "expert_tensor_parallel_size")
+    if not moe:
+        return dict.fromkeys(keys)
+    eps = list(dict.fromkeys(s.ep for s in moe))
+    etps = list(dict.fromkeys(s.expert_tp for s in moe))
+    if len(eps) > 1 or len(etps) > 1:
+        reasons.append("per-layer expert degrees (ep " + ", ".join(map(str, eps)) + "; etp "
+                       + ", ".join(map(str, etps)) + ")")
+        return dict.fromkeys(keys, PLAN_ONLY)
+    etp = None if tp is PLAN_ONLY or etps[0] == tp else etps[0]
+    if tp is PLAN_ONLY and any(s.etp is not None for s in moe):
+        etp = etps[0]  # the dense layers' tp varies: print the experts' own degree
+    return dict(zip(keys, (_unless(eps[0], 1), etp)))
 
 
 def _context_values(plan: ParallelPlan, cp: Any, uly: Any, reasons: list[str]) -> dict[str, Any]:

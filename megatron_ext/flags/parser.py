@@ -25,6 +25,7 @@ from megatron_ext.flags.checks import (
     apply_aliases,
     validate_megatron_args,
 )
+from megatron_ext.flags.moe import add_moe_args
 from megatron_ext.flags.to_plan import (
     apply_strategy_config,
     plan_from_megatron_args,
@@ -64,6 +65,7 @@ def _honoured_parser(prog: str) -> argparse.ArgumentParser:
     )
     _add_model(parser)
     _add_parallel(parser)
+    add_moe_args(parser)
     _add_batch_and_precision(parser)
     add_training_groups(parser)
     _add_megatron_ext(parser)

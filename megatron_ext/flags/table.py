@@ -10,9 +10,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-Kind = Literal["value", "true", "false", "list"]
+Kind = Literal["value", "true", "false", "list", "freq"]
 """value: `--flag V`; true: `--flag` when True (store_true); false: `--flag` when False
-(store_false, e.g. --disable-bias-linear for add_bias_linear=False); list: `--flag V1 V2 ...`."""
+(store_false, e.g. --disable-bias-linear for add_bias_linear=False); list: `--flag V1 V2 ...`;
+freq: --moe-layer-freq's int or list pattern (`([0]*3+[1]*58)`)."""
 
 EMIT_TABLE: tuple[tuple[str, str, str, Kind], ...] = (
     # (concern, dest, flag, kind)
@@ -38,6 +39,25 @@ EMIT_TABLE: tuple[tuple[str, str, str, Kind], ...] = (
     ("model", "use_rope_scaling", "--use-rope-scaling", "true"),
     ("model", "rope_scaling_factor", "--rope-scaling-factor", "value"),
     ("model", "vocab_size", "--vocab-size", "value"),
+    ("moe", "num_experts", "--num-experts", "value"),
+    ("moe", "moe_ffn_hidden_size", "--moe-ffn-hidden-size", "value"),
+    ("moe", "moe_shared_expert_intermediate_size", "--moe-shared-expert-intermediate-size",
+     "value"),
+    ("moe", "moe_shared_expert_gate", "--moe-shared-expert-gate", "true"),
+    ("moe", "moe_layer_freq", "--moe-layer-freq", "freq"),
+    ("moe", "moe_router_topk", "--moe-router-topk", "value"),
+    ("moe", "moe_router_score_function", "--moe-router-score-function", "value"),
+    ("moe", "moe_router_pre_softmax", "--moe-router-pre-softmax", "true"),
+    ("moe", "moe_router_topk_scaling_factor", "--moe-router-topk-scaling-factor", "value"),
+    ("moe", "moe_router_num_groups", "--moe-router-num-groups", "value"),
+    ("moe", "moe_router_group_topk", "--moe-router-group-topk", "value"),
+    ("moe", "moe_router_enable_expert_bias", "--moe-router-enable-expert-bias", "true"),
+    ("moe", "moe_router_bias_update_rate", "--moe-router-bias-update-rate", "value"),
+    ("moe", "moe_router_load_balancing_type", "--moe-router-load-balancing-type", "value"),
+    ("moe", "moe_aux_loss_coeff", "--moe-aux-loss-coeff", "value"),
+    ("moe", "moe_z_loss_coeff", "--moe-z-loss-coeff", "value"),
+    ("moe", "moe_expert_capacity_factor", "--moe-expert-capacity-factor", "value"),
+    ("moe", "moe_token_drop_policy", "--moe-token-drop-policy", "value"),
     ("parallel", "tensor_model_parallel_size", "--tensor-model-parallel-size", "value"),
     ("parallel", "pipeline_model_parallel_size", "--pipeline-model-parallel-size", "value"),
     ("parallel", "decoder_first_pipeline_num_layers", "--decoder-first-pipeline-num-layers",
@@ -45,6 +65,8 @@ EMIT_TABLE: tuple[tuple[str, str, str, Kind], ...] = (
     ("parallel", "decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers",
      "value"),
     ("parallel", "pipeline_model_parallel_layout", "--pipeline-model-parallel-layout", "value"),
+    ("parallel", "expert_model_parallel_size", "--expert-model-parallel-size", "value"),
+    ("parallel", "expert_tensor_parallel_size", "--expert-tensor-parallel-size", "value"),
     ("parallel", "context_parallel_size", "--context-parallel-size", "value"),
     ("parallel", "cp_comm_type", "--cp-comm-type", "list"),
     ("parallel", "hierarchical_context_parallel_sizes", "--hierarchical-context-parallel-sizes",

@@ -15,6 +15,7 @@ from typing import Any
 
 from megatron_ext.errors import PlanError
 from megatron_ext.flags.emit import PLAN_ONLY, megatron_values
+from megatron_ext.flags.moe import _SPEC_FLAG, moe_from_args
 from megatron_ext.flags.table import EMIT_TABLE, FLAG_OF_DEST
 from megatron_ext.plan import FlexSPConfig, LayerStrategy, ParallelPlan, VocabStrategy
 from megatron_ext.specs import ModelSpec
@@ -22,8 +23,11 @@ from megatron_ext.specs import ModelSpec
 _MAX_LAYOUT_CHARS = 1_000_000
 MODEL_DESTS = frozenset(dest for concern, dest, _, _ in EMIT_TABLE if concern == "model")
 _CHECKED_DESTS = frozenset(
-    dest for concern, dest, _, _ in EMIT_TABLE if concern != "model"
-) - {"gradient_accumulation_fusion", "strategy_config", "attention_dropout"}
+    dest for concern, dest, _, _ in EMIT_TABLE if concern not in ("model", "moe")
+) - {"gradient_accumulation_fusion", "strategy_config", "attention_dropout",
+     "expert_model_parallel_size", "expert_tensor_parallel_size"}
+"""Compared one by one with the plan under --strategy-config; the model and MoE flags are
+compared as the ModelSpec they give, the expert degrees against the plan's MoE layers."""
 _MODEL_FLAG = {
     "num_layers": "--num-layers", "hidden_size": "--hidden-size",
     "ffn_hidden_size": "--ffn-hidden-size", "num_attention_heads": "--num-attention-heads",
@@ -66,17 +70,21 @@ def plan_from_megatron_args(
     cp, ulysses = context_from_args(ns)
     sizes = stage_sizes(ns, model.num_layers)
     stages = tuple((sum(sizes[:i]), sum(sizes[: i + 1])) for i in range(pp))
+    ep, etp = expert_degrees(ns)
     strategies = {
-        kind: LayerStrategy(tp=tp, sp=bool(ns.sequence_parallel) and tp > 1, cp=cp,
-                            ulysses=ulysses, dp=dp, zero=zero_from_args(ns), recompute=kind)
-        for kind in ("none", "selective", "full")
+        (kind, moe): LayerStrategy(tp=tp, sp=bool(ns.sequence_parallel) and tp > 1, cp=cp,
+                                   ulysses=ulysses, dp=dp, zero=zero_from_args(ns),
+                                   recompute=kind, ep=ep if moe else 1,
+                                   etp=etp if moe else None)
+        for kind in ("none", "selective", "full") for moe in (False, True)
     }
     recompute = recompute_from_args(ns, stages)
     assert cp_total == cp * ulysses, (cp_total, cp, ulysses)
     try:
         return ParallelPlan(
             world_size=world_size, pp=pp, stages=stages,
-            layers=tuple(strategies[kind] for kind in recompute), model=model,
+            layers=tuple(strategies[kind, model.is_moe_layer(i)]
+                         for i, kind in enumerate(recompute)), model=model,
             micro_batch_size=mbs * dp, global_batch_size=gbs, seq_length=_need(ns, "seq_length"),
             vocab=VocabStrategy(mode="vocab_parallel" if ns.vocab_parallel else "tp", tp=tp,
                                 algorithm=ns.vocab_parallel_algorithm),
@@ -86,6 +94,16 @@ def plan_from_megatron_args(
         )
     except PlanError as err:
         raise PlanError(f"these Megatron flags give an invalid layout: {err}") from None
+
+
+def expert_degrees(ns: argparse.Namespace) -> tuple[int, int | None]:
+    """(ep, etp) of the MoE layers. etp is None (the plan's "same as tp") unless
+    --expert-tensor-parallel-size was given with a value other than the tensor-parallel size."""
+    ep = ns.expert_model_parallel_size or 1
+    etp = ns.expert_tensor_parallel_size
+    if etp is None or etp == ns.tensor_model_parallel_size:
+        return ep, None
+    return ep, etp
 
 
 def data_parallel_size(ns: argparse.Namespace, world_size: int) -> int:
@@ -124,6 +142,7 @@ def model_from_args(ns: argparse.Namespace, *, vocab_size: int | None = None) ->
             qk_layernorm=ns.qk_layernorm, norm_epsilon=ns.layernorm_epsilon,
             rotary_base=ns.rotary_base, rotary_percent=ns.rotary_percent,
             rope_scaling=ns.use_rope_scaling, rope_scaling_factor=ns.rope_scaling_factor,
+            moe=moe_from_args(ns),
         )
     except PlanError as err:
         raise PlanError(f"these Megatron flags give an invalid model: {err}") from None
@@ -290,6 +309,38 @@ def _check_model(ns: argparse.Namespace, plan: ParallelPlan, path: str) -> None:
                 f"{flag} conflicts with --strategy-config {path}: the flags give model."
                 f"{field}={given!r}, the plan {want!r}; drop the flag or fix the plan"
             )
+    given_moe, want_moe = model.moe, plan.model.moe
+    if (given_moe is None) != (want_moe is None):
+        raise PlanError(
+            f"--num-experts conflicts with --strategy-config {path}: the flags give "
+            f"{'no ' if given_moe is None else ''}experts, the plan "
+            f"{'none' if want_moe is None else want_moe.num_experts}; drop the flag or fix the "
+            "plan")
+    if given_moe is not None and want_moe is not None and given_moe != want_moe:
+        field = next(f for f in _SPEC_FLAG if getattr(given_moe, f) != getattr(want_moe, f))
+        raise PlanError(
+            f"{_SPEC_FLAG[field]} conflicts with --strategy-config {path}: the flags give "
+            f"model.moe.{field}={getattr(given_moe, field)!r}, the plan "
+            f"{getattr(want_moe, field)!r}; drop the flag or fix the plan")
+    _check_expert_degrees(ns, plan, path)
+
+
+def _check_expert_degrees(ns: argparse.Namespace, plan: ParallelPlan, path: str) -> None:
+    """Explicit --expert-model/tensor-parallel-size must match every MoE layer of the plan."""
+    moe_layers = [s for i, s in enumerate(plan.layers) if plan.model.is_moe_layer(i)]
+    for dest, flag, attr in (("expert_model_parallel_size", "--expert-model-parallel-size", "ep"),
+                             ("expert_tensor_parallel_size", "--expert-tensor-parallel-size",
+                              "expert_tp")):
+        if dest not in ns.explicit_args:
+            continue
+        values = sorted({getattr(s, attr) for s in moe_layers})
+        if not moe_layers and getattr(ns, dest) in (1, None):
+            continue
+        if values != [getattr(ns, dest)]:
+            raise PlanError(
+                f"{flag}={getattr(ns, dest)} conflicts with --strategy-config {path}, whose MoE "
+                f"layers have {attr}={', '.join(map(str, values)) or 'none (no MoE layer)'}; "
+                "drop the flag or fix the plan")
 
 
 def _load_plan(path: str) -> ParallelPlan:

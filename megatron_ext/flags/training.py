@@ -12,6 +12,8 @@ import argparse
 import os
 import signal
 
+from megatron_ext.flags.moe import add_moe_training_args
+
 
 def add_training_groups(parser: argparse.ArgumentParser) -> None:
     _add_optimizer(parser)
@@ -22,6 +24,7 @@ def add_training_groups(parser: argparse.ArgumentParser) -> None:
     _add_tokenizer(parser)
     _add_logging(parser)
     _add_kernels(parser)
+    add_moe_training_args(parser)
 
 
 def _add_optimizer(parser: argparse.ArgumentParser) -> None:

@@ -74,9 +74,11 @@ def test_derived_defaults_follow_megatron() -> None:
         (["--foo", "3"], "--foo is not a Megatron flag megatron_ext accepts"),
         (["--foo=3"], "--foo is not a Megatron flag megatron_ext accepts"),
         (["--tensor-model", "2"], "--tensor-model is not a Megatron flag megatron_ext accepts"),
-        (["--num-experts", "8"], "--num-experts 8: mixture of experts (MoE) is not supported"),
-        (["--moe-router-pre-softmax"], "--moe-router-pre-softmax: mixture of experts (MoE) is "
-         "not supported"),
+        (["--num-experts", "8"], "--num-experts needs --disable-bias-linear"),
+        (["--moe-use-upcycling"], "--moe-use-upcycling: upcycling a dense checkpoint into MoE "
+         "is not supported"),
+        (["--moe-token-dispatcher-type", "flex"], "--moe-token-dispatcher-type flex: the flex "
+         "dispatcher"),
         (["--num-layers-per-virtual-pipeline-stage", "2"],
          "--num-layers-per-virtual-pipeline-stage 2: the interleaved (virtual) pipeline"),
         (["--fp8-format", "hybrid"], "--fp8-format hybrid: fp8 / fp4 training"),

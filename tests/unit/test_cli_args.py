@@ -105,8 +105,9 @@ def test_plan_from_args_to_stdout_with_world_size_from_env(
     [
         (["plan-from-args", "--world-size", "8", "--", "--foo"],
          "megatron-ext: error: --foo is not a Megatron flag megatron_ext accepts"),
-        (["plan-from-args", "--world-size", "8", "--", "--num-experts", "8"],
-         "megatron-ext: error: --num-experts 8: mixture of experts (MoE) is not supported"),
+        (["plan-from-args", "--world-size", "8", "--", "--moe-latent-size", "8"],
+         "megatron-ext: error: --moe-latent-size 8: latent MoE projections (Nemotron-H style) is "
+         "not supported"),
         (["plan-from-args", "--world-size", "8"], "megatron-ext: error: no Megatron flags given"),
         (["plan-from-args", "--world-size", "0", "--", "--num-layers", "2"],
          "megatron-ext: error: --world-size=0 must be >= 1"),

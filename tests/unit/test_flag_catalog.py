@@ -94,9 +94,9 @@ def test_refused_flag_given_its_default_passes():
 
 
 def test_refusal_names_feature_and_what_to_use():
-    with pytest.raises(PlanError, match=r"^--num-experts 8: mixture of experts \(MoE\) is not "
-                       r"supported by megatron_ext; "):
-        parse_megatron_args(BASE + ["--num-experts", "8"])
+    with pytest.raises(PlanError, match=r"^--moe-latent-size 8: latent MoE projections "
+                       r"\(Nemotron-H style\) is not supported by megatron_ext; drop it"):
+        parse_megatron_args(BASE + ["--moe-latent-size", "8"])
     with pytest.raises(PlanError, match=r"^--fp8-format hybrid: fp8 .* use --bf16 or --fp16"):
         parse_megatron_args(BASE + ["--fp8-format", "hybrid"])
 
@@ -151,8 +151,9 @@ def test_flags_command_and_readme_show_the_table_sizes(capsys):
     for kind, label in (("honoured", "honoured"), ("no_effect", "no effect here"),
                         ("refused", "refused")):
         assert f"| {label} | {sizes[kind]} |" in readme
-    assert main(["flags", "num-experts"]) == 0
-    assert capsys.readouterr().out.startswith("--num-experts: refused unless given its default")
+    assert main(["flags", "moe-latent-size"]) == 0
+    assert capsys.readouterr().out.startswith("--moe-latent-size: refused unless given its "
+                                              "default")
 
 
 def test_nan_check_follows_megatron_validate_args():

@@ -141,6 +141,7 @@ EXPECTED_REFUSALS: dict[str, set[str]] = {
     "--rampup-batch-size": set(),
     "--exit-duration-in-mins": set(),
     "--attention-dropout other than 0": {"flexsp"},
+    "--num-experts (a mixture-of-experts model)": {"stock", "layerwise", "flexsp"},
 }
 # Flags that turn each setting on (on top of BASE).
 TURN_ON: dict[str, tuple[str, ...]] = {
@@ -159,6 +160,8 @@ TURN_ON: dict[str, tuple[str, ...]] = {
     "--rampup-batch-size": ("--global-batch-size", "8", "--rampup-batch-size", "4", "4", "8"),
     "--exit-duration-in-mins": ("--exit-duration-in-mins", "5"),
     "--attention-dropout other than 0": (),
+    "--num-experts (a mixture-of-experts model)": ("--num-experts", "4",
+                                                   "--disable-bias-linear"),
 }
 
 
