@@ -73,10 +73,6 @@ def prepare_megatron() -> None:
 
 def check_runtime_support(plan: ParallelPlan, *, embedding: bool, output_layer: bool) -> None:
     """One-line PlanError for plan features this runtime does not run."""
-    if plan.precision == "fp16":
-        raise PlanError("precision='fp16' is not supported by the layerwise runtime "
-                        "(its loss-scale "
-                        "check is one collective per optimizer class); use bf16 or fp32")
     if plan.flexsp is not None:
         raise PlanError("plan.flexsp is set: FlexSP plans run on the FlexSP runtime, not "
                         "build_model; remove flexsp or use the FlexSP trainer")
@@ -210,6 +206,8 @@ def build_model(
         raise ValueError(f"init={init!r} must be 'plan_invariant' or 'megatron'")
     if plan.precision == "bf16":  # every parameter, norms included, as Float16Module does
         model.bfloat16()
+    elif plan.precision == "fp16":
+        model.half()
     if not wrap_ddp:
         return [model], groups
     chunk = HeteroDDP(model, ddp_config or DistributedDataParallelConfig())

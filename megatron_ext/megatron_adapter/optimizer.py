@@ -13,11 +13,24 @@ per call, which would mismatch between stages holding different numbers of class
 grads it owns (tensor-parallel duplicates dropped per class tp group, DDP replicas counted on
 dp_cp rank 0 only, ZeRO-1/2/3 shards counted where they live, the tied output copy dropped as
 `shared`), and one world all-reduce sums them.
+
+Loss scaling (fp16's dynamic scaler, or a static --loss-scale) has one megatron-core grad scaler
+for the whole chain, created as `_get_megatron_optimizer_based_on_param_groups` creates it
+(optimizer/__init__.py:420: `ConstantGradScaler` for --loss-scale, else `DynamicGradScaler` with
+--initial-loss-scale, --min-loss-scale, --loss-scale-window, --hysteresis under fp16) and shared
+by every mixed-precision sub-optimizer. Each step every sub-optimizer's main grads (and the
+FSDP2 shards of the ZeRO-2/3 classes, whose fp32 optimizer does not unscale) are unscaled and
+checked for inf/NaN locally, then ONE world all-reduce (MAX) makes the found-inf decision, so
+all ranks and all chained optimizers skip or step together and the scaler advances once per
+step. megatron-core's own path does one all-reduce per sub-optimizer over its own group, and
+`ChainedOptimizer` updates each sub-optimizer's scaler on that sub-optimizer's flag alone; with
+stages holding different numbers of classes that would mismatch collectives and scales.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,15 +40,25 @@ from megatron.core.optimizer import (
     get_standard_config_overrides,
 )
 from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
-from megatron.core.optimizer.optimizer import ChainedOptimizer, MegatronOptimizer
+from megatron.core.optimizer.grad_scaler import (
+    ConstantGradScaler,
+    DynamicGradScaler,
+    MegatronGradScaler,
+)
+from megatron.core.optimizer.optimizer import (
+    ChainedOptimizer,
+    MegatronOptimizer,
+    MixedPrecisionOptimizer,
+)
 from megatron.core.optimizer_param_scheduler import (
     combine_param_group_overrides,
     param_group_override_to_tuple,
 )
+from torch.distributed.tensor import DTensor
 
 from megatron_ext.megatron_adapter.ddp import HeteroDDP
 
-__all__ = ["HeteroChainedOptimizer", "build_optimizer"]
+__all__ = ["HeteroChainedOptimizer", "build_optimizer", "chain_grad_scaler"]
 
 GroupKey = tuple  # (override tuple or None, is_expert_parallel)
 
@@ -77,7 +100,7 @@ class HeteroChainedOptimizer(ChainedOptimizer):
     """`ChainedOptimizer` over classes with different ZeRO levels and groups."""
 
     def __init__(self, chained: list[MegatronOptimizer], config: OptimizerConfig,
-                 replicated: list[bool]) -> None:
+                 replicated: list[bool], grad_scaler: MegatronGradScaler | None = None) -> None:
         # ChainedOptimizer.__init__ asserts equal configs; ours differ in use_distributed_optimizer.
         self.chained_optimizers = chained
         self.config = config
@@ -89,6 +112,51 @@ class HeteroChainedOptimizer(ChainedOptimizer):
         self.is_stub_optimizer = not chained
         self._replicated = replicated
         """Per sub-optimizer: grads identical on every dp_cp rank (no ZeRO) -> count once."""
+        self.grad_scaler = grad_scaler
+        """The chain's one loss scaler (None: no loss scaling), shared by the sub-optimizers."""
+        for opt in chained:
+            if isinstance(opt, MixedPrecisionOptimizer):
+                opt.grad_scaler = grad_scaler
+        self._scale_one = torch.ones(1)
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return self._scale_one if self.grad_scaler is None else self.grad_scaler.scale
+
+    @staticmethod
+    def _main_grads(opt: MegatronOptimizer) -> list[torch.Tensor]:
+        """The fp32 grads `opt` steps on (local shards of FSDP2 DTensors), after the copy from
+        the model grads that megatron's `prepare_grads` does."""
+        if isinstance(opt, MixedPrecisionOptimizer):
+            opt._copy_model_grads_to_main_grads()
+            return opt._collect_main_grad_data_for_unscaling() or []
+        opt.prepare_grads()  # FP32Optimizer: main_grad -> grad, no collective
+        grads = [p.grad for group in opt.param_groups for p in group["params"]
+                 if p.grad is not None]
+        return [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        """Copy to main grads, unscale, and decide found-inf once for the whole chain and the
+        whole world (module docstring). Without a scaler: megatron's own per-optimizer path."""
+        if self.grad_scaler is None:
+            return super().prepare_grads()
+        found_inf = torch.zeros(1, dtype=torch.float)
+        for opt in self.chained_optimizers:
+            grads = self._main_grads(opt)
+            if grads:
+                torch._amp_foreach_non_finite_check_and_unscale_(
+                    grads, found_inf, self.grad_scaler.inv_scale.to(grads[0].device))
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+        found = bool(found_inf.item() > 0)
+        self.grad_scaler.update(found)
+        return found
+
+    def load_state_dict(self, state_dict: Any) -> None:
+        super().load_state_dict(state_dict)
+        if self.grad_scaler is not None:  # rank 0's scaler state, the same on every rank
+            saved = _find_grad_scaler_state(state_dict)
+            if saved is not None:
+                self.grad_scaler.load_state_dict(saved)
 
     def _owned_grads(self) -> list[torch.Tensor]:
         grads: list[torch.Tensor] = []
@@ -109,6 +177,32 @@ class HeteroChainedOptimizer(ChainedOptimizer):
             zeros += (grad == 0).sum().item()
         dist.all_reduce(zeros)
         return float(zeros.item())
+
+
+def _find_grad_scaler_state(state_dict: Any) -> dict | None:
+    entries = state_dict.values() if isinstance(state_dict, dict) and "grad_scaler" not in \
+        state_dict else [state_dict] if isinstance(state_dict, dict) else state_dict
+    for entry in entries:
+        if isinstance(entry, dict) and entry.get("grad_scaler") is not None:
+            return entry["grad_scaler"]
+    return None
+
+
+def chain_grad_scaler(config: OptimizerConfig, sharded: bool) -> MegatronGradScaler | None:
+    """The loss scaler megatron-core's optimizer factory gives a mixed-precision or distributed
+    optimizer (optimizer/__init__.py:420), or None where it gives none (fp32 without ZeRO: its
+    FP32Optimizer does not scale). `sharded`: the plan has ZeRO layers anywhere (the same
+    answer on every rank, so every rank takes part in the found-inf all-reduce)."""
+    if not (config.fp16 or config.bf16 or sharded):
+        return None
+    if config.loss_scale:
+        return ConstantGradScaler(config.loss_scale)
+    if config.fp16:
+        return DynamicGradScaler(
+            initial_scale=config.initial_loss_scale, min_scale=config.min_loss_scale,
+            growth_factor=2.0, backoff_factor=0.5, growth_interval=config.loss_scale_window,
+            hysteresis=config.hysteresis)
+    return None
 
 
 def build_optimizer(chunks: list[HeteroDDP], config: OptimizerConfig) -> HeteroChainedOptimizer:
@@ -136,4 +230,6 @@ def build_optimizer(chunks: list[HeteroDDP], config: OptimizerConfig) -> HeteroC
         opt.data_parallel_group_for_norm = cls.pg_collection.dp_cp
         chained.append(opt)
         replicated.append(cls.zero == 0)
-    return HeteroChainedOptimizer(chained, config, replicated)
+    plan = chunks[0].module.plan
+    scaler = chain_grad_scaler(config, any(s.zero >= 1 for s in plan.layers))
+    return HeteroChainedOptimizer(chained, config, replicated, scaler)

@@ -58,9 +58,11 @@ def _singleton_pgc():
     return ProcessGroupCollection(tp=one, cp=one, pp=one, embd=None, pos_embd=None)
 
 
-def reference_model(plan: ParallelPlan, seed: int, divisible_by: int = 128):
+def reference_model(plan: ParallelPlan, seed: int, divisible_by: int = 128,
+                    precision: str = "fp32"):
     """Single-process stock GPTModel (TP=1, local spec) with the plan-invariant initial weights;
-    vocabulary padded as build_model's `make_vocab_size_divisible_by=divisible_by`."""
+    vocabulary padded as build_model's `make_vocab_size_divisible_by=divisible_by`; `precision`
+    "fp16": fp16 parameters and megatron's fp16 settings (Float16Module's cast)."""
     from megatron.core import tensor_parallel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -74,7 +76,7 @@ def reference_model(plan: ParallelPlan, seed: int, divisible_by: int = 128):
     tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=0, ep_rank=0, etp_rank=0,
                                                     force_reset_rng=True)
     model_spec = plan.model
-    config = transformer_config(model_spec, precision="fp32")
+    config = transformer_config(model_spec, precision=precision)
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization=model_spec.normalization),
@@ -84,7 +86,7 @@ def reference_model(plan: ParallelPlan, seed: int, divisible_by: int = 128):
         position_embedding_type=model_spec.position_embedding, pg_collection=_singleton_pgc(),
     )
     init_plan_invariant(model, seed)
-    return model
+    return model.half() if precision == "fp16" else model
 
 
 def reference_run(plan: ParallelPlan, batches: list[list[dict]], seed: int,

@@ -135,7 +135,7 @@ EXPECTED_REFUSALS: dict[str, set[str]] = {
     "--calculate-per-token-loss": set(),
     "--eod-mask-loss without --calculate-per-token-loss": {"layerwise", "flexsp"},
     "--reset-attention-mask": {"layerwise"},
-    "--fp16": {"layerwise"},
+    "--fp16": set(),
     "--use-rope-scaling": set(),
     "--rotary-seq-len-interpolation-factor": set(),
     "--rampup-batch-size": set(),

@@ -38,12 +38,13 @@ def test_zero_2_and_3_are_runtime_plans() -> None:
     assert "zero=4 must be 0 (DDP), 1 (distributed optimizer), 2" in _one_line(err)
 
 
-def test_fp16_is_a_plan_error() -> None:
-    from megatron_ext.megatron_adapter.build import build_model
+def test_fp16_is_supported() -> None:
+    """fp16 runs on the layerwise runtime (tests/dist/test_runtime_fp16.py: loss-scale parity)."""
+    from megatron_ext.megatron_adapter.build import check_runtime_support
 
-    plan = dataclasses.replace(_plan([LayerStrategy(dp=4)] * 4), precision="fp16")
-    with pytest.raises(PlanError, match="precision='fp16' is not supported"):
-        build_model(plan)
+    plan = dataclasses.replace(_plan([LayerStrategy(dp=4, zero=z) for z in (0, 1, 2, 3)]),
+                               precision="fp16")
+    check_runtime_support(plan, embedding=True, output_layer=True)
 
 
 def test_flexsp_plan_is_a_plan_error() -> None:

@@ -59,6 +59,7 @@ def build_runtime_backend(run: RunConfig, padded_vocab: int) -> Backend:
                                  seed=run.system.seed, use_te=run.model.use_transformer_engine,
                                  make_vocab_size_divisible_by=1, model_options=run.model)
     optimizer = build_optimizer(chunks, optimizer_config(run, use_distributed_optimizer=False))
+    chunks[0].module.config.grad_scale_func = optimizer.scale_loss  # as Megatron-LM's setup
     inner: HeteroGPTModel = chunks[0].module
     shard = data_shard(inner)
     if shard is not None:

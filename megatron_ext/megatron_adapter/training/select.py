@@ -73,9 +73,7 @@ BACKEND_SETTINGS: tuple[BackendSetting, ...] = (
                    is_on=lambda r: r.data.reset_attention_mask,
                    refused_by={"layerwise": "the layerwise runtime's attention is causal over "
                                "the whole sample; drop the flag or use a uniform plan"}),
-    BackendSetting(flag="--fp16", is_on=lambda r: r.plan.precision == "fp16",
-                   refused_by={"layerwise": "the layerwise runtime runs bf16 or fp32; use "
-                               "--bf16"}),
+    BackendSetting(flag="--fp16", is_on=lambda r: r.plan.precision == "fp16", refused_by={}),
     BackendSetting(flag="--use-rope-scaling",
                    is_on=lambda r: r.plan.model.rope_scaling, refused_by={}),
     BackendSetting(flag="--rotary-seq-len-interpolation-factor",
