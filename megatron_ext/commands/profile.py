@@ -113,10 +113,12 @@ def cluster_summary(profile: ClusterProfile) -> str:
 def run_model(args: argparse.Namespace) -> int:
     import torch
 
+    from megatron_ext.commands.moe_support import refuse_moe_profile
     from megatron_ext.megatron_adapter.profile_model import ProfileGrid, profile_model
     from megatron_ext.presets import model_from_file, model_preset
 
     model = model_preset(args.model) if args.model else model_from_file(args.model_config)
+    refuse_moe_profile(model)
     precision = args.precision or ("bf16" if torch.cuda.is_available() else "fp32")
     seqs = args.seq_lengths or tuple(max(1, model.max_position_embeddings // d) for d in (4, 2))
     if args.repeats < 1 or args.concurrency < 1:

@@ -7,7 +7,10 @@ table's text). When a flag becomes honoured (the training path implements it), i
 into plans and expected.json changes with it.
 
 Each HuggingFace config.json must give a model whose parameter count matches the model card's
-within 1%, or a one-line refusal naming the field.
+within 1%, or a one-line refusal naming the field. For mixture-of-experts models the count is the
+card's total (every expert, the routers, shared experts and their gates, dense layers at their
+own width), which only comes out right when experts, expert width, shared experts and the
+dense/MoE layer pattern were all read correctly.
 """
 
 from __future__ import annotations
@@ -111,10 +114,13 @@ HF_EXPECTED: dict[str, float | str] = {
     "Llama-3.1-8B": 8.03, "Llama-3.1-70B": 70.55, "Llama-3.2-1B": 1.24,
     "Mistral-7B-v0.3": 7.25, "Qwen2-0.5B": 0.49, "Qwen2-7B": 7.62, "Qwen2.5-3B": 3.09,
     "Qwen3-0.6B": 0.6, "Qwen3-1.7B": 1.7,
+    # MoE, total parameters: mistralai/Mixtral-8x7B-v0.1 46.7B, Qwen/Qwen1.5-MoE-A2.7B 14.3B,
+    # deepseek-ai/deepseek-moe-16b-base 16.4B, Qwen/Qwen3-30B-A3B 30.5B, Qwen/Qwen2-57B-A14B
+    # 57.4B (the Hub's safetensors count; the card says 57B)
+    "Mixtral-8x7B-v0.1": 46.7, "Qwen1.5-MoE-A2.7B": 14.3, "deepseek-moe-16b": 16.4,
+    "Qwen3-30B-A3B": 30.5, "Qwen2-57B-A14B": 57.4,
     "Mistral-7B-v0.1": "sliding_window=4096",
-    "Mixtral-8x7B-v0.1": "num_local_experts=8", "Qwen1.5-MoE-A2.7B": "num_experts=60",
-    "deepseek-moe-16b": "n_routed_experts=64", "DeepSeek-V2-Lite": "n_routed_experts=64",
-    "DeepSeek-V3": "n_routed_experts=256",
+    "DeepSeek-V2-Lite": "kv_lora_rank=512", "DeepSeek-V3": "kv_lora_rank=512",
     "gemma-2b": "model_type 'gemma'", "gemma-2-2b": "model_type 'gemma2'",
     "gemma-2-9b": "model_type 'gemma2'", "gemma-2-27b": "model_type 'gemma2'",
     "gemma-3-1b-it": "model_type 'gemma3_text'", "gpt-j-6b": "model_type 'gptj'",
@@ -141,12 +147,27 @@ def test_hf_config(name: str) -> None:
         assert message.startswith(f"{name}: config.json {expected}") and "\n" not in message
         return
     model, notes = model_file_with_notes(path)
-    billions = model_parameters(model) / 1e9
+    billions = _parameters(model) / 1e9
     # 1% or the card's rounding (0.6B, 1.7B): the same model, not a misread one
     assert abs(billions - expected) <= max(0.01 * expected, 0.025), billions
     data = json.loads(path.read_text())
     for key in data:  # every field mapped onto the spec or noted with a reason
         assert key in _mapped_fields() or any(n.startswith(f"{key}: ") for n in notes), key
+
+
+def _parameters(model) -> int:
+    """All parameters; an MoE layer's MLP is its experts (E x the gated MLP of the expert width),
+    its router (E x h), its shared experts and their sigmoid gate (h)."""
+    total = model_parameters(model)
+    if model.moe is None:
+        return total
+    moe, h = model.moe, model.hidden_size
+    gated = 3 if model.activation == "swiglu" else 2
+    routed = moe.num_experts * (gated * h * moe.expert_ffn_hidden_size(model) + h)
+    shared = gated * h * moe.shared_expert_intermediate_size + (h if moe.shared_expert_gate else 0)
+    dense_mlp = gated * h * model.ffn_hidden_size
+    moe_layers = sum(model.is_moe_layer(i) for i in range(model.num_layers))
+    return total + moe_layers * (routed + shared - dense_mlp)
 
 
 def _mapped_fields() -> set[str]:
