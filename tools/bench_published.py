@@ -30,7 +30,13 @@ What the rows do not state is filled in by fixed rules (no per-row choice):
   - DeepSpeed ZeRO-3 rows hold at most DeepSpeed's default 1e9 gathered parameters
     (stage3_max_live_parameters), FSDP rows two whole layers;
   - Megatron rows keep plain DDP (zero=0, the 2020-2022 code had no distributed optimizer in
-    these runs); DeepSpeed ZeRO-3 and PyTorch FSDP FULL_SHARD rows are zero=3.
+    these runs); DeepSpeed ZeRO-3 and PyTorch FSDP FULL_SHARD rows are zero=3; DeepSpeed ZeRO-1
+    rows (Megatron-DeepSpeed, BLOOM) are zero=1 with DeepSpeed's pipeline engine: gradient
+    reduction and weight gather after the last backward, not overlapped;
+  - a row that states its network (`inter_node_bytes_per_s_per_gpu`, derived in cluster_notes
+    from the cluster's published spec) is priced on the GPU preset with that inter-node
+    bandwidth, and forms its own cluster (`cluster_label`) in sweeps and intervals; a row's
+    `run_date` splits a sweep where the source says the cluster changed between days.
 """
 
 from __future__ import annotations
@@ -78,7 +84,9 @@ def is_deepspeed_pipeline(row: dict[str, Any]) -> bool:
     """Megatron-DeepSpeed with DeepSpeed's pipeline engine (ZeRO-1 rows): its schedule reduces
     the gradients (ReduceGrads, ReduceTiedGrads) after the last micro-batch's backward and
     ZeRO-1 gathers the updated weights after the step, neither overlapped with compute, where
-    Megatron-LM overlaps both (--overlap-grad-reduce, --overlap-param-gather)."""
+    Megatron-LM overlaps both (--overlap-grad-reduce, --overlap-param-gather). Its pipeline
+    messages are split over the tensor-parallel ranks (is_pipe_partitioned) as Megatron's
+    scatter-gather splits them, so they are priced the same."""
     return is_zero1(row) and "DeepSpeed" in str(row.get("dp_sharding"))
 
 
@@ -225,11 +233,9 @@ def predict(row: dict[str, Any], plan: ParallelPlan,
                       micro_batch_size=plan.micro_batch_size)
     arr = sums.arr
     sync, gather, opt = arr["sync"], arr["gather"], arr["opt"]
-    p2p = sums.extras.p2p_s
     if is_deepspeed_pipeline(row):  # reduction and gather after the last backward, unhidden
         sync, gather, opt = 0.0 * sync, 0.0 * gather, opt + sync + gather
-        p2p = p2p * plan.layers[0].tp  # every tensor-parallel rank sends the whole activation
-    pipe = one_f_one_b(arr["f"], arr["b"], p2p, sync, gather,
+    pipe = one_f_one_b(arr["f"], arr["b"], sums.extras.p2p_s, sync, gather,
                        opt, sums.num_microbatches, overlap_slowdown=cm.overlap_slowdown,
                        virtual_stages=virtual_stages_of(row))
     peak = float(arr["mem"].max())
@@ -289,9 +295,16 @@ GEMM_EFFICIENCY_GRID = tuple(round(0.64 + 0.02 * i, 2) for i in range(9))
 on these runs; 0.72 shipped) over this grid on all sources but one and scores that one."""
 
 
+BIG_SWEEP = 8
+"""Issue 19's ranking targets (Spearman >= 0.8, top-1 regret <= 5%) apply to sweeps of at least
+this many layouts."""
+
+
 def sweep_key(r: dict[str, Any]) -> tuple[str, str, int, int]:
-    """A sweep: layouts of one model on one cluster preset at one global batch and sequence."""
-    return (r["model"], r["cluster"], r["global_batch_size"], r["seq_len"])
+    """A sweep: layouts of one model on one cluster at one global batch and sequence (and one
+    `run_date` where the source says the cluster changed between its days)."""
+    cluster = r["cluster"] + (f" {r['run_date']}" if r.get("run_date") else "")
+    return (r["model"], cluster, r["global_batch_size"], r["seq_len"])
 
 
 def ranking(pred: list[float], meas: list[float]) -> dict[str, float]:
@@ -408,6 +421,7 @@ def run(rows: list[dict[str, Any]], *, loso: bool = True) -> dict[str, Any]:
         results.append({
             "id": row["id"], "source": row["source"], "model": row["model_name"],
             "gpus": row["num_gpus"], "cluster": cluster_label(row), "layout": layout_label(row),
+            "run_date": row.get("run_date"),
             "global_batch_size": row["global_batch_size"], "seq_len": row["seq_len"],
             "features": iv.plan_features(num_gpus=row["num_gpus"],
                                          micro_batch_size=iv.replica_micro_batch(plan),
@@ -451,6 +465,10 @@ def run(rows: list[dict[str, Any]], *, loso: bool = True) -> dict[str, Any]:
             "min_group_spearman": min((g["spearman"] for g in rank), default=float("nan")),
             "min_sweep_spearman": min((g["spearman"] for g in sw), default=float("nan")),
             "max_sweep_top1_regret": max((g["top1_regret"] for g in sw), default=float("nan")),
+            "min_big_sweep_spearman": min((g["spearman"] for g in sw if g["layouts"] >= BIG_SWEEP),
+                                          default=float("nan")),
+            "max_big_sweep_top1_regret": max(
+                (g["top1_regret"] for g in sw if g["layouts"] >= BIG_SWEEP), default=float("nan")),
             "loso_median_abs_error": held_out.get("median_abs_error", float("nan")),
             "loso_interval_coverage": held_out.get("interval_coverage", float("nan")),
         },
@@ -471,12 +489,16 @@ def print_report(out: dict[str, Any]) -> None:
     for g in out["rank_groups"]:
         print(f"{g['source'][:54]:54} {g['model'][:24]:24} {g['rows']:4d} {g['spearman']:8.3f}")
     print()
-    print(f"{'sweep (model, cluster, global batch, seq)':58} {'n':>3} {'spearman':>8} "
-          f"{'top1 regret':>11} {'pairs ok':>8}")
+    held_sweeps = {(g["model"], g["cluster"], g["global_batch_size"], g["seq_len"]): g
+                   for g in out["leave_one_source_out"].get("sweeps", [])}
+    print(f"{'sweep (model, cluster [date], global batch, seq)':66} {'n':>3} {'spearman':>8} "
+          f"{'top1 regret':>11} {'pairs ok':>8} {'held out: rho / regret':>22}")
     for g in out["sweeps"]:
         name = f"{g['model']}, {g['cluster']}, {g['global_batch_size']}, {g['seq_len']}"
-        print(f"{name[:58]:58} {g['layouts']:3d} {g['spearman']:8.3f} "
-              f"{100 * g['top1_regret']:10.1f}% {100 * g['pairs_ordered']:7.0f}%")
+        h = held_sweeps.get((g["model"], g["cluster"], g["global_batch_size"], g["seq_len"]))
+        held = f"{h['spearman']:.3f} / {100 * h['top1_regret']:.1f}%" if h else "-"
+        print(f"{name[:66]:66} {g['layouts']:3d} {g['spearman']:8.3f} "
+              f"{100 * g['top1_regret']:10.1f}% {100 * g['pairs_ordered']:7.0f}% {held:>22}")
     held = out["leave_one_source_out"]
     if held:
         print()
@@ -494,6 +516,11 @@ def print_report(out: dict[str, Any]) -> None:
             print(f"held-out sweeps: min Spearman "
                   f"{min(g['spearman'] for g in worst):.3f}, max top-1 regret "
                   f"{100 * max(g['top1_regret'] for g in worst):.1f}%")
+        big = [g for g in worst if g["layouts"] >= BIG_SWEEP]
+        if big:
+            print(f"held-out sweeps of >= {BIG_SWEEP} layouts ({len(big)}): min Spearman "
+                  f"{min(g['spearman'] for g in big):.3f}, max top-1 regret "
+                  f"{100 * max(g['top1_regret'] for g in big):.1f}%")
     s = out["summary"]
     print()
     print(f"rows {s['rows']}  median |error| {100 * s['median_abs_error']:.1f}%  "
@@ -504,7 +531,9 @@ def print_report(out: dict[str, Any]) -> None:
           f"{' '.join(s['memory_false_negatives'])}")
     print(f"min Spearman within a source's layouts of one model: {s['min_group_spearman']:.3f}")
     print(f"sweeps: min Spearman {s['min_sweep_spearman']:.3f}, max top-1 regret "
-          f"{100 * s['max_sweep_top1_regret']:.1f}%")
+          f"{100 * s['max_sweep_top1_regret']:.1f}%; of >= {BIG_SWEEP} layouts: min Spearman "
+          f"{s['min_big_sweep_spearman']:.3f}, max top-1 regret "
+          f"{100 * s['max_big_sweep_top1_regret']:.1f}%")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -170,3 +170,26 @@ def test_residual_file_matches_the_cost_model():
         "the cost model's held-out errors moved; run `python tools/bench_published.py "
         f"--write-residuals megatron_ext/planner/cost/residuals_a100.json`: {stale[:5]}"
     )
+
+
+def test_deepspeed_pipeline_and_stated_network_rows():
+    """A BLOOM topology-search row (Megatron-DeepSpeed, DeepSpeed ZeRO-1, Jean Zay's 4 NICs per
+    node): zero=1 layers; its gradient reduction is unhidden (the same run priced as Megatron-LM,
+    which overlaps it, is faster); the stated inter-node bandwidth replaces the preset's (the
+    DGX network is faster again); its cluster label and run date make it its own sweep."""
+    tool = _tool()
+    rows = json.loads(Path(tool.DEFAULT_DATA).read_text())["rows"]
+    row = next(r for r in rows if r["id"] == "bloom-prequel-181B-tp4pp6dp16-mb2-gbs2048")
+    plan = tool.build_plan(row)
+    assert {layer.zero for layer in plan.layers} == {1}
+    assert tool.cluster_of(row).inter_node.bandwidth_bytes_per_s == 5.5e9
+    deepspeed = tool.predict(row, plan)["predicted_s"]
+    megatron = dict(row, dp_sharding="ZeRO-1 (distributed optimizer)")
+    assert tool.predict(megatron, plan)["predicted_s"] < deepspeed
+    dgx = {k: v for k, v in row.items() if k not in ("inter_node_bytes_per_s_per_gpu",
+                                                      "cluster_label")}
+    assert tool.predict(dgx, plan)["predicted_s"] < deepspeed
+    earlier = dict(row, id="same layout, other day", run_date="2022-02-21")
+    out = tool.run([row, earlier], loso=False)
+    assert out["rows"][0]["cluster"] == "jean-zay-a100-80g"
+    assert out["sweeps"] == []  # one layout per (model, cluster, date, batch, seq)
