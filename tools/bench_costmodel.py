@@ -1,31 +1,43 @@
 """Calibration benchmark of the cost model on this CPU machine: profile, predict, run, compare.
 
-    python tools/bench_costmodel.py [--json bench_costmodel.json] [--world-size 4]
+    python tools/bench_costmodel.py [--json bench_costmodel.json] [--world-size 4] [--quick]
+        [--hog N]  # N busy-loop processes beside the whole benchmark (the load test)
         [--cluster-profile F --model-profile F]  # reuse profiles instead of measuring
 
 1. Profile the hardware (collective curves, overlap, compute slots of `world_size` gloo ranks)
    and a small GPT (its megatron-core layer at tp 1/2/4, vocabulary layers, optimizer).
    Model profile: every shape by one process alone, then the slowdown of `world_size`
-   processes running the layer at once (the ranks share 2 cores).
-2. Predict the iteration time of each plan in `bench_costmodel_runs.bench_plans()` with the
-   profile-fed cost model (`ProfiledCostModel`: measured curves and layer fits, the 1F1B schedule
-   simulated on the measured compute slots, megatron_ext/planner/profile/pipeline.py) and, for
-   comparison, with the analytic cost model
-   on the profile's ClusterSpec (measured peak and fitted links, formulas for everything else).
-3. Run each plan for real with the runtime (`build_model` + `train_step`, megatron-core 1F1B,
-   overlapped gradient reduction), plans round-robin; a step's time is the slowest rank's, a
-   plan's measured time its fastest step (least disturbed by other processes on a shared
-   machine, as the profilers keep their fastest repeat); the median is reported too.
+   processes running the layer stack at once (the ranks share 2 cores) against one alone.
+2. Run each plan in `bench_costmodel_runs.bench_plans()` for real with the runtime
+   (`build_model` + `train_step`, megatron-core 1F1B, overlapped gradient reduction), plans
+   round-robin; a step's time is the slowest rank's, a plan's measured time its fastest step
+   (least disturbed by other processes on a shared machine, as the profilers keep their fastest
+   repeat); the median is reported too. Right before and after every plan's steps the ranks
+   probe the machine with the model profiler's own sharing workload (its layer stack, one rank
+   alone, then all at once: `SharingProbe`).
+3. Predict each plan with the profile-fed cost model (`ProfiledCostModel`: measured curves and
+   layer fits, the 1F1B schedule simulated on the measured compute slots,
+   megatron_ext/planner/profile/pipeline.py) on the profile re-expressed at the machine state
+   its probes saw (planner/profile/load.py: solo times scaled by the probe's alone time against
+   the profiler's, sharing slowdown = the probe's). A CPU hog or other users' work beside the
+   runs changes how 4 ranks share 2 cores; the probes put that change into the prediction
+   instead of into the error. Nothing is fitted to the timed runs: the probe is a fixed
+   workload, the same for every plan. For comparison the plan is also predicted on the profile
+   as measured ("at profile", what this benchmark reported before the probes, --no-probe) and
+   with the analytic cost model on the profile's ClusterSpec.
 4. Report per plan predicted, measured and error; overall median absolute relative error and
-   Spearman rank correlation. JSON top level: `summary` {median_abs_error, spearman, num_plans}.
+   Spearman rank correlation. JSON top level: `summary` {median_abs_error, spearman, num_plans}
+   (probed), `profile_time_summary`, `analytic_summary`.
 
 Load (tools/load_check.py): before the first round, after each phase of each round and at the
 end, the 1-minute load average and a fixed single-process reference loop are recorded (`load`
-in the JSON, a table on stdout). A steady load, even a heavy one, is seen alike by the profiles
-and the runs they predict; a load that changes between them is not. When the slowest reference
-loop exceeds the fastest by more than --max-load-swing (default 1.5x) the benchmark prints the
-plan table marked as not comparable, writes `summary: null`, and exits 4 (--report-anyway
-reports regardless).
+in the JSON, a table on stdout). When the slowest reference loop exceeds the fastest by more
+than --max-load-swing (default 1.5x) the benchmark prints the plan table marked as not
+comparable, writes `summary: null`, and exits 4 (--report-anyway reports regardless): the
+probes follow the compute side of a load change, not the collective curves profiled before it.
+
+--quick: one round and one profiler repeat instead of two of each (same plans, grid and steps):
+about 4 minutes on the 2-core machine with nothing else running.
 """
 
 from __future__ import annotations
@@ -35,8 +47,10 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -60,9 +74,18 @@ from megatron_ext.megatron_adapter.profile_model import ProfileGrid, profile_mod
 from megatron_ext.plan import ParallelPlan
 from megatron_ext.planner.cost.model import CostModel
 from megatron_ext.planner.profile.cost import ProfiledCostModel, predict_iteration_s
+from megatron_ext.planner.profile.load import ProbeReading, at_machine_state, machine_state
 from megatron_ext.planner.profile.profiles import ClusterProfile, ModelProfile
 from megatron_ext.planner.training import TrainingSpec
 from megatron_ext.runtime.testing import run_distributed
+
+
+def profile_grid(args: argparse.Namespace) -> ProfileGrid:
+    """Every per-replica micro-batch the plans run (1 .. 32): interpolated, not extrapolated.
+    The run-time probes rebuild the sharing stack from this grid, so a reused --model-profile
+    must have been taken with it."""
+    return ProfileGrid(tps=(1, 2, 4), micro_batch_sizes=(1, 2, 4, 8, 16, 32),
+                       seq_lengths=(SEQ_LENGTH // 2, SEQ_LENGTH), repeats=args.repeats)
 
 
 def run_round(args: argparse.Namespace, timings: dict, load: LoadLog, index: int
@@ -79,10 +102,7 @@ def run_round(args: argparse.Namespace, timings: dict, load: LoadLog, index: int
         load.checkpoint(f"round {index} after hardware profile")
     t1 = time.perf_counter()
     if not args.model_profile:
-        # every per-replica micro-batch the plans run (1 .. 32): interpolated, not extrapolated
-        grid = ProfileGrid(tps=(1, 2, 4), micro_batch_sizes=(1, 2, 4, 8, 16, 32),
-                           seq_lengths=(SEQ_LENGTH // 2, SEQ_LENGTH), repeats=args.repeats)
-        model = profile_model(BENCH_MODEL, precision="fp32", grid=grid,
+        model = profile_model(BENCH_MODEL, precision="fp32", grid=profile_grid(args),
                               concurrency=args.profile_concurrency or args.world_size,
                               threads=1)
         load.checkpoint(f"round {index} after model profile")
@@ -92,7 +112,8 @@ def run_round(args: argparse.Namespace, timings: dict, load: LoadLog, index: int
                                collective_timeout_s=900,
                                plans=[pl.to_dict() for _, pl in bench_plans()], rounds=1,
                                steps=args.steps,
-                               overlap_grad_reduce=not args.no_overlap_grad_reduce)[0]
+                               overlap_grad_reduce=not args.no_overlap_grad_reduce,
+                               probe_grid=None if args.no_probe else profile_grid(args))[0]
         load.checkpoint(f"round {index} after runs")
     t3 = time.perf_counter()
     timings.setdefault("load_avg_1m_per_round", []).append(os.getloadavg()[0])
@@ -119,13 +140,15 @@ def collect(args: argparse.Namespace, load: LoadLog
         model = fastest_model([r[1] for r in rounds])
     if args.reuse_measured:
         old = {r["plan"]: r for r in json.loads(Path(args.reuse_measured).read_text())["plans"]}
-        runs = [{k: old[name][k] for k in ("measured_s", "median_s", "max_s", "loss")}
+        runs = [{k: old[name].get(k, []) if k == "probes" else old[name][k]
+                 for k in ("measured_s", "median_s", "max_s", "loss", "probes")}
                 for name, _ in bench_plans()]
     else:
         per_plan = list(zip(*(r[2] for r in rounds)))
         runs = [{"measured_s": min(r["measured_s"] for r in rs),
                  "median_s": statistics.median(r["median_s"] for r in rs),
-                 "max_s": max(r["max_s"] for r in rs), "loss": rs[-1]["loss"]}
+                 "max_s": max(r["max_s"] for r in rs), "loss": rs[-1]["loss"],
+                 "probes": [p for r in rs for p in r["probes"]]}
                 for rs in per_plan]
     if args.save_profiles:
         Path(args.save_profiles).mkdir(parents=True, exist_ok=True)
@@ -167,11 +190,29 @@ def main(argv: list[str] | None = None) -> int:
                    "by more than this factor (default %(default)s)")
     p.add_argument("--report-anyway", action="store_true",
                    help="report the figures even when the load changed during the run")
+    p.add_argument("--no-probe", action="store_true",
+                   help="do not probe the machine beside the timed runs: predict every plan on "
+                   "the profile as measured (the figures then move with the load)")
+    p.add_argument("--quick", action="store_true",
+                   help="one round, one profiler repeat (%(prog)s in about a third of the "
+                   "default time; same plans, same profile grid)")
+    p.add_argument("--hog", type=int, default=0, metavar="N",
+                   help="run N busy-loop processes (python: while True: pass) beside the whole "
+                   "benchmark, profiling included: the load test (default 0)")
     args = p.parse_args(argv)
+    if args.quick:
+        args.rounds, args.repeats = 1, 1
     t_start = time.perf_counter()
-    load = LoadLog(max_swing=args.max_load_swing)
-    cluster, model_prof, runs, timings = collect(args, load)
-    load.checkpoint("end")
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(args.hog)]
+    try:
+        load = LoadLog(max_swing=args.max_load_swing)
+        cluster, model_prof, runs, timings = collect(args, load)
+        load.checkpoint("end")
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
     report = load.stable() or args.report_anyway
     training = TrainingSpec(global_batch_size=GLOBAL_BATCH, seq_length=SEQ_LENGTH,
                             precision="fp32", dropout=False, flash_attention=False)
@@ -181,57 +222,79 @@ def main(argv: list[str] | None = None) -> int:
     plans = bench_plans()
     rows = []
     for (name, plan), run in zip(plans, runs):
-        pred, base = predict(plan, profiled), predict(plan, analytic)
-        rows.append({"plan": name, "predicted_s": pred, "analytic_s": base, **run,
-                     "error": (pred - run["measured_s"]) / run["measured_s"],
-                     "analytic_error": (base - run["measured_s"]) / run["measured_s"]})
-    pred = [r["predicted_s"] for r in rows]
+        at_profile, base = predict(plan, profiled), predict(plan, analytic)
+        readings = [ProbeReading(**r) for r in run["probes"]]
+        state = machine_state(readings, model_prof.sharing_alone_s) if readings else None
+        pred = at_profile if state is None else predict(plan, ProfiledCostModel(
+            BENCH_MODEL, cluster.cluster, training, comm=cluster,
+            model_profile=at_machine_state(model_prof, state)))
+        m = run["measured_s"]
+        rows.append({"plan": name, "predicted_s": pred, "profile_time_s": at_profile,
+                     "analytic_s": base, **run, "machine_state": state and asdict(state),
+                     "error": (pred - m) / m, "profile_time_error": (at_profile - m) / m,
+                     "analytic_error": (base - m) / m})
     meas = [r["measured_s"] for r in rows]
-    summary = summarize(pred, meas)
+    summary = summarize([r["predicted_s"] for r in rows], meas)
+    profile_time_summary = summarize([r["profile_time_s"] for r in rows], meas)
     analytic_summary = summarize([r["analytic_s"] for r in rows], meas)
-    print_table(rows, summary, analytic_summary, cluster, model_prof, report)
+    if args.hog:
+        print(f"{args.hog} busy-loop process(es) ran beside the whole benchmark")
+    print_table(rows, summary, profile_time_summary, analytic_summary, cluster, model_prof,
+                report)
     print(load.table())
     print(load.verdict())
     timings["total_s"] = time.perf_counter() - t_start
     if args.json:
         Path(args.json).write_text(json.dumps({
             "summary": summary if report else None,
+            "profile_time_summary": profile_time_summary if report else None,
             "analytic_summary": analytic_summary if report else None,
             "unreported_summary": None if report else summary,
             "load": load.to_dict(), "plans": rows,
             "overlap_slowdown": cluster.overlap_slowdown,
             "compute_slots_per_node": cluster.compute_slots_per_node,
             "sharing_slowdown": model_prof.sharing_slowdown,
+            "sharing_alone_s": model_prof.sharing_alone_s,
+            "probed": not args.no_probe, "quick": args.quick,
             "peak_flops_per_rank": cluster.cluster.peak_flops,
             "model_fit": {k: {"median_rel_error": a, "max_rel_error": b}
                           for k, (a, b) in model_prof.fit_report().items()},
             "timings_s": timings,
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                         "load_avg_1m": os.getloadavg()[0]},
-            "world_size": args.world_size, "model": BENCH_MODEL.to_dict(),
+            "world_size": args.world_size, "model": BENCH_MODEL.to_dict(), "hog": args.hog,
         }, indent=1) + "\n")
         print(f"wrote {args.json}")
     return 0 if report else 4
 
 
-def print_table(rows: list[dict], summary: dict, analytic: dict, cluster: ClusterProfile,
-                model: ModelProfile, report: bool) -> None:
+def print_table(rows: list[dict], summary: dict, profile_time: dict, analytic: dict,
+                cluster: ClusterProfile, model: ModelProfile, report: bool) -> None:
+    alone = "not recorded" if model.sharing_alone_s is None else f"{model.sharing_alone_s:.3f} s"
     print(f"{cluster.device}, {cluster.backend} x {cluster.cluster.gpus_per_node} ranks: peak "
           f"{cluster.cluster.peak_flops / 1e9:.1f} GFLOP/s per rank, overlap slowdown "
           f"{cluster.overlap_slowdown:.2f}, {cluster.compute_slots_per_node} matmul slots; "
-          f"model sharing slowdown {model.sharing_slowdown:.2f} x{model.concurrency}; "
-          f"model fit forward median error "
+          f"model sharing slowdown {model.sharing_slowdown:.2f} x{model.concurrency} (stack "
+          f"alone {alone}); model fit forward median error "
           f"{model.fit_report()['forward_s'][0]:.1%}")
-    print(f"{'plan':<30}{'predicted s':>12}{'measured s':>12}{'error':>9}{'analytic s':>12}"
-          f"{'error':>9}")
+    print("predicted = profile at the machine state probed beside the plan's run (solo factor,"
+          " sharing slowdown); at profile = the profile as measured")
+    print(f"{'plan':<30}{'solo':>6}{'share':>6}{'predicted s':>12}{'measured s':>11}"
+          f"{'error':>8}{'at profile':>11}{'error':>8}{'analytic':>9}{'error':>8}")
     for r in rows:
-        print(f"{r['plan']:<30}{r['predicted_s']:>12.3f}{r['measured_s']:>12.3f}"
-              f"{r['error']:>+9.1%}{r['analytic_s']:>12.3f}{r['analytic_error']:>+9.1%}")
+        st = r["machine_state"]
+        solo, share = (f"{st['solo_factor']:.2f}", f"{st['sharing_slowdown']:.2f}") if st else (
+            "-", "-")
+        print(f"{r['plan']:<30}{solo:>6}{share:>6}{r['predicted_s']:>12.3f}"
+              f"{r['measured_s']:>11.3f}{r['error']:>+8.1%}{r['profile_time_s']:>11.3f}"
+              f"{r['profile_time_error']:>+8.1%}{r['analytic_s']:>9.3f}"
+              f"{r['analytic_error']:>+8.1%}")
     if not report:
         print("NOT COMPARABLE (load changed during the run, see below): no summary")
         return
-    print(f"profiled: median |error| {summary['median_abs_error']:.1%}, Spearman "
-          f"{summary['spearman']:.3f} over {summary['num_plans']} plans; analytic: "
+    print(f"probed: median |error| {summary['median_abs_error']:.1%}, Spearman "
+          f"{summary['spearman']:.3f} over {summary['num_plans']} plans; at profile: "
+          f"{profile_time['median_abs_error']:.1%}, {profile_time['spearman']:.3f}; analytic: "
           f"{analytic['median_abs_error']:.1%}, {analytic['spearman']:.3f}")
     print(f"measured step times span {min(r['measured_s'] for r in rows):.2f}-"
           f"{max(r['measured_s'] for r in rows):.2f} s; load average now "

@@ -77,12 +77,34 @@ def _batches(plan: ParallelPlan, count: int, seed: int = 7) -> list[dict[str, to
     return out
 
 
+def _probe(probe: Any, rank: int, world_size: int) -> dict[str, float]:
+    """One reading of the machine (planner/profile/load.py): rank 0 runs the profiler's layer
+    stack alone (the others wait in a barrier, which does not spin), then every rank at once;
+    alone = rank 0's mean and fastest step, shared = the median over ranks of their mean step,
+    as the profiler takes them."""
+    dist.barrier()
+    alone = probe.steps_s() if rank == 0 else [0.0]
+    dist.barrier()
+    shared = probe.steps_s()
+    mine = torch.tensor([sum(alone) / len(alone), min(alone), sum(shared) / len(shared)],
+                        dtype=torch.float64)
+    every = [torch.zeros(3, dtype=torch.float64) for _ in range(world_size)]
+    dist.all_gather(every, mine)
+    return {"alone_s": float(every[0][0]), "alone_min_s": float(every[0][1]),
+            "shared_s": float(statistics.median(float(e[2]) for e in every))}
+
+
 def measure_rank(rank: int, world_size: int, *, plans: list[dict[str, Any]], rounds: int,
-                 steps: int, overlap_grad_reduce: bool) -> list[dict[str, float]]:
+                 steps: int, overlap_grad_reduce: bool, probe_grid: Any = None
+                 ) -> list[dict[str, Any]]:
     """Build every plan once, then `rounds` round-robin passes of 1 warm-up + `steps` timed
     steps per plan (so load drift on a shared machine hits all plans alike). A step's time is
     the slowest rank's; per plan the fastest timed step (the one least disturbed by other
-    processes, like the profilers' fastest-of-repeats) and the median."""
+    processes, like the profilers' fastest-of-repeats) and the median.
+
+    With `probe_grid` (the model profile's ProfileGrid) the machine is probed before every
+    plan's steps and after the last plan of each round (`_probe`); each plan gets the readings
+    right before and right after its own steps in every round (`probes`)."""
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
@@ -99,9 +121,18 @@ def measure_rank(rank: int, world_size: int, *, plans: list[dict[str, Any]], rou
             optimizer="adam", lr=1e-4, weight_decay=0.01, clip_grad=1.0, bf16=False, fp16=False,
             params_dtype=torch.float32))
         built.append((plan, chunks, groups, opt, _batches(plan, plan.num_microbatches)))
+    probe = None
+    if probe_grid is not None:
+        from megatron_ext.megatron_adapter.profile_model import SharingProbe
+
+        single, _ = dist.new_subgroups(group_size=1)
+        probe = SharingProbe(built[0][0].model, precision=built[0][0].precision,
+                             grid=probe_grid, single=single)
     times: list[list[float]] = [[] for _ in built]
+    probes: list[list[dict[str, float]]] = [[] for _ in built]
     losses: list[float] = [0.0] * len(built)
     for _ in range(rounds):
+        before = _probe(probe, rank, world_size) if probe else None
         for i, (_plan, chunks, groups, opt, batches) in enumerate(built):
             for step in range(steps + 1):
                 dist.barrier()
@@ -112,8 +143,12 @@ def measure_rank(rank: int, world_size: int, *, plans: list[dict[str, Any]], rou
                 if step > 0:
                     times[i].append(float(elapsed))
                 losses[i] = out["loss"]
+            if probe:
+                after = _probe(probe, rank, world_size)
+                probes[i] += [before, after]
+                before = after
     return [{"measured_s": min(t), "median_s": statistics.median(t), "max_s": max(t),
-             "loss": loss} for t, loss in zip(times, losses)]
+             "loss": loss, "probes": pr} for t, loss, pr in zip(times, losses, probes)]
 
 
 def profile_hardware_rank(rank: int, world_size: int, **kwargs: Any) -> dict[str, Any] | None:
@@ -147,8 +182,10 @@ def fastest_cluster(profiles: list[Any]) -> Any:
 
 def fastest_model(profiles: list[Any]) -> Any:
     """Merge model profiles of several rounds: fastest time per field, except the recompute
-    terms (differences of two times) and the sharing slowdown (a ratio), whose median is kept
-    (the smallest sharing slowdown is biased low, see profile_model.SHARING_ROUNDS)."""
+    terms (differences of two times), the sharing slowdown (a ratio) and the stack's alone
+    time it was measured against, whose median is kept (the smallest sharing slowdown is biased
+    low, see profile_model.SHARING_ROUNDS; the alone time is compared with later probes' medians,
+    planner/profile/load.py)."""
     def merge(samples: tuple) -> Any:
         values = {}
         for f in dataclasses.fields(samples[0]):
@@ -162,7 +199,9 @@ def fastest_model(profiles: list[Any]) -> Any:
         return type(samples[0])(**values)
 
     first = profiles[0]
+    alone = [p.sharing_alone_s for p in profiles]
     return dataclasses.replace(
         first, sharing_slowdown=float(statistics.median(p.sharing_slowdown for p in profiles)),
+        sharing_alone_s=None if None in alone else float(statistics.median(alone)),
         **{key: tuple(merge(group) for group in zip(*(getattr(p, key) for p in profiles)))
            for key in ("layers", "vocab", "optimizer")})

@@ -11,9 +11,12 @@ With `concurrency` > 1 (ranks that will share this device, e.g. the 4 ranks of a
 that many processes then run a stack of the model's layers (up to 8, one shape) back to back at
 once, and the ratio of their time per step to the solo time is the profile's `sharing_slowdown`
 (time-slicing, caches and memory bandwidth included; alone and shared loops alternate and each
-side keeps its median, robust to a burst of other work); on GPUs use 1. GPU memory comes from the
-CUDA allocator; on CPU
-only time is measured and the cost model keeps its analytic memory.
+side keeps its median, robust to a burst of other work); on GPUs use 1. One step of the same
+stack is also timed alone in every round of the shape measurements; its fastest is kept
+(`sharing_alone_s`): `SharingProbe` re-runs the stack later inside training ranks, so a
+benchmark can see how the machine changed between profiling and a timed run. GPU memory comes
+from the CUDA allocator; on CPU only time is measured and the cost model keeps its analytic
+memory.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from megatron_ext.planner.profile.profiles import (
 )
 from megatron_ext.specs import ModelSpec
 
-__all__ = ["ProfileGrid", "profile_model"]
+__all__ = ["ProfileGrid", "SharingProbe", "profile_model"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -194,20 +197,30 @@ class _LayerShape:
         )
 
 
-def _layer_samples(w: _Worker, grid: ProfileGrid) -> list[LayerSample]:
+def _layer_samples(w: _Worker, grid: ProfileGrid, stack: list[_LayerShape]
+                   ) -> tuple[list[LayerSample], float]:
     """Every shape, round-robin over `repeats + 1` rounds (the first warms up), so a change in
-    the machine's load during profiling hits all shapes alike; the fastest run is kept."""
+    the machine's load during profiling hits all shapes alike; the fastest run is kept. Each
+    round also times one step of the sharing `stack`: its fastest step is the reference a later
+    `SharingProbe` compares the machine's solo speed with (same rounds, same statistic as the
+    samples it will scale)."""
     shapes = []
     for tp in grid.tps:
         for sp in (False, True) if tp > 1 else (False,):
             layers = {rc: _layer(w, tp, sp, rc) for rc in ("none", "selective")}
             shapes += [_LayerShape(w, layers, tp=tp, sp=sp, b=b, s=s)
                        for s in grid.seq_lengths for b in grid.micro_batch_sizes]
+    stack_s = []
     for round_idx in range(grid.repeats + 1):
         for shape in shapes:
             for kind in _KINDS:
                 shape.measure(kind, keep=round_idx > 0)
-    return [shape.sample() for shape in shapes]
+        t0 = w.now()
+        for layer in stack:
+            layer.step()
+        if round_idx > 0:
+            stack_s.append(w.now() - t0)
+    return [shape.sample() for shape in shapes], min(stack_s)
 
 
 def _vocab_sample(w: _Worker, *, tp: int, b: int, s: int, repeats: int) -> VocabSample:
@@ -283,9 +296,9 @@ def _optimizer_sample(w: _Worker, params: list[torch.nn.Parameter], repeats: int
     return OptimizerSample(num_params=sum(p.numel() for p in params), step_s=step_s)
 
 
-def _measure(w: _Worker, grid: ProfileGrid, with_vocab: bool
-             ) -> tuple[list[LayerSample], list[VocabSample], list[OptimizerSample]]:
-    layer_samples = _layer_samples(w, grid)
+def _measure(w: _Worker, grid: ProfileGrid, with_vocab: bool, stack: list[_LayerShape]
+             ) -> tuple[list[LayerSample], list[VocabSample], list[OptimizerSample], float]:
+    layer_samples, stack_s = _layer_samples(w, grid, stack)
     vocab_samples, opt_samples = [], []
     for tp in grid.tps:
         params = [p for _ in range(4) for p in _layer(w, tp, False, "none").parameters()]
@@ -296,7 +309,7 @@ def _measure(w: _Worker, grid: ProfileGrid, with_vocab: bool
             for s in grid.seq_lengths:
                 for b in grid.micro_batch_sizes:
                     vocab_samples.append(_vocab_sample(w, tp=tp, b=b, s=s, repeats=grid.repeats))
-    return layer_samples, vocab_samples, opt_samples
+    return layer_samples, vocab_samples, opt_samples, stack_s
 
 
 SHARING_SECONDS = 0.75
@@ -307,20 +320,75 @@ burst of other work on the machine during one loop does not skew the ratio (the 
 loop is biased low: it is the one whose start or end overlapped fewer running workers)."""
 
 
-def _steady_step_s(w: _Worker, shapes: list[_LayerShape]) -> float:
-    """Seconds per forward + backward of the model's layer stack (one shape per layer, each with
-    its own weights: the working set of a training step), run back to back for
-    SHARING_SECONDS."""
+def _steady_steps_s(w: _Worker, shapes: list[_LayerShape]) -> list[float]:
+    """Seconds of each forward + backward of the model's layer stack (one shape per layer, each
+    with its own weights: the working set of a training step), run back to back for
+    SHARING_SECONDS after one untimed step."""
     def step() -> None:
         for shape in shapes:
             shape.step()
 
     step()
-    count, t0 = 0, w.now()
-    while w.now() - t0 < SHARING_SECONDS:
+    times, start = [], w.now()
+    while w.now() - start < SHARING_SECONDS:
+        t0 = w.now()
         step()
-        count += 1
-    return (w.now() - t0) / count
+        times.append(w.now() - t0)
+    return times
+
+
+def _steady_step_s(w: _Worker, shapes: list[_LayerShape]) -> float:
+    """Mean seconds per step of `_steady_steps_s`."""
+    times = _steady_steps_s(w, shapes)
+    return sum(times) / len(times)
+
+
+def _sharing_stack(w: _Worker, grid: ProfileGrid) -> list[_LayerShape]:
+    """The layer stack the sharing slowdown is measured with: up to 8 of the model's layers at
+    the grid's first tp, its middle micro-batch and its longest sequence."""
+    tp, b = grid.tps[0], sorted(grid.micro_batch_sizes)[len(grid.micro_batch_sizes) // 2]
+    return [_LayerShape(w, {"none": _layer(w, tp, False, "none")}, tp=tp, sp=False, b=b,
+                        s=max(grid.seq_lengths)) for _ in range(min(w.model.num_layers, 8))]
+
+
+class _GroupWorker(_Worker):
+    """A worker inside a process group that already exists (a training rank): its own
+    single-rank group stands in for every group of the layer, so only tp 1 is built."""
+
+    def __init__(self, model: ModelSpec, precision: str, device: torch.device,
+                 single: Any) -> None:
+        from megatron.core import tensor_parallel
+
+        from megatron_ext.megatron_adapter.build import prepare_megatron
+        from megatron_ext.megatron_adapter.transformer_config import transformer_config
+
+        prepare_megatron()
+        if not tensor_parallel.get_cuda_rng_tracker().is_initialized():  # else the rank's own
+            tensor_parallel.model_parallel_cuda_manual_seed(1234, tp_rank=0, ep_rank=0,
+                                                            etp_rank=0)
+        self.model, self.device, self.sync, self.now = model, device, lambda: None, _timer(device)
+        self.base = transformer_config(model, precision=precision)
+        self.single, self.tp_groups = single, {1: single}
+
+
+class SharingProbe:
+    """The profiler's sharing measurement, run again later inside a training rank: the same
+    layer stack (`ProfileGrid` as profiled, first tp must be 1), so its time per step is
+    comparable with the profile's `sharing_alone_s` and the ratio shared / alone with its
+    `sharing_slowdown` (planner/profile/load.py). `single` is a process group holding only this
+    rank (`torch.distributed.new_subgroups(1)`); call `step_s` alone or on every rank at once."""
+
+    def __init__(self, model: ModelSpec, *, precision: str, grid: ProfileGrid, single: Any,
+                 device: str = "cpu") -> None:
+        if grid.tps[0] != 1:
+            raise ValueError(f"SharingProbe builds tp 1 only; the grid's first tp is "
+                             f"{grid.tps[0]}")
+        self.worker = _GroupWorker(model, precision, torch.device(device), single)
+        self.stack = _sharing_stack(self.worker, grid)
+
+    def steps_s(self) -> list[float]:
+        """Seconds of each step of the stack, run back to back for SHARING_SECONDS."""
+        return _steady_steps_s(self.worker, self.stack)
 
 
 def _worker_main(idx: int, model: ModelSpec, precision: str, grid: ProfileGrid, device: str,
@@ -334,10 +402,8 @@ def _worker_main(idx: int, model: ModelSpec, precision: str, grid: ProfileGrid, 
             torch.set_num_threads(threads)
         torch.set_flush_denormal(True)  # fake collectives leave garbage that may be subnormal
         w = _Worker(model, precision, torch.device(device), lambda: None, max(grid.tps))
-        samples = _measure(w, grid, with_vocab) if idx == 0 else None
-        tp, b = grid.tps[0], sorted(grid.micro_batch_sizes)[len(grid.micro_batch_sizes) // 2]
-        stack = [_LayerShape(w, {"none": _layer(w, tp, False, "none")}, tp=tp, sp=False, b=b,
-                             s=max(grid.seq_lengths)) for _ in range(min(model.num_layers, 8))]
+        stack = _sharing_stack(w, grid)
+        samples = _measure(w, grid, with_vocab, stack) if idx == 0 else None
         alone, shared = [], []
         for _ in range(SHARING_ROUNDS):
             barrier.wait()
@@ -391,9 +457,10 @@ def profile_model(model: ModelSpec, *, precision: str = "fp32", grid: ProfileGri
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
-    (layers, vocab, opt), alone, _ = got[0]
+    (layers, vocab, opt, stack_s), alone, _ = got[0]
     slowdown = max(1.0, statistics.median(got[i][2] for i in range(concurrency)) / alone)
     name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
     return ModelProfile(model=model, precision=precision, device=name, concurrency=concurrency,
                         sharing_slowdown=round(slowdown, 4) if concurrency > 1 else 1.0,
+                        sharing_alone_s=stack_s,
                         layers=tuple(layers), vocab=tuple(vocab), optimizer=tuple(opt))

@@ -21,7 +21,7 @@ def test_profile_model_cli_measures_every_shape(tmp_path, capsys):
     assert code == 0
     profile = ModelProfile.load(out)
     assert profile.model == model_preset("tiny-gpt") and profile.concurrency == 2
-    assert profile.sharing_slowdown >= 1.0
+    assert profile.sharing_slowdown >= 1.0 and profile.sharing_alone_s > 0
     shapes = {(s.tp, s.sp, s.micro_batch_size, s.seq_length) for s in profile.layers}
     assert shapes == {(tp, sp, b, s) for tp, sp in ((1, False), (2, False), (2, True))
                       for b in (1, 2) for s in (16, 32)}
@@ -34,6 +34,33 @@ def test_profile_model_cli_measures_every_shape(tmp_path, capsys):
     assert set(profile.fit_report()) >= {"forward_s", "backward_s", "recompute_s",
                                          "output_forward_s", "optimizer_step_s"}
     assert "fit (median / max relative error)" in capsys.readouterr().err
+
+
+def _probe_rank(rank: int, world_size: int) -> tuple:
+    import torch.distributed as dist
+
+    from megatron_ext.megatron_adapter.profile_model import ProfileGrid, SharingProbe
+
+    single, _ = dist.new_subgroups(group_size=1)
+    grid = ProfileGrid(tps=(1, 2), micro_batch_sizes=(1, 2, 4), seq_lengths=(16, 32), repeats=1)
+    probe = SharingProbe(model_preset("tiny-gpt"), precision="fp32", grid=grid, single=single)
+    return [layer.key for layer in probe.stack], probe.steps_s()
+
+
+def test_sharing_probe_runs_the_profilers_stack_inside_gloo_ranks():
+    """The calibration benchmark's probe (planner/profile/load.py) inside 2 gloo ranks: the
+    profiler's stack (every layer at tp 1, the middle micro-batch, the longest sequence), timed
+    step by step on each rank at once; tp 1 only (no fake group to build wider shards)."""
+    from megatron_ext.megatron_adapter.profile_model import ProfileGrid, SharingProbe
+    from megatron_ext.runtime.testing import run_distributed
+
+    out = run_distributed(_probe_rank, world_size=2, timeout_s=300)
+    for keys, steps in out:
+        assert keys == [(1, False, 2, 32)] * model_preset("tiny-gpt").num_layers
+        assert steps and all(t > 0 for t in steps)
+    with pytest.raises(ValueError, match="tp 1 only"):
+        SharingProbe(model_preset("tiny-gpt"), precision="fp32", grid=ProfileGrid(tps=(2,)),
+                     single=None)
 
 
 @pytest.mark.parametrize("argv, needle", [

@@ -288,6 +288,11 @@ class ModelProfile:
     sharing_slowdown: float = 1.0
     """How much slower each rank computes when `concurrency` ranks compute at once (measured with
     a stack of the model's layers run back to back); 1 with a device per rank."""
+    sharing_alone_s: float | None = None
+    """Fastest step of that layer stack run by one process alone, timed in the same rounds as
+    the layer samples (and kept by the same fastest-run rule): the reference a later probe of
+    the same stack compares the machine's solo speed with (planner/profile/load.py); None: not
+    recorded (older profiles)."""
     layers: tuple[LayerSample, ...]
     """Transformer layer shapes measured; at least one."""
     vocab: tuple[VocabSample, ...] = ()
@@ -303,6 +308,8 @@ class ModelProfile:
             raise PlanError(f"concurrency={self.concurrency} must be >= 1")
         if not self.sharing_slowdown >= 1.0:
             raise PlanError(f"sharing_slowdown={self.sharing_slowdown} must be >= 1")
+        if self.sharing_alone_s is not None and not self.sharing_alone_s > 0:
+            raise PlanError(f"sharing_alone_s={self.sharing_alone_s} must be > 0 (or absent)")
         if not self.layers:
             raise PlanError("layers is empty; a model profile needs at least one layer sample")
         for i, s in enumerate(self.layers):
@@ -374,6 +381,7 @@ class ModelProfile:
                 "model": self.model.to_dict(), "precision": self.precision,
                 "device": self.device, "concurrency": self.concurrency,
                 "sharing_slowdown": self.sharing_slowdown,
+                "sharing_alone_s": self.sharing_alone_s,
                 "layers": [s.to_dict() for s in self.layers],
                 "vocab": [s.to_dict() for s in self.vocab],
                 "optimizer": [dataclasses.asdict(s) for s in self.optimizer]}
@@ -382,7 +390,8 @@ class ModelProfile:
     def from_dict(cls, data: Any) -> ModelProfile:
         data = expect_object(data, "model profile")
         reject_unknown(data, {"schema_version", "kind", "model", "precision", "device",
-                              "concurrency", "sharing_slowdown", "layers", "vocab", "optimizer"},
+                              "concurrency", "sharing_slowdown", "sharing_alone_s", "layers",
+                              "vocab", "optimizer"},
                        "")
         _check_version(data, "model profile")
         _check_kind(data, "model_profile")
@@ -396,6 +405,8 @@ class ModelProfile:
                    device=get_str(data, "device", ""),
                    concurrency=get_int(data, "concurrency", "", default=1, minimum=1),
                    sharing_slowdown=get_float(data, "sharing_slowdown", "", default=1.0),
+                   sharing_alone_s=get_optional_float(data, "sharing_alone_s", "",
+                                                      positive=True),
                    layers=items("layers", LayerSample.from_dict),
                    vocab=items("vocab", VocabSample.from_dict),
                    optimizer=items("optimizer", OptimizerSample.from_dict))
