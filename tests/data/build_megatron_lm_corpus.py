@@ -10,12 +10,14 @@ source passes to its training script:
   placeholder paths; argv is everything after the script name.
 - model-flag files (examples/post_training/modelopt/conf/*/*.sh): `$MODEL_ARGS` split like the
   shell does.
-- functional tests (tests/functional_tests/test_cases/gpt/*/model_config.yaml): MODEL_ARGS turned
+- functional tests (tests/functional_tests/test_cases/gpt/*/model_config.yaml, and the
+  mixture-of-experts ones under test_cases/moe and test_cases/mixtral, written to
+  functional_tests_moe/): MODEL_ARGS turned
   into flags by the rules of tests/functional_tests/shell_test_utils/_run_training.sh (true: the
   bare flag; "": left out; a list or a "[a b]" string: its items; any other value with spaces
   or parentheses: one token),
   with the ${...} paths the CI recipe sets. The training script comes from the CI recipes
-  (tests/test_utils/recipes/*/gpt*.yaml, TRAINING_SCRIPT_PATH).
+  (tests/test_utils/recipes/*/gpt*.yaml and moe*.yaml, TRAINING_SCRIPT_PATH).
 """
 
 from __future__ import annotations
@@ -112,11 +114,11 @@ def functional_argv(pairs) -> list[str]:
     return argv
 
 
-def recipe_scripts(repo: str, tag: str) -> dict[str, str]:
+def recipe_scripts(repo: str, tag: str, model: str = "gpt") -> dict[str, str]:
     scripts: dict[str, str] = {}
     for path in files(repo, tag, "tests/test_utils/recipes"):
         recipe = yaml.safe_load(git(repo, "show", f"{tag}:{path}"))
-        if not isinstance(recipe, dict) or recipe.get("spec", {}).get("model") != "gpt":
+        if not isinstance(recipe, dict) or recipe.get("spec", {}).get("model") != model:
             continue
         match = re.search(r'TRAINING_SCRIPT_PATH=\\?"?([^"\s]+(?: [^"\s]+)*)',
                           recipe["spec"]["script"])
@@ -149,8 +151,14 @@ def main(repo: str, tag: str = "core_v0.16.1") -> None:
                 write(f"modelopt_conf/{Path(path).parent.name}__{Path(path).stem}.json",
                       {"source": path, "commit": commit, "script": "(model flags)",
                        "argv": argv})
-    scripts = recipe_scripts(repo, tag)
-    for path in files(repo, tag, "tests/functional_tests/test_cases/gpt"):
+    for model, out in (("gpt", "functional_tests"), ("moe", "functional_tests_moe"),
+                       ("mixtral", "functional_tests_moe")):
+        functional_tests(repo, tag, commit, model, out)
+
+
+def functional_tests(repo: str, tag: str, commit: str, model: str, out: str) -> None:
+    scripts = recipe_scripts(repo, tag, model)
+    for path in files(repo, tag, f"tests/functional_tests/test_cases/{model}"):
         if not path.endswith("/model_config.yaml"):
             continue
         config = dict(yaml.load(git(repo, "show", f"{tag}:{path}"), Loader=_PairsLoader))
@@ -165,7 +173,7 @@ def main(repo: str, tag: str = "core_v0.16.1") -> None:
                   "argv": functional_argv(config["MODEL_ARGS"])}
         for extra in sorted(k for k in config if re.fullmatch(r"MODEL_ARGS_\d+", k)):
             record[f"argv_{extra[-1]}"] = functional_argv(config[extra])
-        write(f"functional_tests/{case}.json", record)
+        write(f"{out}/{case}.json", record)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.errors import PlanError
-from megatron_ext.flags.emit import plan_to_megatron_args
+from megatron_ext.flags.emit import megatron_values, plan_to_megatron_args
 from megatron_ext.flags.parser import parse_megatron_args, plan_from_megatron_args
 from megatron_ext.hf_config import model_from_hf_config
 from megatron_ext.planner.cost.compute import model_parameters
@@ -44,10 +44,15 @@ def _argv(name: str) -> list[str]:
 
 
 def _world_size(argv: list[str]) -> int:
-    """8 ranks (the CI's 8 GPUs), fewer when the batch does not split over 8."""
+    """8 ranks (the CI's 8 GPUs), fewer when the batch does not split over 8; MoE configs also
+    need the expert groups (etp x ep x pp) to divide the world, as in Megatron-LM."""
     ns = parse_megatron_args(argv)
     model_parallel = (ns.tensor_model_parallel_size * ns.pipeline_model_parallel_size
                       * ns.context_parallel_size)
+    if ns.num_experts:
+        expert = ((ns.expert_tensor_parallel_size or ns.tensor_model_parallel_size)
+                  * ns.expert_model_parallel_size * ns.pipeline_model_parallel_size)
+        model_parallel = math.lcm(model_parallel, expert)
     replicas = 8 // model_parallel if 8 % model_parallel == 0 else 1
     micro_batches = (ns.global_batch_size or 8) // (ns.micro_batch_size or 1)
     return model_parallel * math.gcd(replicas, micro_batches)
@@ -57,6 +62,7 @@ def test_corpus_is_complete():
     files = {str(p.relative_to(MEGATRON))[:-5] for p in MEGATRON.glob("*/*.json")}
     assert files == set(EXPECTED)
     assert len([n for n in files if n.startswith("functional_tests/")]) == 142
+    assert len([n for n in files if n.startswith("functional_tests_moe/")]) == 50
     assert len([n for n in files if n.startswith("examples/")]) == 3
 
 
@@ -82,7 +88,8 @@ def test_megatron_lm_input(name: str) -> None:
     assert plan.world_size == world
     assert plan.global_batch_size == (ns.global_batch_size or ns.micro_batch_size * world)
     assert plan.model.num_layers == ns.num_layers
-    if plan.is_uniform():
+    assert (plan.model.moe is not None) == bool(ns.num_experts)
+    if not megatron_values(plan).reasons:  # uniform in Megatron-LM's sense (MoE layers: ep/etp)
         again = parse_megatron_args(list(plan_to_megatron_args(plan).argv), world_size=world)
         assert plan_from_megatron_args(again, world) == plan
 
@@ -94,6 +101,22 @@ def test_gpt_and_llama_configs_that_use_only_supported_features_plan():
     assert "functional_tests/gpt3_mcore_te_tp2_pp2_cp2" in plain
     assert "modelopt_conf/meta-llama__Llama-3.1-8B-Instruct" in plain
     assert "modelopt_conf/Qwen__Qwen2.5-7B-Instruct" in plain
+
+
+def test_moe_functional_tests_and_model_files_plan():
+    """Megatron-LM's MoE functional tests that use only supported features give plans with their
+    experts and expert degrees; Qwen3-30B-A3B's model-flag file plans."""
+    plain = {n for n, e in EXPECTED.items() if e == "plan"}
+    assert "modelopt_conf/Qwen__Qwen3-30B-A3B" in plain
+    name = "functional_tests_moe/gpt3_mcore_tp2_pp2_ep2_etp2_te_4experts2parallel"
+    assert name in plain
+    ns = parse_megatron_args(_argv(name), world_size=8)
+    plan = plan_from_megatron_args(ns, 8, vocab_size=GPT2_BPE_VOCAB)
+    assert plan.model.moe is not None and plan.model.moe.num_experts == 4
+    # its flags say tp 4 (not the 2 of its name), ep 2, etp 2: experts fold inside attention TP
+    assert {(s.tp, s.sp, s.ep, s.expert_tp, s.expert_dp) for s in plan.layers} == {
+        (4, True, 2, 2, 1)}
+    assert len([n for n in plain if n.startswith("functional_tests_moe/")]) == 19
 
 
 def test_llama31_flags_reach_the_plan():
