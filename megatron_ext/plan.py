@@ -273,7 +273,13 @@ class ParallelPlan:
     pp: int
     """Pipeline-parallel degree; every layer's tp*cp*ulysses*dp equals world_size / pp."""
     stages: tuple[tuple[int, int], ...]
-    """Half-open layer range [start, end) of each pipeline stage; uneven splits allowed."""
+    """Half-open layer range [start, end) of each pipeline stage; uneven splits allowed. With
+    virtual_stages v > 1 there are pp * v contiguous ranges in model order, one per model chunk:
+    chunk c of pipeline rank r is stages[c * pp + r] (Megatron's interleaved assignment)."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (Megatron's virtual pipeline size): v > 1 runs the
+    interleaved 1F1B schedule, which shrinks the bubble v-fold for v times the point-to-point
+    messages and more in-flight micro-batches."""
     layers: tuple[LayerStrategy, ...]
     """One strategy per transformer layer, indexed by global zero-based layer_idx."""
     model: ModelSpec
@@ -309,11 +315,25 @@ class ParallelPlan:
         """Ranks per pipeline stage."""
         return self.world_size // self.pp
 
-    def stage_of_layer(self, layer_idx: int) -> int:
-        for stage, (start, end) in enumerate(self.stages):
+    def chunk_of_layer(self, layer_idx: int) -> int:
+        """Index into `stages` of the model chunk holding the layer (the pipeline stage when
+        virtual_stages is 1)."""
+        for chunk, (start, end) in enumerate(self.stages):
             if start <= layer_idx < end:
-                return stage
+                return chunk
         raise IndexError(f"layer {layer_idx} is outside the model")
+
+    def stage_of_layer(self, layer_idx: int) -> int:
+        """Pipeline rank (stage) that runs the layer: its chunk index modulo pp."""
+        return self.chunk_of_layer(layer_idx) % self.pp
+
+    def rank_chunks(self, stage: int) -> tuple[tuple[int, int], ...]:
+        """Layer ranges of the model chunks pipeline rank `stage` holds, in chunk order."""
+        return tuple(self.stages[c * self.pp + stage] for c in range(self.virtual_stages))
+
+    def stage_layers(self, stage: int) -> tuple[int, ...]:
+        """Global indices of every layer pipeline rank `stage` holds, over all its chunks."""
+        return tuple(i for start, end in self.rank_chunks(stage) for i in range(start, end))
 
     def layer_runs(self) -> Iterator[tuple[int, int, LayerStrategy]]:
         """Maximal runs (start, end, strategy) of consecutive equal strategies, split at stages."""
@@ -335,6 +355,7 @@ class ParallelPlan:
             "schema_version": SCHEMA_VERSION,
             "world_size": self.world_size,
             "pp": self.pp,
+            **({"virtual_stages": self.virtual_stages} if self.virtual_stages > 1 else {}),
             "stages": [{"start": s, "end": e} for s, e in self.stages],
             "layers": [{"start": s, "end": e, **_strategy_to_dict(st)}
                        for s, e, st in self.layer_runs()],
@@ -379,6 +400,7 @@ class ParallelPlan:
             world_size=get_int(data, "world_size", "", minimum=1),
             pp=get_int(data, "pp", "", minimum=1),
             stages=_stages_from_json(data.get("stages")),
+            virtual_stages=get_int(data, "virtual_stages", "", default=1, minimum=1),
             layers=_layers_from_json(data.get("layers"), model.num_layers),
             model=model,
             micro_batch_size=get_int(data, "micro_batch_size", "", minimum=1),
@@ -391,8 +413,9 @@ class ParallelPlan:
 
 
 _PLAN_KEYS = frozenset({
-    "schema_version", "world_size", "pp", "stages", "layers", "vocab", "micro_batch_size",
-    "global_batch_size", "seq_length", "precision", "flexsp", "model", "cluster", "prediction",
+    "schema_version", "world_size", "pp", "virtual_stages", "stages", "layers", "vocab",
+    "micro_batch_size", "global_batch_size", "seq_length", "precision", "flexsp", "model",
+    "cluster", "prediction",
 })
 
 

@@ -90,9 +90,20 @@ def _check_world(plan: ParallelPlan) -> None:
 
 
 def _check_stages(plan: ParallelPlan) -> None:
-    if len(plan.stages) != plan.pp:
+    v = plan.virtual_stages
+    if v < 1:
+        raise PlanError(f"virtual_stages={v} must be >= 1 (model chunks per pipeline rank)")
+    if v > 1 and plan.pp == 1:
         raise PlanError(
-            f"stages has {len(plan.stages)} ranges but pp={plan.pp}; give one per pipeline stage"
+            f"virtual_stages={v} needs pp > 1 (it interleaves model chunks over pipeline "
+            "ranks); use virtual_stages=1"
+        )
+    if len(plan.stages) != plan.pp * v:
+        what = "pp" if v == 1 else f"pp*virtual_stages={plan.pp}*{v}"
+        raise PlanError(
+            f"stages has {len(plan.stages)} ranges but {what}={plan.pp * v}; give one per "
+            + ("pipeline stage" if v == 1 else "model chunk (chunk c of rank r is "
+               "stages[c*pp + r])")
         )
     expected_start = 0
     for i, (start, end) in enumerate(plan.stages):
@@ -108,6 +119,20 @@ def _check_stages(plan: ParallelPlan) -> None:
         raise PlanError(
             f"stages end at layer {expected_start} but model.num_layers={plan.model.num_layers}; "
             "the last stage must end at num_layers"
+        )
+    m = plan.num_microbatches if plan.micro_batch_size > 0 else 0
+    if v > 1 and (m < plan.pp or m % plan.pp):
+        # megatron-core 0.16.1 pipeline_parallel/schedules.py:992-1012 refuses other counts.
+        raise PlanError(
+            f"virtual_stages={v} needs the micro-batch count (global_batch_size/"
+            f"micro_batch_size={m}) to be a multiple of pp={plan.pp}, as megatron-core's "
+            "interleaved schedule requires; change global_batch_size or micro_batch_size"
+        )
+    if v > 1 and plan.vocab.mode == "vocab_parallel":
+        raise PlanError(
+            f"virtual_stages={v} with vocab.mode='vocab_parallel' is not supported: the "
+            "vocabulary passes run on the non-interleaved 1F1B schedule only; use vocab.mode "
+            "'tp' or virtual_stages=1"
         )
 
 
@@ -239,7 +264,7 @@ def _check_prediction(plan: ParallelPlan) -> None:
         if values and len(values) != plan.pp:
             raise PlanError(
                 f"prediction.{name} has {len(values)} entries but pp={plan.pp}; give one per "
-                "stage or none"
+                "pipeline rank or none"
             )
         if any(v < 0 for v in values):
             raise PlanError(f"prediction.{name} has a negative entry; times and memory are >= 0")

@@ -195,6 +195,7 @@ def _breakdown(cm, plan: ParallelPlan):
         layers=plan.layers,
         vocab=plan.vocab,
         micro_batch_size=plan.micro_batch_size,
+        virtual_stages=plan.virtual_stages,
     )
 
 
@@ -229,6 +230,7 @@ def report_dict(plan: ParallelPlan, b, *, cluster: str = "custom") -> dict[str, 
             {
                 "stage": k,
                 "layers": list(s.layers),
+                **({"chunks": [list(c) for c in s.chunks]} if s.chunks else {}),
                 "memory_gib": {
                     **{name: v / GIB for name, v in s.memory_bytes.items()},
                     "reserve": s.reserve_bytes / GIB,
@@ -273,7 +275,7 @@ def report_text(plan: ParallelPlan, b, *, cluster: str = "custom") -> str:
         ("time/iteration s", "compute", "recomp", "exp.comm", "optim", "bubble", "slot/mb")
     ]
     for k, s in enumerate(b.stages):
-        name = f"stage {k} [{s.layers[0]}, {s.layers[1]})"
+        name = f"stage {k} {s.label}"
         m = s.memory_bytes
         mem_rows.append(
             (name, *(_gib(m[part], unit) for part in MEMORY_PARTS),

@@ -25,7 +25,9 @@ Mapping decisions (Megatron-LM core_v0.16.1 semantics):
   shorter) and none after is `--recompute-method block --recompute-num-layers k`.
 - stages: even splits need no flag; [f, m, ..., m, l] uses
   `--decoder-first/last-pipeline-num-layers`; anything else `--pipeline-model-parallel-layout`
-  such as `Et*3|tL`.
+  such as `Et*3|tL`. Interleaved plans (virtual_stages > 1) with every chunk the same size use
+  `--num-layers-per-virtual-pipeline-stage`, other chunk sizes the layout string with pp * v
+  stages (`Et*2|t*2|t|t*3L`: chunk c of rank r is stage c * pp + r, as in the plan).
 - MoE: model.moe is `--num-experts` and the `--moe-*` flags of flags/moe.py (defaults left
   out, except --moe-router-topk, --moe-router-load-balancing-type and --moe-aux-loss-coeff,
   which Megatron-LM's recipes spell out). Dense layers carry no expert degrees; when every MoE
@@ -308,8 +310,14 @@ def _stage_values(plan: ParallelPlan) -> dict[str, Any]:
     sizes = [end - start for start, end in plan.stages]
     values: dict[str, Any] = dict.fromkeys(
         ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
-         "pipeline_model_parallel_layout")
+         "pipeline_model_parallel_layout", "num_layers_per_virtual_pipeline_stage")
     )
+    if plan.virtual_stages > 1:
+        if len(set(sizes)) == 1:
+            values["num_layers_per_virtual_pipeline_stage"] = sizes[0]
+        else:
+            values["pipeline_model_parallel_layout"] = layout_string(sizes)
+        return values
     if len(set(sizes)) == 1:
         return values
     first, *middle, last = sizes

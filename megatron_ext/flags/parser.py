@@ -210,6 +210,10 @@ def _add_parallel(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--decoder-last-pipeline-num-layers", type=positive_int, default=None)
     g.add_argument("--pipeline-model-parallel-layout", type=str, default=None,
                    help="e.g. 'Et*3|tL': E embedding, t layer, L loss, | stage boundary")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=positive_int, default=None,
+                   help="interleaved 1F1B: layers per model chunk (even stages only)")
+    g.add_argument("--num-virtual-stages-per-pipeline-rank", type=positive_int, default=None,
+                   help="interleaved 1F1B: model chunks per pipeline rank")
     g.add_argument("--account-for-embedding-in-pipeline-split", action="store_true",
                    default=False)
     g.add_argument("--account-for-loss-in-pipeline-split", action="store_true", default=False)

@@ -65,6 +65,8 @@ EMIT_TABLE: tuple[tuple[str, str, str, Kind], ...] = (
     ("parallel", "decoder_last_pipeline_num_layers", "--decoder-last-pipeline-num-layers",
      "value"),
     ("parallel", "pipeline_model_parallel_layout", "--pipeline-model-parallel-layout", "value"),
+    ("parallel", "num_layers_per_virtual_pipeline_stage",
+     "--num-layers-per-virtual-pipeline-stage", "value"),
     ("parallel", "expert_model_parallel_size", "--expert-model-parallel-size", "value"),
     ("parallel", "expert_tensor_parallel_size", "--expert-tensor-parallel-size", "value"),
     ("parallel", "context_parallel_size", "--context-parallel-size", "value"),

@@ -68,8 +68,8 @@ def plan_from_megatron_args(
             f"size = {mbs} x {dp}; change the batch sizes"
         )
     cp, ulysses = context_from_args(ns)
-    sizes = stage_sizes(ns, model.num_layers)
-    stages = tuple((sum(sizes[:i]), sum(sizes[: i + 1])) for i in range(pp))
+    sizes = stage_sizes(ns, model.num_layers)  # one per model chunk
+    stages = tuple((sum(sizes[:i]), sum(sizes[: i + 1])) for i in range(len(sizes)))
     ep, etp = expert_degrees(ns)
     strategies = {
         (kind, moe): LayerStrategy(tp=tp, sp=bool(ns.sequence_parallel) and tp > 1, cp=cp,
@@ -82,7 +82,7 @@ def plan_from_megatron_args(
     assert cp_total == cp * ulysses, (cp_total, cp, ulysses)
     try:
         return ParallelPlan(
-            world_size=world_size, pp=pp, stages=stages,
+            world_size=world_size, pp=pp, stages=stages, virtual_stages=len(sizes) // pp,
             layers=tuple(strategies[kind, model.is_moe_layer(i)]
                          for i, kind in enumerate(recompute)), model=model,
             micro_batch_size=mbs * dp, global_batch_size=gbs, seq_length=_need(ns, "seq_length"),
@@ -173,7 +173,8 @@ def zero_from_args(ns: argparse.Namespace) -> int:
 
 
 def recompute_from_args(ns: argparse.Namespace, stages: tuple[tuple[int, int], ...]) -> list[str]:
-    """Per-layer recompute; Megatron applies --recompute-method per pipeline stage."""
+    """Per-layer recompute; Megatron applies --recompute-method per pipeline stage (per model
+    chunk with virtual stages: each chunk is its own TransformerBlock)."""
     num_layers = stages[-1][1]
     if ns.recompute_granularity is None:
         return ["none"] * num_layers
@@ -186,9 +187,74 @@ def recompute_from_args(ns: argparse.Namespace, stages: tuple[tuple[int, int], .
             for start, end in stages for i in range(start, end)]
 
 
-def stage_sizes(ns: argparse.Namespace, num_layers: int) -> list[int]:
-    """Transformer layers per pipeline stage, as Megatron-LM's flags split them."""
+def virtual_stages_of(ns: argparse.Namespace, num_layers: int) -> int:
+    """Model chunks per pipeline rank, as Megatron-LM's validate_args derives them
+    (megatron/training/arguments.py, core_v0.16.1): from --pipeline-model-parallel-layout (its
+    stage count / pp), --num-virtual-stages-per-pipeline-rank, or
+    --num-layers-per-virtual-pipeline-stage (even stages only); at most one of them."""
     pp = ns.pipeline_model_parallel_size
+    layout = ns.pipeline_model_parallel_layout
+    per_stage = ns.num_layers_per_virtual_pipeline_stage
+    per_rank = ns.num_virtual_stages_per_pipeline_rank
+    given = [f for f, v in (("--num-layers-per-virtual-pipeline-stage", per_stage),
+                            ("--num-virtual-stages-per-pipeline-rank", per_rank),
+                            ("--pipeline-model-parallel-layout", layout)) if v is not None]
+    if len(given) > 1:
+        raise PlanError(f"{' and '.join(given)} cannot be set together (Megatron-LM allows at "
+                        "most one); keep one")
+    if layout is not None:
+        return 1  # _layout_sizes counts the layout's stages itself
+    if per_rank is not None:
+        v = per_rank
+    elif per_stage is not None:
+        if (ns.decoder_first_pipeline_num_layers is not None
+                or ns.decoder_last_pipeline_num_layers is not None):
+            raise PlanError(
+                "--num-layers-per-virtual-pipeline-stage cannot be combined with "
+                "--decoder-first/last-pipeline-num-layers (Megatron-LM refuses it); use "
+                "--num-virtual-stages-per-pipeline-rank for uneven interleaved pipelines"
+            )
+        total = (num_layers + int(ns.account_for_embedding_in_pipeline_split)
+                 + int(ns.account_for_loss_in_pipeline_split))
+        if total % pp or (total // pp) % per_stage:
+            raise PlanError(
+                f"--num-layers-per-virtual-pipeline-stage={per_stage} does not divide the "
+                f"{total / pp:g} layers of each of the --pipeline-model-parallel-size={pp} "
+                "stages; choose a divisor of the layers per stage"
+            )
+        v = total // pp // per_stage
+    else:
+        return 1
+    return v
+
+
+def _check_interleaving(ns: argparse.Namespace, pp: int, v: int) -> None:
+    if v > 1 and pp == 1:
+        raise PlanError("interleaved (virtual) pipeline stages need "
+                        "--pipeline-model-parallel-size > 1")
+    if v > 1 and pp <= 2 and not getattr(ns, "overlap_p2p_comm", True):
+        raise PlanError(
+            "interleaved pipelines with --no-overlap-p2p-communication need "
+            "--pipeline-model-parallel-size > 2 (Megatron-LM's rule: at pp=2 batched sends and "
+            "receives between the same two ranks are matched wrongly); drop "
+            "--no-overlap-p2p-communication"
+        )
+
+
+def stage_sizes(ns: argparse.Namespace, num_layers: int) -> list[int]:
+    """Transformer layers per model chunk in model order, as Megatron-LM's flags split them:
+    one per pipeline stage, or pp * v with virtual stages (chunk c of rank r at c * pp + r;
+    each rank's layers split evenly over its v chunks, as megatron-core's
+    get_num_layers_to_build does, transformer/transformer_block.py:160-199)."""
+    sizes = _stage_sizes(ns, num_layers)
+    _check_interleaving(ns, ns.pipeline_model_parallel_size,
+                        len(sizes) // ns.pipeline_model_parallel_size)
+    return sizes
+
+
+def _stage_sizes(ns: argparse.Namespace, num_layers: int) -> list[int]:
+    pp = ns.pipeline_model_parallel_size
+    v = virtual_stages_of(ns, num_layers)
     if ns.pipeline_model_parallel_layout is not None:
         return _layout_sizes(ns.pipeline_model_parallel_layout, pp, num_layers)
     first, last = ns.decoder_first_pipeline_num_layers, ns.decoder_last_pipeline_num_layers
@@ -202,7 +268,9 @@ def stage_sizes(ns: argparse.Namespace, num_layers: int) -> list[int]:
                 "evenly with at least one layer each"
             )
         each = [rest // middle] * middle if middle else []
-        return ([first] if first is not None else []) + each + ([last] if last is not None else [])
+        sizes = ([first] if first is not None else []) + each + (
+            [last] if last is not None else [])
+        return _split_chunks(sizes, v, 0, 0)
     extra_first = int(ns.account_for_embedding_in_pipeline_split)
     extra_last = int(ns.account_for_loss_in_pipeline_split)
     total = num_layers + extra_first + extra_last
@@ -213,13 +281,28 @@ def stage_sizes(ns: argparse.Namespace, num_layers: int) -> list[int]:
             + f" is not divisible by --pipeline-model-parallel-size={pp}; use "
             "--decoder-first/last-pipeline-num-layers or --pipeline-model-parallel-layout"
         )
-    sizes = [total // pp] * pp
+    return _split_chunks([total // pp] * pp, v, extra_first, extra_last)
+
+
+def _split_chunks(rank_sizes: list[int], v: int, extra_first: int, extra_last: int) -> list[int]:
+    """Per-chunk sizes in model order from per-rank sizes: each rank's layers over v chunks,
+    then the embedding / loss counted by --account-for-* taken off the first / last chunk."""
+    pp = len(rank_sizes)
+    bad = [n for n in rank_sizes if n % v]
+    if bad:
+        raise PlanError(
+            f"a pipeline stage of {bad[0]} layers does not split into {v} virtual stages "
+            "(megatron-core splits each stage's layers evenly over its chunks); change the "
+            "stage sizes or the virtual pipeline size"
+        )
+    sizes = [rank_sizes[j % pp] // v for j in range(pp * v)]
     sizes[0] -= extra_first
     sizes[-1] -= extra_last
     if min(sizes) < 1:
+        what = "stage" if v == 1 else "virtual stage"
         raise PlanError(
-            f"--account-for-*-in-pipeline-split leaves a pipeline stage with no transformer layer "
-            f"(sizes {sizes}); megatron_ext needs at least one layer per stage"
+            f"--account-for-*-in-pipeline-split leaves a pipeline {what} with no transformer "
+            f"layer (sizes {sizes}); megatron_ext needs at least one layer per {what}"
         )
     return sizes
 
@@ -248,10 +331,10 @@ def _layout_sizes(text: str, pp: int, num_layers: int) -> list[int]:
         raise PlanError(f"{flag} has unknown layer characters {bad}; use E, t, L and |")
     if any("m" in stage for stage in stages):
         raise PlanError(f"{flag} has MTP layers (m), which megatron_ext does not support yet")
-    if len(stages) != pp:
+    if len(stages) % pp:
         raise PlanError(
             f"{flag} describes {len(stages)} stages for --pipeline-model-parallel-size={pp}; "
-            "interleaved (virtual) pipelines are not supported yet, give one stage per rank"
+            "give a multiple of pp stages (pp * virtual stages, Megatron-LM's rule)"
         )
     flat = [c for stage in stages for c in stage]
     if flat.count("E") != 1 or flat[0] != "E" or flat.count("L") != 1 or flat[-1] != "L":

@@ -217,4 +217,5 @@ def _add_kernels(parser: argparse.ArgumentParser) -> None:
                    help="set by torch.distributed.launch (default $LOCAL_RANK, as Megatron-LM)")
     g.add_argument("--no-overlap-p2p-communication", action="store_false",
                    dest="overlap_p2p_comm",
-                   help="only matters with interleaved pipelines, which are not supported yet")
+                   help="interleaved pipelines: batched instead of overlapped point-to-point "
+                   "(Megatron-LM then needs pp > 2)")

@@ -94,13 +94,16 @@ def plan_table(plan: ParallelPlan) -> str:
     rows = [("stage", "layers", "strategy", "mem MiB" if mib else "mem GiB",
              "busy ms" if ms else "busy s")]
     for start, end, strategy in plan.layer_runs():
-        stage = plan.stage_of_layer(start)
-        first = start == plan.stages[stage][0]
+        chunk = plan.chunk_of_layer(start)
+        stage = chunk % plan.pp
+        first = start == plan.stages[chunk][0]
+        shown = pred and first and chunk < plan.pp  # a stage's figures on its first chunk
         mem = (f"{pred.stage_peak_memory_gib[stage] * (1024 if mib else 1):.1f}"
-               if pred and first else "")
-        busy = _significant(pred.stage_time_s[stage] * (1e3 if ms else 1)) if pred and first else ""
+               if shown else "")
+        busy = _significant(pred.stage_time_s[stage] * (1e3 if ms else 1)) if shown else ""
+        label = str(stage) if plan.virtual_stages == 1 else f"{stage}.{chunk // plan.pp}"
         rows.append(
-            (str(stage) if first else "", f"[{start}, {end})", strategy.describe(), mem, busy)
+            (label if first else "", f"[{start}, {end})", strategy.describe(), mem, busy)
         )
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = [
@@ -108,6 +111,9 @@ def plan_table(plan: ParallelPlan) -> str:
         for r in rows
     ]
     m = plan.global_batch_size // plan.micro_batch_size
+    if plan.virtual_stages > 1:
+        lines.append(f"interleaved 1F1B: {plan.virtual_stages} model chunks per stage "
+                     "(stage.chunk above; chunk c of stage k holds stages[c*pp + k])")
     lines.append(f"vocabulary: {describe_vocab(plan.vocab, plan.pp)}")
     lines.append(
         f"batch: micro-batch {plan.micro_batch_size} samples over all replicas x {m} "
@@ -127,7 +133,7 @@ def plan_summary(plan: ParallelPlan) -> dict[str, str]:
     recompute = sum(1 for s in plan.layers if s.recompute != "none")
     zeros = sorted({s.zero for s in plan.layers})
     return {
-        "pp": str(plan.pp),
+        "pp": str(plan.pp) if plan.virtual_stages == 1 else f"{plan.pp}x{plan.virtual_stages}v",
         "stage sizes": ",".join(str(e - s) for s, e in plan.stages),
         "micro-batch": str(plan.micro_batch_size),
         "strategies": str(len(set(plan.layers))),

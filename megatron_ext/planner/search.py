@@ -18,6 +18,10 @@ Outer loops: pipeline degree pp (divisors of the GPU count, <= layers) x micro-b
   5. the best few are backtracked to per-layer strategies, repaired against exact memory (the
      DP rounds each layer up to whole units: a change of one layer to a faster strategy that
      fits unrounded is taken) and scored exactly (cost/evaluate.py).
+  6. each scored layout is also tried on Megatron's interleaved schedule (virtual_stages v =
+     2..8 chunks per rank, chunks cut at near-equal time; `interleaved_variants`) and scored
+     exactly; the combo bound is scaled by the interleaved schedule's smaller bubble so
+     pruning stays safe. The uniform baseline includes interleaving (uniform.py).
 The result is the fastest exactly-scored layout, layerwise or uniform (a uniform layout is a
 point of the layerwise space, so the search never returns anything slower than the baseline).
 """
@@ -53,7 +57,13 @@ from megatron_ext.planner.space import (
     prune_strategies,
     vocab_options,
 )
-from megatron_ext.planner.uniform import Layout, score_uniform, search_uniform
+from megatron_ext.planner.uniform import (
+    Layout,
+    interleave_bound,
+    score_uniform,
+    search_uniform,
+    virtual_stage_options,
+)
 
 Progress = Callable[[str], None]
 
@@ -170,9 +180,10 @@ def _near_candidates(
     near = max(bound, _upper(plan) * overlap_relax())
     for pp in [p for p in divisors(cm.cluster.num_gpus) if p <= cm.model.num_layers]:
         for mbs in divisors(cm.training.global_batch_size):
-            found = score_uniform(cm, pp, mbs, near)
-            if found is not None:
-                seen.append((found[1], found[1].evaluate(cm)))
+            for v in [1, *virtual_stage_options(cm, pp, mbs, even_only=True)]:
+                found = score_uniform(cm, pp, mbs, near, virtual_stages=v)
+                if found is not None:
+                    seen.append((found[1], found[1].evaluate(cm)))
     if options.objective == "p90" and not options.uniform_only:
         _layerwise(cm, options, bound, stats, None, seen)
 
@@ -194,7 +205,8 @@ def _rank_candidates(
     unique: dict[tuple, tuple[Layout, Evaluation]] = {}
     for layout, ev in [best, *seen]:
         if ev.feasible:
-            key = (layout.pp, layout.stages, layout.layers, layout.micro_batch_size, layout.vocab)
+            key = (layout.pp, layout.virtual_stages, layout.stages, layout.layers,
+                   layout.micro_batch_size, layout.vocab)
             unique.setdefault(key, (layout, ev))
     plans = [(layout_to_plan(cm, layout, ev), ev) for layout, ev in unique.values()]
     if options.objective == "p90":
@@ -243,6 +255,7 @@ def layout_to_plan(cm: CostModel, layout: Layout, evaluation: Evaluation) -> Par
         world_size=cm.cluster.num_gpus,
         pp=layout.pp,
         stages=layout.stages,
+        virtual_stages=layout.virtual_stages,
         layers=layout.layers,
         model=cm.model,
         micro_batch_size=layout.micro_batch_size,
@@ -270,19 +283,56 @@ def _layerwise(
         if combo.bound_s >= best_s:
             stats["combos_pruned"] = len(combos) - i
             break
-        for layout in _solve_combo(cm, combo, options, best_s, stats):
-            ev = layout.evaluate(cm)
-            stats["exact_evaluations"] += 1
-            if seen is not None and ev.feasible:
-                seen.append((layout, ev))
-            if ev.feasible and ev.iteration_s < best_s:
-                best, best_s = (layout, ev), ev.iteration_s
+        for found in _solve_combo(cm, combo, options, best_s, stats):
+            for layout in [found, *interleaved_variants(cm, found)]:
+                ev = layout.evaluate(cm)
+                stats["exact_evaluations"] += 1
+                if seen is not None and ev.feasible:
+                    seen.append((layout, ev))
+                if ev.feasible and ev.iteration_s < best_s:
+                    best, best_s = (layout, ev), ev.iteration_s
         if progress is not None:
             progress(
                 f"layerwise: pp={combo.pp} micro-batch={combo.micro_batch_size} "
                 f"({i + 1}/{len(combos)}), best {best_s:.3f} s"
             )
     return best
+
+
+def interleaved_variants(cm: CostModel, layout: Layout) -> list[Layout]:
+    """The layout's per-layer strategies on the interleaved schedule: for every allowed v, the
+    layers cut into pp * v contiguous chunks of near-equal forward + backward time (chunk j
+    ends where the running time first reaches (j + 1) / (pp v) of the total, at least one layer
+    each), so each rank's v chunks carry about the same work. The caller scores them exactly;
+    memory decides whether one fits (interleaving keeps more micro-batches in flight)."""
+    if layout.virtual_stages != 1 or layout.vocab.mode != "tp":
+        return []
+    pp, n = layout.pp, len(layout.layers)
+    options = virtual_stage_options(cm, pp, layout.micro_batch_size, even_only=False)
+    if not options:
+        return []
+    distinct = list(dict.fromkeys(layout.layers))
+    costs = cm.layer_costs(StrategyTable.of(distinct), layout.micro_batch_size)
+    work = (costs.forward_s + costs.backward_s)[[distinct.index(s) for s in layout.layers]]
+    total = np.concatenate([[0.0], np.cumsum(work)])
+    out = []
+    for v in options:
+        chunks = pp * v
+        ends, start = [], 0
+        for j in range(chunks - 1):
+            target = total[-1] * (j + 1) / chunks
+            end = int(np.searchsorted(total, target, side="left"))
+            # round to the nearer boundary, keep one layer for every chunk on either side
+            if end > 0 and target - total[end - 1] < total[min(end, n)] - target:
+                end -= 1
+            end = min(max(end, start + 1), n - (chunks - 1 - j))
+            ends.append(end)
+            start = end
+        bounds = [0, *ends, n]
+        out.append(dataclasses.replace(
+            layout, virtual_stages=v,
+            stages=tuple((bounds[j], bounds[j + 1]) for j in range(chunks))))
+    return out
 
 
 def _combos(cm: CostModel) -> list[_Combo]:
@@ -301,6 +351,9 @@ def _combos(cm: CostModel) -> list[_Combo]:
                 continue
             costs = cm.layer_costs(table, mbs)
             bound = combo_bound(cm, costs, pp, mbs)
+            virtual = virtual_stage_options(cm, pp, mbs, even_only=False)
+            if virtual:  # an interleaved variant of the combo's layouts may go below 1F1B's
+                bound *= interleave_bound(pp, t.global_batch_size // mbs, max(virtual))
             if math.isfinite(bound):
                 out.append(
                     _Combo(pp=pp, micro_batch_size=mbs, table=table, costs=costs, bound_s=bound)

@@ -34,6 +34,10 @@ class TrainingSpec:
     group, as the layerwise runtime runs them (FSDP2 per layer). False keeps the search to
     zero 0/1 (e.g. to plan for a runtime without them). The search is exact in this flag:
     allowing it never gives a slower plan."""
+    allow_interleaving: bool = True
+    """The pipeline may run Megatron's interleaved schedule (virtual_stages > 1 model chunks per
+    rank; --num-layers-per-virtual-pipeline-stage), in the uniform baseline and the search.
+    Exact in the same sense: a non-interleaved layout stays in the space."""
     allow_flexsp: bool = False
     """Recorded for the FlexSP planner; the layerwise search itself never emits a FlexSP plan."""
     flash_attention: bool = True

@@ -3,8 +3,11 @@
 Space: one strategy for every layer (tp, sp, cp, dp, recompute none/selective/full, distributed
 optimizer on/off), pp, micro-batch size, vocabulary layers tensor-parallel with the layers' tp,
 and Megatron's uneven pipeline split (--decoder-first/last-pipeline-num-layers: any first and
-last stage size, the middle stages even). Every combination is scored with the same 1F1B formula
-as `evaluate`, vectorised over [strategies, partitions, stages].
+last stage size, the middle stages even), or Megatron's interleaved schedule
+(--num-layers-per-virtual-pipeline-stage: v equal chunks per rank, which Megatron-LM allows with
+even stages only, and a micro-batch count that is a multiple of pp). Every combination is scored
+with the same (interleaved) 1F1B formula as `evaluate`, vectorised over [strategies,
+partitions, stages].
 """
 
 from __future__ import annotations
@@ -18,7 +21,11 @@ import numpy as np
 from megatron_ext.plan import LayerStrategy, VocabStrategy
 from megatron_ext.planner.cost.evaluate import Evaluation, evaluate
 from megatron_ext.planner.cost.model import CostModel
-from megatron_ext.planner.cost.pipeline import one_f_one_b, pipeline_lower_bound_s
+from megatron_ext.planner.cost.pipeline import (
+    interleaved_inflight,
+    one_f_one_b,
+    pipeline_lower_bound_s,
+)
 from megatron_ext.planner.cost.vocab import stage_extras
 from megatron_ext.planner.space import divisors, layer_strategies
 
@@ -37,11 +44,33 @@ class Layout:
     """One strategy per layer."""
     vocab: VocabStrategy
     """Vocabulary layers."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank; stages then lists pp * virtual_stages chunk ranges."""
 
     def evaluate(self, cm: CostModel) -> Evaluation:
         """The exact cost-model evaluation of this layout."""
         return evaluate(cm, pp=self.pp, stages=self.stages, layers=self.layers, vocab=self.vocab,
-                        micro_batch_size=self.micro_batch_size)
+                        micro_batch_size=self.micro_batch_size,
+                        virtual_stages=self.virtual_stages)
+
+
+MAX_VIRTUAL_STAGES = 8
+"""Most chunks per rank the search tries (each one more point-to-point message per micro-batch
+and rank; the bubble gain beyond 8 is below 1/(8 m) of the iteration)."""
+
+
+def virtual_stage_options(cm, pp: int, micro_batch_size: int, *,
+                          even_only: bool) -> list[int]:
+    """Chunks per rank v > 1 the interleaved schedule may use at (pp, micro-batch size): pp > 1,
+    the micro-batch count a multiple of pp (megatron-core's interleaved schedule), at least one
+    layer per chunk; even_only (Megatron-LM's --num-layers-per-virtual-pipeline-stage): every
+    chunk the same size. Empty when the search may not interleave."""
+    layers = cm.model.num_layers
+    m = cm.training.global_batch_size // micro_batch_size
+    if not cm.training.allow_interleaving or pp == 1 or m < pp or m % pp:
+        return []
+    return [v for v in range(2, min(layers // pp, MAX_VIRTUAL_STAGES) + 1)
+            if not even_only or layers % (pp * v) == 0]
 
 
 def megatron_partitions(num_layers: int, pp: int) -> np.ndarray:  # [P, pp] layer counts
@@ -66,11 +95,14 @@ def _partitions(num_layers: int, pp: int) -> np.ndarray:
 
 
 def score_uniform(
-    cm, pp: int, micro_batch_size: int, bound_s: float = np.inf, *, fsdp: bool = False
+    cm, pp: int, micro_batch_size: int, bound_s: float = np.inf, *, fsdp: bool = False,
+    virtual_stages: int = 1,
 ) -> tuple[float, Layout] | None:
     """Best uniform layout at this (pp, micro-batch size) faster than bound_s, or None.
     fsdp=True also tries ZeRO-3 everywhere (FSDP2), which Megatron-LM allows with pp=1 and
-    untied embeddings only."""
+    untied embeddings only. virtual_stages v > 1 scores the interleaved schedule with v equal
+    chunks per rank (the caller passes a v from `virtual_stage_options`)."""
+    v = virtual_stages
     model, cluster = cm.model, cm.cluster
     width = cluster.num_gpus // pp
     table = layer_strategies(
@@ -86,10 +118,14 @@ def score_uniform(
         return None
     costs = cm.layer_costs(table, micro_batch_size)
     m = cm.training.global_batch_size // micro_batch_size
-    parts = _partitions(model.num_layers, pp)  # [P, pp]
+    if v == 1:
+        parts = _partitions(model.num_layers, pp)  # [P, pp]
+    else:
+        parts = np.full((1, pp), model.num_layers / pp)
     best: tuple[float, Layout] | None = None
     for key in sorted({(int(tp), min(int(z), 1)) for tp, z in zip(table.tp, table.zero)}):
-        ex = stage_extras(cm, VocabStrategy(mode="tp", tp=key[0]), pp, micro_batch_size, m, key[1])
+        ex = stage_extras(cm, VocabStrategy(mode="tp", tp=key[0]), pp, micro_batch_size, m, key[1],
+                          virtual_stages=v)
         work = (
             model.num_layers * (costs.forward_s + costs.backward_s)
             + (ex.forward_s + ex.backward_s).sum()
@@ -98,35 +134,50 @@ def score_uniform(
         sel = np.flatnonzero(
             (table.tp == key[0])
             & (np.minimum(table.zero, 1) == key[1])
-            & (pipeline_lower_bound_s(work, pp, m) < bound)
+            & (pipeline_lower_bound_s(work, pp, m) * interleave_bound(pp, m, v) < bound)
         )
         if len(sel) == 0:
             continue
-        found = _best_of(cm, costs, sel, ex, parts, m)
+        found = _best_of(cm, costs, sel, ex, parts, m, v)
         if found is not None and (best is None or found[0] < best[0]):
             i, counts = found[1], parts[found[2]].astype(int)
+            if v > 1:
+                counts = np.full(pp * v, model.num_layers // (pp * v))
             bounds = np.concatenate([[0], np.cumsum(counts)])
             best = (
                 found[0],
                 Layout(
                     pp=pp,
                     micro_batch_size=micro_batch_size,
-                    stages=tuple((int(bounds[k]), int(bounds[k + 1])) for k in range(pp)),
+                    stages=tuple((int(bounds[k]), int(bounds[k + 1]))
+                                 for k in range(len(counts))),
                     layers=(table.strategies[i],) * model.num_layers,
                     vocab=VocabStrategy(mode="tp", tp=key[0]),
+                    virtual_stages=v,
                 ),
             )
     return best
 
 
+def interleave_bound(pp: int, m: int, v: int) -> float:
+    """How far below the 1F1B lower bound (m + pp - 1) W / pp an interleaved schedule may go:
+    (m + (pp - 1) / v) / (m + pp - 1)."""
+    return (m + (pp - 1) / v) / (m + pp - 1)
+
+
 def _best_of(
-    cm, costs, sel: np.ndarray, ex, parts: np.ndarray, m: int
+    cm, costs, sel: np.ndarray, ex, parts: np.ndarray, m: int, v: int = 1
 ) -> tuple[float, int, int] | None:
-    """(iteration, strategy index, partition index) of the fastest feasible pair in sel x parts."""
+    """(iteration, strategy index, partition index) of the fastest feasible pair in sel x parts;
+    v > 1: the interleaved schedule with v equal chunks per rank (parts is the even split)."""
     col = lambda a: a[sel][:, None, None]
+    if v == 1:
+        inflight = ex.inflight
+    else:  # in-flight chunk micro-batches at the peak, in units of a whole rank's layers
+        inflight = interleaved_inflight(len(ex.inflight), m, v).sum(axis=-1).max(axis=0) / v
     mem = (
         ex.fixed_bytes
-        + parts[None] * (col(costs.state_bytes) + ex.inflight * col(costs.activation_bytes))
+        + parts[None] * (col(costs.state_bytes) + inflight * col(costs.activation_bytes))
         + col(costs.transient_bytes)
     )
     fits = np.all(mem <= cm.memory_cap_bytes, axis=-1)  # [S, P]
@@ -144,6 +195,7 @@ def _best_of(
         n * c(costs.optimizer_s) + ex.optimizer_s,
         m,
         overlap_slowdown=cm.overlap_slowdown,
+        virtual_stages=v,
     )
     k = int(np.argmin(pipe.iteration_s))
     return float(pipe.iteration_s[k]), int(sel[si[k]]), int(pj[k])
@@ -158,9 +210,11 @@ def search_uniform(
     best: tuple[float, Layout] | None = None
     for pp in [p for p in divisors(cluster.num_gpus) if p <= model.num_layers]:
         for mbs in divisors(cm.training.global_batch_size):
-            found = score_uniform(cm, pp, mbs, best[0] if best else np.inf, fsdp=fsdp)
-            if found is not None and (best is None or found[0] < best[0]):
-                best = found
+            for v in [1, *virtual_stage_options(cm, pp, mbs, even_only=True)]:
+                found = score_uniform(cm, pp, mbs, best[0] if best else np.inf, fsdp=fsdp,
+                                      virtual_stages=v)
+                if found is not None and (best is None or found[0] < best[0]):
+                    best = found
         if progress is not None:
             progress(f"uniform: pp={pp} done" + (f", best {best[0]:.3f} s" if best else ""))
     if best is None:

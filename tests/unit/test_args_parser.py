@@ -80,7 +80,10 @@ def test_derived_defaults_follow_megatron() -> None:
         (["--moe-token-dispatcher-type", "flex"], "--moe-token-dispatcher-type flex: the flex "
          "dispatcher"),
         (["--num-layers-per-virtual-pipeline-stage", "2"],
-         "--num-layers-per-virtual-pipeline-stage 2: the interleaved (virtual) pipeline"),
+         "interleaved (virtual) pipeline stages need --pipeline-model-parallel-size > 1"),
+        (["--microbatch-group-size-per-virtual-pipeline-stage", "4"],
+         "--microbatch-group-size-per-virtual-pipeline-stage 4: a micro-batch group per "
+         "virtual stage other than pp"),
         (["--fp8-format", "hybrid"], "--fp8-format hybrid: fp8 / fp4 training"),
         (["stray"], "unexpected argument 'stray'"),
         (["--tensor-model-parallel-size", "0"],
@@ -125,9 +128,23 @@ def test_unknown_and_unsupported_flags(flags: list[str], message: str) -> None:
         (["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout", "E|t*8L"],
          None, "--pipeline-model-parallel-layout 'E|t*8L' gives stage 0 no transformer layer"),
         (["--pipeline-model-parallel-size", "2", "--pipeline-model-parallel-layout",
-          "Et*2|t*2|t*2|t*2L"], None, ("--pipeline-model-parallel-layout 'Et*2|t*2|t*2|t*2L' "
-         "describes 4 stages for --pipeline-model-parallel-size=2; interleaved (virtual) "
-         "pipelines are not supported yet")),
+          "Et*2|t*2|t*4L"], None, ("--pipeline-model-parallel-layout 'Et*2|t*2|t*4L' "
+         "describes 3 stages for --pipeline-model-parallel-size=2; give a multiple of pp")),
+        (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"],
+         None, "--num-layers-per-virtual-pipeline-stage=3 does not divide the 4 layers"),
+        (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2",
+          "--decoder-first-pipeline-num-layers", "2"], None,
+         "--num-layers-per-virtual-pipeline-stage cannot be combined with --decoder-first"),
+        (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2",
+          "--num-virtual-stages-per-pipeline-rank", "2"], None,
+         "--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank "
+         "cannot be set together"),
+        (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2",
+          "--no-overlap-p2p-communication"], None,
+         "interleaved pipelines with --no-overlap-p2p-communication need "
+         "--pipeline-model-parallel-size > 2"),
+        (["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "3"],
+         None, "a pipeline stage of 4 layers does not split into 3 virtual stages"),
         (["--use-torch-fsdp2"], None, "--use-torch-fsdp2 needs --untie-embeddings-and-output"),
         (["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"], None,
          "--use-torch-fsdp2 needs --no-gradient-accumulation-fusion"),
@@ -221,6 +238,57 @@ def test_recompute_is_per_pipeline_stage() -> None:
 )
 def test_pipeline_splits(flags: list[str], stages: tuple[tuple[int, int], ...]) -> None:
     assert plan_of("--pipeline-model-parallel-size", "4", *flags).stages == stages
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--num-layers-per-virtual-pipeline-stage", "1"],
+        ["--num-virtual-stages-per-pipeline-rank", "2"],
+        ["--num-virtual-stages-per-pipeline-rank", "2", "--decoder-first-pipeline-num-layers",
+         "4", "--num-layers", "10"],
+        ["--num-virtual-stages-per-pipeline-rank", "2", "--account-for-embedding-in-pipeline-split",
+         "--account-for-loss-in-pipeline-split", "--num-layers", "14"],
+        ["--pipeline-model-parallel-layout", "Et|t*2|t|t|t|t|t|tL", "--num-layers", "9"],
+    ],
+)
+def test_interleaved_splits_match_megatron_core(flags: list[str]) -> None:
+    """Chunk c of rank r is stages[c*pp + r] with the layer count megatron-core builds there."""
+    import torch
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+
+    ns = parse_megatron_args([*BASE, "--pipeline-model-parallel-size", "4",
+                              "--global-batch-size", "8", *flags], world_size=8)
+    plan = plan_from_megatron_args(ns, 8)
+    layout = ns.pipeline_model_parallel_layout
+    if layout is not None:
+        from megatron.core.transformer.pipeline_parallel_layer_layout import (
+            PipelineParallelLayerLayout,
+        )
+        layout = PipelineParallelLayerLayout(layout, 4)
+    config = TransformerConfig(
+        num_layers=ns.num_layers, hidden_size=64, num_attention_heads=4,
+        pipeline_model_parallel_size=4, pipeline_dtype=torch.float32,
+        virtual_pipeline_model_parallel_size=plan.virtual_stages,
+        num_layers_in_first_pipeline_stage=ns.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=ns.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=ns.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=ns.account_for_loss_in_pipeline_split,
+        pipeline_model_parallel_layout=layout,
+    )
+    assert plan.virtual_stages > 1
+    for c in range(plan.virtual_stages):
+        for r in range(4):
+            start, end = plan.stages[c * 4 + r]
+            if layout is None:
+                built = get_num_layers_to_build(config, vp_stage=c, pp_rank=r)
+            else:  # its get_num_layers_to_build reads the initialised parallel state
+                built = [t.name for t in layout.layout[r][c]].count("decoder")
+            assert end - start == built
+    emitted = plan_to_megatron_args(plan).argv
+    again = plan_from_megatron_args(parse_megatron_args(list(emitted), world_size=8), 8)
+    assert (again.stages, again.virtual_stages) == (plan.stages, plan.virtual_stages)
 
 
 def test_layout_parser_matches_megatron_core() -> None:

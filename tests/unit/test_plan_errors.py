@@ -101,3 +101,41 @@ def test_field_errors_name_field_value_and_fix(edit: Any, expected: str) -> None
     edit(data)
     message = _error(data)
     assert message.startswith(expected), message
+
+
+def _interleaved(**change: Any) -> dict[str, Any]:
+    """pp=2 x 2 chunks of llama2-7b on 8 ranks, uneven chunks (10, 6, 6, 10)."""
+    data = _plan(8, [(0, 10), (10, 16), (16, 22), (22, 32)],
+                 [{"start": 0, "end": 32, "tp": 2, "dp": 2}], micro_batch_size=4)
+    data.update({"pp": 2, "virtual_stages": 2, **change})
+    return data
+
+
+def test_interleaved_plan_round_trips_and_maps_chunks_to_ranks() -> None:
+    plan = ParallelPlan.from_dict(_interleaved())
+    assert plan.virtual_stages == 2 and plan.rank_chunks(0) == ((0, 10), (16, 22))
+    assert [plan.stage_of_layer(i) for i in (0, 9, 10, 16, 31)] == [0, 0, 1, 0, 1]
+    assert plan.stage_layers(1) == tuple(range(10, 16)) + tuple(range(22, 32))
+    assert ParallelPlan.from_dict(json.loads(plan.to_json())) == plan
+    plain = ParallelPlan.from_dict(_plan(8, [(0, 16), (16, 32)],
+                                         [{"start": 0, "end": 32, "tp": 2, "dp": 2}],
+                                         micro_batch_size=4) | {"pp": 2})
+    assert "virtual_stages" not in plain.to_dict()  # plans without interleaving keep their JSON
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"virtual_stages": 3}, "stages has 4 ranges but pp*virtual_stages=2*3=6; give one per "
+         "model chunk (chunk c of rank r is stages[c*pp + r])"),
+        ({"virtual_stages": 0}, "virtual_stages=0 must be >= 1"),
+        ({"pp": 1, "virtual_stages": 4}, "virtual_stages=4 needs pp > 1"),
+        ({"global_batch_size": 12}, "virtual_stages=2 needs the micro-batch count "
+         "(global_batch_size/micro_batch_size=3) to be a multiple of pp=2"),
+        ({"vocab": {"mode": "vocab_parallel", "tp": 2}}, "virtual_stages=2 with "
+         "vocab.mode='vocab_parallel' is not supported"),
+    ],
+)
+def test_interleaved_plan_errors(change: dict[str, Any], expected: str) -> None:
+    message = _error(_interleaved(**change))
+    assert message.startswith(expected), message

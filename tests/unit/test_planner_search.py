@@ -103,6 +103,7 @@ def test_uniform_search_round_trips_through_megatron_flags():
     back = arguments.plan_from_megatron_args(ns, plan.world_size)
     for name in (
         "pp",
+        "virtual_stages",
         "stages",
         "layers",
         "micro_batch_size",

@@ -50,6 +50,8 @@ def stock_unsupported_reason(plan: ParallelPlan) -> str | None:
         return "Ulysses sequence parallelism is used"
     if s.zero == 3:
         return "ZeRO-3 is used"
+    if plan.virtual_stages > 1:
+        return "the pipeline is interleaved (virtual stages)"
     return None
 
 

@@ -44,7 +44,7 @@ class StageBreakdown:
     """One pipeline stage."""
 
     layers: tuple[int, int]
-    """Half-open layer range."""
+    """Half-open layer range (of the first chunk when the stage holds several)."""
     memory_bytes: dict[str, float]
     """MEMORY_PARTS on one GPU of the stage; they sum to the predicted peak allocation."""
     reserve_bytes: float
@@ -54,6 +54,13 @@ class StageBreakdown:
     (recompute is the part of compute spent recomputing)."""
     slot_s: float
     """One 1F1B slot: forward + backward + 2 pipeline messages of one micro-batch."""
+    chunks: tuple[tuple[int, int], ...] = ()
+    """Layer ranges of every model chunk of the stage (interleaved layouts)."""
+
+    @property
+    def label(self) -> str:
+        """The stage's layers: `[0, 4)`, or `[0, 2)+[4, 6)` for chunks."""
+        return "+".join(f"[{a}, {b})" for a, b in (self.chunks or (self.layers,)))
 
     @property
     def peak_bytes(self) -> float:
@@ -84,14 +91,17 @@ def breakdown(
     layers: tuple[LayerStrategy, ...] | list[LayerStrategy],
     vocab: VocabStrategy,
     micro_batch_size: int,
+    virtual_stages: int = 1,
 ) -> Breakdown:
-    """Score a layout with `cm` and split its memory and time per stage (module docstring)."""
+    """Score a layout with `cm` and split its memory and time per stage (module docstring);
+    with virtual_stages > 1 a stage is a pipeline rank with all its chunks."""
     kw = {
         "pp": pp,
         "stages": stages,
         "layers": layers,
         "vocab": vocab,
         "micro_batch_size": micro_batch_size,
+        "virtual_stages": virtual_stages,
     }
     ev = evaluate(cm, **kw)
     sums = stage_sums(cm, **kw)
@@ -114,20 +124,23 @@ def breakdown(
     iteration = float(ev.iteration_s)
     busy = np.asarray(pipe.stage_busy_s, dtype=float)
     out = []
-    for k, (start, end) in enumerate(stages):
-        ids = index[start:end]
+    v = virtual_stages
+    for k in range(pp):
+        chunks = [stages[c * pp + k] for c in range(v)]
+        ids = np.concatenate([index[s:e] for s, e in chunks])
+        start = chunks[0][0]
         w_k, g_k = float(weights[ids].sum()), float(grads[ids].sum())
         memory = {
             "weights": w_k,
             "gradients": g_k,
             "optimizer_states": float(costs.state_bytes[ids].sum()) - w_k - g_k,
-            "activations": float(ex.inflight[k] * costs.activation_bytes[ids].sum()),
+            "activations": float(arr["act"][k]),
             "vocabulary": float(ex.fixed_bytes[k]),
             "transient": float(costs.transient_bytes[ids].max(initial=0.0)),
         }
         work = m * (arr["f"][k] + arr["b"][k])
         tail = busy[k] - work
-        p2p = 2.0 * m * float(ex.p2p_s[k])
+        p2p = 2.0 * v * m * float(ex.p2p_s[k])
         exposed = m * arr["comm"][k] + (tail - arr["opt"][k]) + p2p
         time = {
             "compute": float(work - m * arr["comm"][k]),
@@ -136,10 +149,11 @@ def breakdown(
             "optimizer": float(arr["opt"][k]),
             "bubble": float(max(0.0, iteration - busy[k] - p2p)),
         }
-        slot = float(arr["f"][k] + arr["b"][k] + 2 * ex.p2p_s[k])
+        slot = float(arr["f"][k] + arr["b"][k] + 2 * v * ex.p2p_s[k])
         out.append(
             StageBreakdown(
-                layers=(int(start), int(end)),
+                layers=(int(start), int(chunks[0][1])),
+                chunks=tuple((int(a), int(b)) for a, b in chunks) if v > 1 else (),
                 memory_bytes=memory,
                 reserve_bytes=float(reserve),
                 time_s=time,
@@ -180,6 +194,6 @@ def _bottleneck(stages: list[StageBreakdown], k: int, cap: float, iteration: flo
     share = parts[top] / busy if busy > 0 else 0.0
     head = f"stage {k}" if len(stages) > 1 else "the only stage"
     return (
-        f"{head} (layers [{s.layers[0]}, {s.layers[1]})) has the longest pipeline slot "
+        f"{head} (layers {s.label}) has the longest pipeline slot "
         f"({s.slot_s:.4g} s per micro-batch); {top} is {100 * share:.0f}% of its busy time"
     )

@@ -9,6 +9,11 @@ the heterogeneous and the uniform results are compared on the same formula. The 
           + max(0, slow * side-stream vocabulary comm - sum_layers (forward + backward))
   mem_k = vocabulary bytes + sum_layers (states + inflight_k * activations)
           + max_layers transient                 (must stay <= memory - reserve)
+
+Interleaved layouts (virtual_stages v > 1: pp * v chunks, chunk c of stage k is
+stages[c * pp + k]) sum every quantity over stage k's chunks, except activations: they are
+max over the schedule's forwards of sum_c inflight[t, k, c] * activations of chunk c
+(cost/pipeline.py interleaved_inflight), and the schedule is priced by one_f_one_b with v.
 """
 
 from __future__ import annotations
@@ -20,7 +25,12 @@ import numpy as np
 
 from megatron_ext.plan import LayerStrategy, Prediction, VocabStrategy
 from megatron_ext.planner.cost.compute import model_flops_per_token
-from megatron_ext.planner.cost.pipeline import PipelineTime, mfu, one_f_one_b
+from megatron_ext.planner.cost.pipeline import (
+    PipelineTime,
+    interleaved_inflight,
+    mfu,
+    one_f_one_b,
+)
 from megatron_ext.planner.cost.vocab import stage_extras
 from megatron_ext.planner.space import StrategyTable
 
@@ -62,11 +72,13 @@ class StageSums:
     see the module docstring) with the vocabulary extras they include."""
 
     arr: dict[str, np.ndarray]
-    """The sums by name."""
+    """The sums by name (also "act": activation bytes at the stage's peak)."""
     extras: Any
     """cost/vocab.py stage_extras of this layout."""
     num_microbatches: int
     """Micro-batches per iteration."""
+    virtual_stages: int = 1
+    """Model chunks per stage (interleaved schedule when > 1)."""
 
 
 def stage_sums(
@@ -77,8 +89,10 @@ def stage_sums(
     layers: tuple[LayerStrategy, ...] | list[LayerStrategy],
     vocab: VocabStrategy,
     micro_batch_size: int,
+    virtual_stages: int = 1,
 ) -> StageSums:
     """The per-stage sums `evaluate` scores (also read by planner.profile.cost.stage_work)."""
+    v = virtual_stages
     distinct = list(dict.fromkeys(layers))
     table = StrategyTable.of(distinct)
     index = np.array([distinct.index(s) for s in layers], dtype=np.int64)
@@ -86,26 +100,49 @@ def stage_sums(
     switch = cm.transition_s(table, micro_batch_size)
     m = cm.training.global_batch_size // micro_batch_size
     vocab_zero = 1 if any(s.zero >= 1 for s in distinct) else 0
-    ex = stage_extras(cm, vocab, pp, micro_batch_size, m, vocab_zero)
-    arr = {k: np.zeros(pp) for k in ("f", "b", "sync", "gather", "opt", "mem", "rc", "comm")}
-    for k, (start, end) in enumerate(stages):
+    ex = stage_extras(cm, vocab, pp, micro_batch_size, m, vocab_zero, virtual_stages=v)
+    names = ("f", "b", "sync", "gather", "opt", "mem", "rc", "comm", "act")
+    arr = {k: np.zeros(pp) for k in names}
+    chunk_act = np.zeros((pp, v))
+    transient = np.zeros(pp)
+    for j, (start, end) in enumerate(stages):
+        k = j % pp
         ids = index[start:end]
         sw = float(switch[ids[:-1], ids[1:]].sum()) / 2
-        layer_work = float((costs.forward_s[ids] + costs.backward_s[ids]).sum())
+        arr["f"][k] += costs.forward_s[ids].sum() + sw
+        arr["b"][k] += costs.backward_s[ids].sum() + sw
+        arr["sync"][k] += costs.grad_sync_s[ids].sum()
+        arr["gather"][k] += costs.param_gather_s[ids].sum()
+        arr["opt"][k] += costs.optimizer_s[ids].sum()
+        arr["mem"][k] += costs.state_bytes[ids].sum()
+        arr["rc"][k] += costs.recompute_s[ids].sum()
+        arr["comm"][k] += costs.comm_s[ids].sum() + 2 * sw
+        chunk_act[k, j // pp] = costs.activation_bytes[ids].sum()
+        # a stage may hold no layer
+        transient[k] = max(transient[k], costs.transient_bytes[ids].max(initial=0.0))
+    if v == 1:
+        arr["act"] = ex.inflight * chunk_act[:, 0]
+    else:
+        counts = interleaved_inflight(pp, m, v)  # [T, pp, v]
+        arr["act"] = (counts * chunk_act[None]).sum(axis=-1).max(axis=0)
+    for k in range(pp):
+        layer_work = arr["f"][k] + arr["b"][k]
         exposed = max(0.0, cm.overlap_slowdown * ex.overlap_comm_s[k] - layer_work)
-        arr["f"][k] = costs.forward_s[ids].sum() + sw + ex.forward_s[k]
-        arr["b"][k] = costs.backward_s[ids].sum() + sw + ex.backward_s[k] + exposed
-        arr["sync"][k] = costs.grad_sync_s[ids].sum() + ex.grad_sync_s[k]
-        arr["gather"][k] = costs.param_gather_s[ids].sum() + ex.param_gather_s[k]
-        arr["opt"][k] = costs.optimizer_s[ids].sum() + ex.optimizer_s[k]
-        arr["mem"][k] = (
-            ex.fixed_bytes[k]
-            + costs.memory_bytes(int(ex.inflight[k]))[ids].sum()
-            + costs.transient_bytes[ids].max(initial=0.0)  # a stage may hold no layer
-        )
-        arr["rc"][k] = costs.recompute_s[ids].sum()
-        arr["comm"][k] = costs.comm_s[ids].sum() + 2 * sw + exposed
-    return StageSums(arr=arr, extras=ex, num_microbatches=m)
+        arr["f"][k] += ex.forward_s[k]
+        arr["b"][k] += ex.backward_s[k]
+        arr["b"][k] += exposed
+        arr["comm"][k] += exposed
+        arr["sync"][k] += ex.grad_sync_s[k]
+        arr["gather"][k] += ex.param_gather_s[k]
+        arr["opt"][k] += ex.optimizer_s[k]
+        if v == 1:  # the same sum in the same order as before virtual stages existed
+            start, end = stages[k]
+            arr["mem"][k] = (ex.fixed_bytes[k]
+                             + costs.memory_bytes(int(ex.inflight[k]))[index[start:end]].sum()
+                             + transient[k])
+        else:
+            arr["mem"][k] += ex.fixed_bytes[k] + arr["act"][k] + transient[k]
+    return StageSums(arr=arr, extras=ex, num_microbatches=m, virtual_stages=v)
 
 
 def evaluate(
@@ -116,11 +153,13 @@ def evaluate(
     layers: tuple[LayerStrategy, ...] | list[LayerStrategy],
     vocab: VocabStrategy,
     micro_batch_size: int,
+    virtual_stages: int = 1,
 ) -> Evaluation:
     """Score a layout with CostModel `cm` (see the module docstring)."""
     sums = stage_sums(cm, pp=pp, stages=stages, layers=layers, vocab=vocab,
-                      micro_batch_size=micro_batch_size)
-    return _finish(cm, pipeline_of(cm, sums), sums.arr, sums.extras, sums.num_microbatches)
+                      micro_batch_size=micro_batch_size, virtual_stages=virtual_stages)
+    return _finish(cm, pipeline_of(cm, sums), sums.arr, sums.extras, sums.num_microbatches,
+                   sums.virtual_stages)
 
 
 def pipeline_of(cm, sums: StageSums) -> PipelineTime:
@@ -136,10 +175,11 @@ def pipeline_of(cm, sums: StageSums) -> PipelineTime:
         arr["opt"],
         sums.num_microbatches,
         overlap_slowdown=cm.overlap_slowdown,
+        virtual_stages=sums.virtual_stages,
     )
 
 
-def _finish(cm, pipe, arr: dict[str, np.ndarray], ex, m: int) -> Evaluation:
+def _finish(cm, pipe, arr: dict[str, np.ndarray], ex, m: int, v: int = 1) -> Evaluation:
     t = cm.training
     iteration = float(pipe.iteration_s)
     tokens_per_s = t.global_batch_size * t.seq_length / iteration
@@ -154,7 +194,7 @@ def _finish(cm, pipe, arr: dict[str, np.ndarray], ex, m: int) -> Evaluation:
         "exposed_comm_s": float(m * arr["comm"][busiest]),
         "pipeline_bubble_s": float(pipe.bubble_s),
         "tail_s": float(pipe.stage_busy_s[busiest] - m * (arr["f"][busiest] + arr["b"][busiest])),
-        "p2p_s": float(2 * m * ex.p2p_s[busiest]),
+        "p2p_s": float(2 * v * m * ex.p2p_s[busiest]),
     }
     return Evaluation(
         iteration_s=iteration,

@@ -83,6 +83,40 @@ def num_warmup(stage: int, num_stages: int, num_microbatches: int, extra_warmup:
     return min(num_stages - stage - 1 + extra_warmup, num_microbatches)
 
 
+def interleaved_warmup(stage: int, num_stages: int, num_microbatches: int,
+                       virtual_stages: int) -> int:
+    """Warm-up chunk forwards of `stage` in Megatron's interleaved 1F1B (p - stage - 1 with one
+    chunk, as `num_warmup`): 2 (p - stage - 1) +
+    (v - 1) p, at most m v (megatron-core pipeline_parallel/schedules.py,
+    get_pp_rank_microbatches, with microbatch_group_size_per_vp_stage = p, its default)."""
+    p, v = num_stages, virtual_stages
+    if v == 1:
+        return min(p - stage - 1, num_microbatches)
+    return min(2 * (p - stage - 1) + (v - 1) * p, num_microbatches * v)
+
+
+def interleaved_inflight(num_stages: int, num_microbatches: int,
+                         virtual_stages: int) -> np.ndarray:  # [T, p, v]
+    """Micro-batches whose activations each model chunk holds, right after every forward of
+    the interleaved schedule (the moments memory peaks), per stage and chunk. Forward unit i
+    runs chunk (i // p) % v, backward unit i chunk v - 1 - (i // p) % v (groups of p
+    micro-batches per chunk); after warm-up W each forward of unit j follows j - W backwards.
+    With v = 1 the peak is min(p - stage, m), 1F1B's count."""
+    p, m, v = num_stages, num_microbatches, virtual_stages
+    total = m * v
+    units = np.arange(total)
+    fwd = np.eye(v, dtype=np.int64)[(units // p) % v]  # [T, v] one-hot chunk of forward i
+    bwd = np.eye(v, dtype=np.int64)[v - 1 - (units // p) % v]
+    fwd_done = np.cumsum(fwd, axis=0)  # after forward j: forwards 0..j
+    bwd_cum = np.vstack([np.zeros((1, v), dtype=np.int64), np.cumsum(bwd, axis=0)])
+    out = np.zeros((total, p, v), dtype=np.int64)
+    for k in range(p):
+        warm = interleaved_warmup(k, p, m, v)
+        done = np.clip(units - warm, 0, total)  # backwards finished before forward j
+        out[:, k, :] = fwd_done - bwd_cum[done]
+    return out
+
+
 def one_f_one_b_order(
     stage: int, num_stages: int, num_microbatches: int, extra_warmup: int = 0
 ) -> list[tuple[str, int]]:

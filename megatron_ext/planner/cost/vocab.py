@@ -30,6 +30,7 @@ from megatron_ext.plan import VocabStrategy
 from megatron_ext.planner.cost import compute as C
 from megatron_ext.planner.cost.comm import GroupLayout
 from megatron_ext.planner.cost.memory import state_bytes_per_param
+from megatron_ext.planner.cost.pipeline import interleaved_inflight
 
 GRAD_BYTES = 4
 
@@ -55,7 +56,8 @@ class StageExtras:
     p2p_s: np.ndarray
     """One activation message from this stage to its neighbour."""
     inflight: np.ndarray
-    """Micro-batches whose layer activations are alive at once under 1F1B."""
+    """Micro-batches whose layer activations are alive at once under 1F1B (interleaved: those
+    of the chunk holding the vocabulary layer)."""
 
 
 def inflight_microbatches(pp: int, num_microbatches: int, vocab: VocabStrategy) -> np.ndarray:
@@ -66,14 +68,21 @@ def inflight_microbatches(pp: int, num_microbatches: int, vocab: VocabStrategy) 
 
 
 def stage_extras(
-    cm, vocab: VocabStrategy, pp: int, micro_batch_size: int, num_microbatches: int, vocab_zero: int
+    cm, vocab: VocabStrategy, pp: int, micro_batch_size: int, num_microbatches: int,
+    vocab_zero: int, virtual_stages: int = 1,
 ) -> StageExtras:
-    """Per-stage vocabulary costs of `vocab` (cm is the CostModel)."""
+    """Per-stage vocabulary costs of `vocab` (cm is the CostModel). With virtual_stages v > 1
+    (interleaved schedule, vocabulary mode tp) `inflight` counts the micro-batches of the
+    chunk holding the vocabulary layer: chunk 0 on the first stage, chunk v-1 on the last."""
     t = cm.training
     width = cm.cluster.num_gpus // pp
     dpv = width // vocab.tp
     tokens = micro_batch_size * t.seq_length / dpv
     inflight = inflight_microbatches(pp, num_microbatches, vocab)
+    if virtual_stages > 1:
+        peak = interleaved_inflight(pp, num_microbatches, virtual_stages).max(axis=0)  # [p, v]
+        inflight = peak[:, -1].copy()
+        inflight[0] = peak[0, 0]
     params, fwd, bwd, fixed, overlap = _place(cm, vocab, pp, width, tokens, inflight)
     per_param = state_bytes_per_param(
         min(vocab_zero, 1),

@@ -163,11 +163,12 @@ def stage_work(cm: CostModel, *, pp: int, stages: tuple[tuple[int, int], ...],
 
 def predict_iteration_s(cm: CostModel, *, pp: int, stages: tuple[tuple[int, int], ...],
                         layers: tuple[LayerStrategy, ...], vocab: VocabStrategy,
-                        micro_batch_size: int) -> float:
-    """Predicted seconds per optimizer step of a layout (shared compute included)."""
+                        micro_batch_size: int, virtual_stages: int = 1) -> float:
+    """Predicted seconds per optimizer step of a layout (shared compute included; the shared
+    simulation plays 1F1B, so interleaved layouts keep the closed form)."""
     ev = evaluate(cm, pp=pp, stages=stages, layers=layers, vocab=vocab,
-                  micro_batch_size=micro_batch_size)
-    if isinstance(cm, ProfiledCostModel):
+                  micro_batch_size=micro_batch_size, virtual_stages=virtual_stages)
+    if isinstance(cm, ProfiledCostModel) and virtual_stages == 1:
         shared = cm.shared_iteration_s(pp=pp, stages=stages, layers=layers, vocab=vocab,
                                        micro_batch_size=micro_batch_size)
         if shared is not None:
