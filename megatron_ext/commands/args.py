@@ -17,6 +17,7 @@ import os
 import sys
 
 from megatron_ext.commands.evaluate import add_evaluate_arguments, evaluate_plan
+from megatron_ext.commands.moe_support import moe_summary
 from megatron_ext.errors import PlanError
 from megatron_ext.flags.emit import plan_to_megatron_args
 from megatron_ext.flags.parser import (
@@ -125,6 +126,7 @@ def run_plan_from_args(args: argparse.Namespace) -> int:
     sys.stderr.write(f"plan for {plan.model.name} on {plan.world_size} ranks, pp={plan.pp}, "
                      f"micro_batch_size={plan.micro_batch_size} (all replicas), "
                      f"global_batch_size={plan.global_batch_size}\n")
+    sys.stderr.write(moe_summary(plan.model))
     for start, end, strategy in plan.layer_runs():
         sys.stderr.write(f"  [{start:>3}, {end:>3})  stage {plan.stage_of_layer(start)}  "
                          f"{strategy.describe()}\n")

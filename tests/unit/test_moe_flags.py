@@ -213,3 +213,26 @@ def test_megatron_defaults_and_dense_flags() -> None:
             ns.moe_token_dispatcher_type, ns.moe_grouped_gemm) == (
         "fp32", 0.01, True, "allgather", False)
     assert ns.moe_ffn_hidden_size == 128 and "moe_ffn_hidden_size" in ns.derived_args
+
+
+def test_cli_plan_from_args_validate_and_args_on_an_moe_plan(tmp_path: Path, capsys) -> None:
+    """The commands on an MoE plan: plan-from-args writes it, validate and args read it, and the
+    printed flags are the ones given (a dense first layer, then MoE layers with ep 2, etp 1)."""
+    from megatron_ext.cli import main
+
+    flags = [*BASE, *MOE, "--moe-layer-freq", "([0]+[1]*3)", "--tensor-model-parallel-size", "2",
+             "--sequence-parallel", "--expert-model-parallel-size", "2",
+             "--expert-tensor-parallel-size", "1", "--moe-router-pre-softmax"]
+    path = tmp_path / "moe.json"
+    assert main(["plan-from-args", "--world-size", "4", "--out", str(path), "--", *flags]) == 0
+    err = capsys.readouterr().err
+    assert "  moe: 4 experts, top-2 (pre-softmax), expert FFN 128, 3 of 4 layers MoE, aux_loss " \
+           "0.01\n" in err
+    assert "  [  1,   4)  stage 0  tp2+sp dp2 ep2 etp1\n" in err
+    assert main(["validate", str(path)]) == 0
+    assert "moe: 4 experts" in capsys.readouterr().err
+    assert main(["args", str(path)]) == 0
+    argv = capsys.readouterr().out.splitlines()
+    again = plan_from_megatron_args(parse_megatron_args(argv, world_size=4), 4)
+    assert again == ParallelPlan.load(path)
+    assert argv[argv.index("--moe-layer-freq") + 1] == "([0]+[1]*3)"
