@@ -36,6 +36,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject
+from megatron.core.dist_checkpointing.optimizer import make_sharded_optimizer_tensor
+from megatron.core.dist_checkpointing.utils import extract_sharded_tensors_and_factories
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -43,8 +47,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-__all__ = ["ShardedLayers", "layer_sharded_state_dict", "shard_full_state", "shard_root",
-           "sharded_params"]
+__all__ = ["ShardedLayers", "layer_sharded_state_dict", "load_optimizer_state",
+           "optimizer_sharded_state_dict", "shard_full_state", "shard_root", "sharded_params"]
 
 
 def _custom_attrs(module: torch.nn.Module) -> dict[str, dict[str, Any]]:
@@ -166,6 +170,7 @@ def layer_sharded_state_dict(layer: torch.nn.Module, *args: Any) -> dict:
                 for key, value in vars(param).items():
                     if not key.startswith("_"):  # megatron's tp attributes, not DTensor's own
                         setattr(full, key, value)
+                full._megatron_ext_shard = param  # optimizer_sharded_state_dict finds it
                 module._parameters[name] = full  # FSDP2 stays "sharded": its hook is a no-op
                 swapped.append((module, name, param))
     try:
@@ -193,3 +198,63 @@ def sharded_params(chunks: list[torch.nn.Module]) -> set[int]:
     """ids of the parameters held by `ShardedLayers` classes of `HeteroDDP` chunks."""
     return {id(p) for chunk in chunks for ddp in getattr(chunk, "ddps", [])
             if isinstance(ddp, ShardedLayers) for p in ddp.module.parameters()}
+
+
+def optimizer_sharded_state_dict(opt: Any, model_sharded_state_dict: dict,
+                                 is_loading: bool = False) -> dict:
+    """megatron-core `FP32Optimizer.sharded_state_dict` for the optimizer of a ZeRO-2/3 class.
+
+    Its parameters are FSDP2 shards, which the model's sharded state dict does not hold (it
+    holds full tensor-parallel shards, `layer_sharded_state_dict`), so megatron's id map finds
+    none of them. Each moment is saved as the model's weight is: gathered to the full
+    tensor-parallel shard and keyed `optimizer.state.{exp_avg,exp_avg_sq}.<weight key>` with the
+    weight's global shape, offsets and replica ids, the keys every other optimizer of
+    megatron-core and of this runtime uses, so the moments reshard to other dp/tp degrees and
+    ZeRO levels with the same layout. Collective over each class's dp_cp group when saving
+    (`DTensor.full_tensor`); loading asks for full-shaped buffers and `load_optimizer_state`
+    cuts this rank's shard."""
+    if is_loading:
+        opt.init_state_fn(opt.optimizer, opt.config)
+    state_dict = opt.state_dict()
+    by_shard = {}
+    tensors, _ = extract_sharded_tensors_and_factories(model_sharded_state_dict)
+    for item in nested_values(tensors):
+        shard = getattr(item.data, "_megatron_ext_shard", None)
+        if shard is not None:
+            by_shard[id(shard)] = item
+    step = opt._extract_common_per_param_step(state_dict)
+    sharded_state = {}
+    for index, param in enumerate(opt.get_parameters()):
+        entry = {}
+        for key, value in state_dict["state"].get(index, {}).items():
+            if key == "step":
+                continue
+            if isinstance(value, DTensor):
+                value = (torch.empty(value.shape, dtype=value.dtype) if is_loading
+                         else value.full_tensor())
+            entry[key] = make_sharded_optimizer_tensor(by_shard[id(param)], value,
+                                                       prefix=f"optimizer.state.{key}")
+        sharded_state[index] = entry
+    state_dict["state"] = sharded_state
+    state_dict["param_groups"] = [
+        {**group, "params": LocalNonpersistentObject(group["params"])}
+        for group in state_dict["param_groups"]]
+    if step is not None:
+        state_dict["state"]["common_step"] = step
+    return state_dict
+
+
+def load_optimizer_state(opt: Any, state_dict: dict) -> None:
+    """Load what `optimizer_sharded_state_dict` described: full moments become this rank's
+    FSDP2 shards of them (cut locally), then megatron's `FP32Optimizer.load_state_dict`."""
+    params = opt.get_parameters()
+    for index, entry in state_dict["state"].items():
+        if not isinstance(index, int):
+            continue
+        param = params[index]
+        for key, value in entry.items():
+            if isinstance(param, DTensor) and torch.is_tensor(value) and not isinstance(
+                    value, DTensor) and key != "step":
+                entry[key] = distribute_tensor(value.to(param.dtype), param.device_mesh,
+                                               param.placements, src_data_rank=None)
+    opt.load_state_dict(state_dict)

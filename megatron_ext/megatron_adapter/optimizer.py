@@ -57,6 +57,7 @@ from megatron.core.optimizer_param_scheduler import (
 from torch.distributed.tensor import DTensor
 
 from megatron_ext.megatron_adapter.ddp import HeteroDDP
+from megatron_ext.megatron_adapter.fsdp import load_optimizer_state, optimizer_sharded_state_dict
 
 __all__ = ["HeteroChainedOptimizer", "build_optimizer", "chain_grad_scaler"]
 
@@ -100,7 +101,8 @@ class HeteroChainedOptimizer(ChainedOptimizer):
     """`ChainedOptimizer` over classes with different ZeRO levels and groups."""
 
     def __init__(self, chained: list[MegatronOptimizer], config: OptimizerConfig,
-                 replicated: list[bool], grad_scaler: MegatronGradScaler | None = None) -> None:
+                 replicated: list[bool], grad_scaler: MegatronGradScaler | None = None,
+                 sharded: list[bool] | None = None) -> None:
         # ChainedOptimizer.__init__ asserts equal configs; ours differ in use_distributed_optimizer.
         self.chained_optimizers = chained
         self.config = config
@@ -112,6 +114,8 @@ class HeteroChainedOptimizer(ChainedOptimizer):
         self.is_stub_optimizer = not chained
         self._replicated = replicated
         """Per sub-optimizer: grads identical on every dp_cp rank (no ZeRO) -> count once."""
+        self._sharded = sharded or [False] * len(chained)
+        """Per sub-optimizer: it steps FSDP2 shards (a ZeRO-2/3 class)."""
         self.grad_scaler = grad_scaler
         """The chain's one loss scaler (None: no loss scaling), shared by the sub-optimizers."""
         for opt in chained:
@@ -151,8 +155,36 @@ class HeteroChainedOptimizer(ChainedOptimizer):
         self.grad_scaler.update(found)
         return found
 
+    def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
+                           **kwargs: Any) -> dict:
+        """megatron-core's, with the ZeRO-2/3 classes' states in the weights' own keys
+        (fsdp.optimizer_sharded_state_dict)."""
+        if not any(self._sharded):
+            return super().sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+        states = []
+        for opt, sharded in zip(self.chained_optimizers, self._sharded):
+            if sharded:
+                states.append(optimizer_sharded_state_dict(opt, model_sharded_state_dict,
+                                                           is_loading))
+            else:
+                states.append(opt.sharded_state_dict(model_sharded_state_dict, is_loading,
+                                                     **kwargs))
+        return states[0] if len(states) == 1 else dict(enumerate(states))
+
     def load_state_dict(self, state_dict: Any) -> None:
-        super().load_state_dict(state_dict)
+        if not any(self._sharded):
+            super().load_state_dict(state_dict)
+        else:
+            states = [state_dict] if len(self.chained_optimizers) == 1 else [
+                v for _, v in sorted(state_dict.items())]
+            if len(states) != len(self.chained_optimizers):
+                raise RuntimeError(f"Expected {len(self.chained_optimizers)} entries in state "
+                                   f"dict, but got {len(states)}.")
+            for opt, sharded, state in zip(self.chained_optimizers, self._sharded, states):
+                if sharded:
+                    load_optimizer_state(opt, state)
+                else:
+                    opt.load_state_dict(state)
         if self.grad_scaler is not None:  # rank 0's scaler state, the same on every rank
             saved = _find_grad_scaler_state(state_dict)
             if saved is not None:
@@ -213,7 +245,7 @@ def build_optimizer(chunks: list[HeteroDDP], config: OptimizerConfig) -> HeteroC
     local = {(cls.tp, cls.zero): list(keys) for (_, cls, _), keys in zip(classes, found)}
     gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, local)
-    chained, replicated = [], []
+    chained, replicated, sharded = [], [], []
     for (_chunk, cls, ddp), keys in zip(classes, found):
         union = list(dict.fromkeys(k for g in gathered for k in g.get((cls.tp, cls.zero), [])))
         cls_config = dataclasses.replace(config, use_distributed_optimizer=cls.zero == 1)
@@ -230,6 +262,7 @@ def build_optimizer(chunks: list[HeteroDDP], config: OptimizerConfig) -> HeteroC
         opt.data_parallel_group_for_norm = cls.pg_collection.dp_cp
         chained.append(opt)
         replicated.append(cls.zero == 0)
+        sharded.append(cls.zero >= 2)
     plan = chunks[0].module.plan
     scaler = chain_grad_scaler(config, any(s.zero >= 1 for s in plan.layers))
-    return HeteroChainedOptimizer(chained, config, replicated, scaler)
+    return HeteroChainedOptimizer(chained, config, replicated, scaler, sharded)

@@ -95,6 +95,68 @@ def _check_checkpoint_reshard(plan_a, plan_b, path: str) -> tuple[float, float]:
     return before, after
 
 
+def _layerwise_backend(plan, seed: int):
+    """The layerwise backend of `plan` as the training loop holds it, with a constant-lr
+    scheduler: what checkpoint.save_checkpoint / load_checkpoint take."""
+    import torch.distributed as dist
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_ext.megatron_adapter.build import build_model
+    from megatron_ext.megatron_adapter.optimizer import build_optimizer
+    from megatron_ext.megatron_adapter.training.backend import Backend
+    from megatron_ext.megatron_adapter.training.data import DataShard
+    from tests.dist.runtime_parity import LR, WEIGHT_DECAY, opt_config
+
+    chunks, groups = build_model(plan, seed=seed)
+    optimizer = build_optimizer(chunks, opt_config(plan))
+    backend = Backend(
+        model=chunks, optimizer=optimizer, config=chunks[0].module.config,
+        shard=DataShard(index=0, count=1), rank_micro_batch_size=plan.micro_batch_size,
+        needs_data=True, dp_cp_group=dist.group.WORLD, forward_backward=lambda *a: 0.0,
+        padded_vocab_size=chunks[0].module.vocab_size, name="layerwise",
+        model_format="layerwise")
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=LR, max_lr=LR, min_lr=LR, lr_warmup_steps=0, lr_decay_steps=100,
+        lr_decay_style="constant", start_wd=WEIGHT_DECAY, end_wd=WEIGHT_DECAY,
+        wd_incr_steps=100, wd_incr_style="constant")
+    return backend, groups, scheduler
+
+
+def _check_optimizer_resume(plan_a, plan_b, path: str) -> dict:
+    """ZeRO-2/3 optimizer states through checkpoint.py: `plan_a` trains 2 steps, saves
+    (weights, moments, step, scheduler), trains 2 more; the checkpoint loaded into a freshly
+    built `plan_a` (other initial weights) gives those 2 losses bit for bit, and loaded into
+    `plan_b` (the ZeRO-3/2 layers resharded to other tp/dp degrees and levels) the same
+    losses to fp32 rounding."""
+    from megatron_ext.megatron_adapter.training.checkpoint import (
+        TrainState,
+        check_optimizer_layout,
+        checkpoint_info,
+        load_checkpoint,
+        save_checkpoint,
+    )
+    from megatron_ext.megatron_adapter.training.checkpoint_files import resolve_load
+    from megatron_ext.megatron_adapter.train_step import train_step
+    from tests.dist.runtime_parity import make_batches
+
+    micro = make_batches(plan_a, 1, seed=3)[0]
+    backend, groups, scheduler = _layerwise_backend(plan_a, seed=11)
+    for _ in range(2):
+        train_step(backend.model, backend.optimizer, iter(micro), groups)
+    save_checkpoint(path, backend, scheduler, TrainState(iteration=2), plan_a)
+    expected = [train_step(backend.model, backend.optimizer, iter(micro), groups)["loss"]
+                for _ in range(2)]
+    resumed = []
+    for plan in (plan_a, plan_b):
+        check_optimizer_layout(checkpoint_info(path), plan, path)
+        backend, groups, scheduler = _layerwise_backend(plan, seed=5)
+        state = load_checkpoint(resolve_load(path), backend, scheduler, plan)
+        assert state.iteration == 2, state
+        resumed.append([train_step(backend.model, backend.optimizer, iter(micro), groups)["loss"]
+                        for _ in range(2)])
+    return {"expected": expected, "same_plan": resumed[0], "other_plan": resumed[1]}
+
+
 def _run_plans(rank: int, world_size: int, ckpt_dir: str | None = None) -> dict:
     warnings.filterwarnings("ignore")
     from tests.dist.runtime_parity import (
@@ -123,10 +185,19 @@ def _run_plans(rank: int, world_size: int, ckpt_dir: str | None = None) -> dict:
         before, after = _check_checkpoint_reshard(mixed, other, f"{ckpt_dir}/a")
         back, again = _check_checkpoint_reshard(other, mixed, f"{ckpt_dir}/b")
         out["checkpoint"] = {"losses": [before, after, back, again]}
+        zero3 = plans["zero-3 everywhere, tp1 dp4 and tp2 dp2"]
+        out["optimizer_checkpoint"] = _check_optimizer_resume(
+            zero3, dataclasses.replace(zero3, layers=(L(tp=2, dp=2, zero=2),) * 2 + (
+                L(dp=4, zero=3),) * 2), f"{ckpt_dir}/c")
     return out
 
 
 def _check(results: list[dict]) -> None:
+    resume = results[0].pop("optimizer_checkpoint", None)
+    if resume is not None:  # same plan: bit for bit; resharded: fp32 summation order only
+        assert resume["same_plan"] == resume["expected"], resume
+        for got, want in zip(resume["other_plan"], resume["expected"]):
+            assert abs(got - want) <= 1e-5 * want, resume
     checkpoint = results[0].pop("checkpoint", None)
     if checkpoint is not None:  # same weights, summed in other orders: fp32 rounding only
         before, after, back, again = checkpoint["losses"]
@@ -139,7 +210,8 @@ def _check(results: list[dict]) -> None:
 
 def test_zero_parity_4_ranks(tmp_path) -> None:
     """ZeRO-3 / ZeRO-2 alone, mixed 0/1/2/3, with recompute, CP, Ulysses, SP, PP and tying;
-    checkpoint keys of a mixed plan, and a model checkpoint resharded between ZeRO levels."""
+    checkpoint keys of a mixed plan, a model checkpoint resharded between ZeRO levels, and
+    ZeRO-2/3 optimizer states resumed bit for bit and resharded to another plan."""
     _check(run_distributed(_run_plans, world_size=4, timeout_s=900, ckpt_dir=str(tmp_path)))
 
 

@@ -99,9 +99,17 @@ DISTOPT_SHARDING = "fully_reshardable"
 
 def _optimizer_format(optimizer: Any) -> str:
     """'distributed' (ZeRO-1 state: per-parameter fp32 main copy + moments), 'local', or both
-    ('distributed+local') when a heterogeneous plan mixes ZeRO levels."""
-    kinds = {"distributed" if getattr(opt.config, "use_distributed_optimizer", False) else "local"
-             for opt in _inner_optimizers(optimizer)}
+    ('distributed+local') when a heterogeneous plan mixes ZeRO levels. ZeRO-2/3 classes of the
+    layerwise runtime are 'local' in fp32 (megatron's FP32Optimizer, as for DDP layers: the same
+    state layout) and 'sharded' under bf16/fp16, where their fp32 shards are the master weights
+    while DDP layers keep a separate fp32 copy (Float16OptimizerWithFloat16Params)."""
+    inner = _inner_optimizers(optimizer)
+    sharded = getattr(optimizer, "_sharded", None) or [False] * len(inner)
+    config = getattr(optimizer, "config", None)
+    half = bool(getattr(config, "bf16", False) or getattr(config, "fp16", False))
+    kinds = {"distributed" if getattr(opt.config, "use_distributed_optimizer", False) else
+             "sharded" if is_sharded and half else "local"
+             for opt, is_sharded in zip(inner, sharded)}
     return "+".join(sorted(kinds))
 
 

@@ -146,20 +146,6 @@ def tokenizer_from_config(config: TokenizerConfig) -> Any:
         vocab_size=config.vocab_size)
 
 
-def _check_sharded_zero_checkpoints(config: RunConfig, load_optimizer: bool) -> None:
-    """ZeRO-2/3 layers checkpoint their weights (resharded to any plan) but not yet their
-    FSDP2-sharded optimizer state: one line naming the flag, before anything is built."""
-    if not any(s.zero >= 2 for s in config.plan.layers):
-        return
-    if config.checkpoint.save and not config.checkpoint.no_save_optim:
-        raise PlanError("--save with zero=2/3 layers: their sharded optimizer state is not "
-                        "checkpointed yet; add --no-save-optim (weights are saved and reshard "
-                        "to any plan)")
-    if load_optimizer:
-        raise PlanError("--load into a plan with zero=2/3 layers: their sharded optimizer state "
-                        "is not restored yet; add --no-load-optim")
-
-
 def run(config: RunConfig, tokenizer: Any, *, start_time_s: float | None = None,
         target: LoadTarget | None = None) -> TrainState:
     """Train as `config` says, from the checkpoint `target` (checkpoint_files.check_checkpoints
@@ -178,7 +164,6 @@ def run(config: RunConfig, tokenizer: Any, *, start_time_s: float | None = None,
         check_layer_keys(info, plan, ckpt.load)
         if load_optimizer:
             check_optimizer_layout(info, plan, ckpt.load)
-    _check_sharded_zero_checkpoints(config, load_optimizer and info is not None)
     backend = build_backend(config, _padded_vocab(config, tokenizer.vocab_size, info),
                             eod=tokenizer.eod if plan.flexsp is not None else None)
     scheduler = build_scheduler(config, backend.optimizer)
