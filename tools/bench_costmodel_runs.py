@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ext.plan import LayerStrategy, ParallelPlan, VocabStrategy
+from megatron_ext.planner.profile.load import readings_around
 from megatron_ext.specs import ModelSpec
 
 BENCH_MODEL = ModelSpec(
@@ -103,8 +104,9 @@ def measure_rank(rank: int, world_size: int, *, plans: list[dict[str, Any]], rou
     processes, like the profilers' fastest-of-repeats) and the median.
 
     With `probe_grid` (the model profile's ProfileGrid) the machine is probed before every
-    plan's steps and after the last plan of each round (`_probe`); each plan gets the readings
-    right before and right after its own steps in every round (`probes`)."""
+    plan's steps and after the last plan of each round (`_probe`); each plan gets, in every
+    round, the readings right before and after its own steps and PROBE_WINDOW more on each side
+    (`probes`, planner/profile/load.py: readings_around)."""
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
@@ -132,7 +134,7 @@ def measure_rank(rank: int, world_size: int, *, plans: list[dict[str, Any]], rou
     probes: list[list[dict[str, float]]] = [[] for _ in built]
     losses: list[float] = [0.0] * len(built)
     for _ in range(rounds):
-        before = _probe(probe, rank, world_size) if probe else None
+        sequence = [_probe(probe, rank, world_size)] if probe else []
         for i, (_plan, chunks, groups, opt, batches) in enumerate(built):
             for step in range(steps + 1):
                 dist.barrier()
@@ -144,9 +146,10 @@ def measure_rank(rank: int, world_size: int, *, plans: list[dict[str, Any]], rou
                     times[i].append(float(elapsed))
                 losses[i] = out["loss"]
             if probe:
-                after = _probe(probe, rank, world_size)
-                probes[i] += [before, after]
-                before = after
+                sequence.append(_probe(probe, rank, world_size))
+        if probe:
+            for i in range(len(built)):
+                probes[i] += readings_around(sequence, i)
     return [{"measured_s": min(t), "median_s": statistics.median(t), "max_s": max(t),
              "loss": loss, "probes": pr} for t, loss, pr in zip(times, losses, probes)]
 

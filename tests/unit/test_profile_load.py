@@ -20,6 +20,7 @@ from megatron_ext.planner.profile.load import (
     ProbeReading,
     at_machine_state,
     machine_state,
+    readings_around,
 )
 from megatron_ext.planner.profile.profiles import ModelProfile
 from megatron_ext.planner.training import TrainingSpec
@@ -127,3 +128,13 @@ def test_sharing_alone_time_round_trips_and_is_validated(tmp_path):
     with pytest.raises(PlanError, match="sharing_alone_s"):
         ModelProfile.from_dict(data)
     assert np.isfinite(prof.sharing_alone_s)
+
+
+def test_a_runs_readings_are_its_brackets_and_their_neighbours():
+    seq = ["p0", "p1", "p2", "p3", "p4", "p5", "p6"]  # 6 runs, probed before, between, after
+    assert readings_around(seq, 3, width=0) == ["p3", "p4"]
+    assert readings_around(seq, 3) == ["p1", "p2", "p3", "p4", "p5", "p6"]
+    assert readings_around(seq, 0) == ["p0", "p1", "p2", "p3"]  # clipped at the start
+    assert readings_around(seq, 5, width=1) == ["p4", "p5", "p6"]  # and at the end
+    with pytest.raises(ValueError, match="not bracketed"):
+        readings_around(seq, 6)

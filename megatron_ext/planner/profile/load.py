@@ -18,8 +18,10 @@ profile re-expressed at the machine state those probes saw:
   same rounds as the layer samples; 1 when the profile predates it): the profile keeps each
   shape's fastest run, so its reference is a fastest run too;
 - sharing: `sharing_slowdown` replaced by shared_now / alone_now, medians over the readings
-  (before and after the run, every round) as the profiler takes it, so one burst of other work
-  during one reading does not set it.
+  as the profiler takes it, so one burst of other work during one reading does not set it.
+
+A run's readings (`readings_around`) are the probes right before and after it and PROBE_WINDOW
+more on each side, in every round.
 
 Both come from a fixed workload that does not depend on the plan being timed, so nothing is
 fitted to the runs being scored; the probe only tells the cost model which machine it is
@@ -32,12 +34,18 @@ import dataclasses
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from megatron_ext.errors import PlanError
 from megatron_ext.planner.profile.fit import LAYER_PHASES, VOCAB_PHASES
 from megatron_ext.planner.profile.profiles import ModelProfile
 
-__all__ = ["MachineState", "ProbeReading", "at_machine_state", "machine_state"]
+__all__ = ["MachineState", "ProbeReading", "at_machine_state", "machine_state", "readings_around"]
+
+PROBE_WINDOW = 2
+"""Readings on each side beyond the two that bracket a run (`readings_around`): one probe is
+~1.5 s of the stack, short next to a burst of other work, so a run's state is the median of the
+6 nearest (~30-60 s of the benchmark), still close enough in time to follow a load that drifts."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -85,6 +93,16 @@ def machine_state(readings: Sequence[ProbeReading], reference_alone_s: float | N
     solo = 1.0 if reference_alone_s is None else fastest / reference_alone_s
     return MachineState(solo_factor=solo, sharing_slowdown=max(1.0, shared / alone),
                         readings=len(readings))
+
+
+def readings_around(sequence: Sequence[Any], run: int, width: int = PROBE_WINDOW) -> list[Any]:
+    """The readings of a probe sequence `probe 0, run 0, probe 1, run 1, ..., run n-1, probe n`
+    that belong to run `run`: the two bracketing it and `width` more on each side, clipped at
+    the ends of the sequence."""
+    if not 0 <= run < len(sequence) - 1 or width < 0:
+        raise ValueError(f"run {run} is not bracketed by a sequence of {len(sequence)} readings"
+                         f" (width {width})")
+    return list(sequence[max(0, run - width): run + 2 + width])
 
 
 def at_machine_state(profile: ModelProfile, state: MachineState) -> ModelProfile:
