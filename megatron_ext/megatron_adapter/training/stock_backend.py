@@ -48,8 +48,8 @@ def stock_unsupported_reason(plan: ParallelPlan) -> str | None:
         return "flexible sequence parallelism is on"
     if s.ulysses > 1:
         return "Ulysses sequence parallelism is used"
-    if s.zero == 3:
-        return "ZeRO-3 is used"
+    if s.zero >= 2:  # megatron-core's DDP keeps full gradient buffers: ZeRO-1 at most
+        return f"ZeRO-{s.zero} is used"
     if plan.virtual_stages > 1:
         return "the pipeline is interleaved (virtual stages)"
     return None
