@@ -249,6 +249,36 @@ DIFFS: dict[str, list[Edit]] = {
             r"\1if torch.is_tensor(tensor) and tensor.is_cuda:",
         ),
     ],
+    "uneven_gather": [
+        Edit(
+            path="tensor_parallel/mappings.py",
+            count=1,
+            pattern=r"^( *)torch\.distributed\.all_gather\(output_tensor_list, input_, "
+            r"group=group\)$",
+            repl=r"\1if input_.is_cuda:\n"
+            r"\1    torch.distributed.all_gather(output_tensor_list, input_, group=group)\n"
+            r"\1else:  # gloo: equal sizes only; pad every part to the largest\n"
+            r"\1    rows = max(output_split_sizes)\n"
+            r"\1    padded = input_.new_zeros((rows, *dim_size[1:]))\n"
+            r"\1    padded[: input_.shape[0]] = input_\n"
+            r"\1    parts = [torch.empty_like(padded) for _ in output_split_sizes]\n"
+            r"\1    torch.distributed.all_gather(parts, padded, group=group)\n"
+            r"\1    for out, part, n in zip(output_tensor_list, parts, output_split_sizes):\n"
+            r"\1        out.copy_(part[:n])",
+        ),
+        Edit(
+            path="tensor_parallel/mappings.py",
+            count=1,
+            pattern=r"^( *)torch\.distributed\.reduce_scatter\(output, input_tensor_list, "
+            r"group=group\)$",
+            repl=r"\1if input_.is_cuda:\n"
+            r"\1    torch.distributed.reduce_scatter(output, input_tensor_list, group=group)\n"
+            r"\1else:  # gloo has no list reduce-scatter: all-reduce, keep this rank's rows\n"
+            r"\1    full = input_.contiguous().clone()\n"
+            r"\1    torch.distributed.all_reduce(full, group=group)\n"
+            r"\1    output.copy_(torch.split(full, input_split_sizes, dim=0)[rank])",
+        ),
+    ],
 }
 """Diff name (= cpu_compat patch name) -> edits."""
 

@@ -28,7 +28,7 @@ from megatron_ext.megatron_adapter.layers import (
     vocab_config,
 )
 from megatron_ext.megatron_adapter.model import HeteroGPTModel
-from megatron_ext.megatron_adapter.pg import layout_pg_collection
+from megatron_ext.megatron_adapter.pg import layout_pg_collection, moe_pg_collection
 from megatron_ext.megatron_adapter.transformer_config import (
     ModelOptions,
     gpt_model_kwargs,
@@ -81,6 +81,41 @@ def check_runtime_support(plan: ParallelPlan, *, embedding: bool, output_layer: 
                         f"{output_layer}: the vocabulary shards hold both; pass both or neither")
     if plan.vocab.mode == "vocab_parallel":
         vocab_parallel_layout(plan)  # its PlanError before any group exists
+    if plan.model.moe is not None:
+        check_moe_support(plan)
+
+
+def check_moe_support(plan: ParallelPlan, config: TransformerConfig | None = None) -> None:
+    """One-line PlanError for MoE settings the layerwise runtime does not run."""
+    for idx, strategy in enumerate(plan.layers):
+        if plan.model.is_moe_layer(idx) and strategy.zero >= 2:
+            raise PlanError(f"layers[{idx}] is an MoE layer with zero={strategy.zero}: ZeRO-2/3 "
+                            "shard whole layers and the experts reduce over their own group; "
+                            "use zero 0 or 1 on MoE layers")
+    if plan.vocab.mode == "vocab_parallel":
+        raise PlanError("vocab.mode='vocab_parallel' with model.moe: the vocabulary passes' "
+                        "schedule does not scale the router's load-balancing loss; use "
+                        "vocab.mode='tp'")
+    if config is None:
+        return
+    if config.moe_grouped_gemm and not _have_grouped_gemm():
+        raise PlanError("--moe-grouped-gemm needs Transformer Engine or the grouped_gemm package "
+                        "(CUDA kernels), neither is available here; drop the flag: the experts "
+                        "run as megatron-core's SequentialMLP")
+    if config.moe_token_dispatcher_type not in ("allgather", "alltoall"):
+        raise PlanError(f"--moe-token-dispatcher-type {config.moe_token_dispatcher_type} needs "
+                        "DeepEP / HybridEP CUDA kernels; use allgather or alltoall")
+
+
+def _have_grouped_gemm() -> bool:
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    return any(importlib.util.find_spec(m) is not None
+               for m in ("transformer_engine", "grouped_gemm"))
 
 
 def _resolve_config(plan: ParallelPlan, config: TransformerConfig | ModelSpec | None
@@ -129,9 +164,12 @@ def _stage_model(plan: ParallelPlan, config: TransformerConfig, groups: PlanGrou
         strategy = plan.layers[idx]
         layout = Layout.of(strategy)
         cfg = layer_config(config, strategy)
-        spec = layer_spec(cfg, strategy, groups.for_layout(layout).seq, use_te=use_te)
+        moe = plan.model.is_moe_layer(idx)
+        spec = layer_spec(cfg, strategy, groups.for_layout(layout).seq, use_te=use_te, moe=moe)
+        pgc = (moe_pg_collection(groups, layout, strategy.ep, strategy.expert_tp) if moe
+               else pgs[layout])
         builds.append(LayerBuild(layer_idx=idx, layout=layout, config=cfg, spec=spec,
-                                 pg_collection=pgs[layout],
+                                 pg_collection=pgc,
                                  full_recompute=strategy.recompute == "full"))
     input_layout = embedding_layout(plan) if first else boundary_layout(plan, stage - 1)
     out_layout = output_layout(plan) if last else boundary_layout(plan, stage)
@@ -182,6 +220,8 @@ def build_model(
     """
     check_runtime_support(plan, embedding=embedding, output_layer=output_layer)
     config = _resolve_config(plan, config)
+    if plan.model.moe is not None:
+        check_moe_support(plan, config)
     if groups is None:
         check_world_size(plan, dist.get_world_size())
     prepare_megatron()

@@ -11,6 +11,16 @@ at most 1), each over its own `dp_cp` group with its own bucketing/overlap, and 
 per-parameter hooks and buffers work on the shared layer modules. The API mirrors DDP, so
 megatron-core schedules and `finalize_grads` treat it as one model chunk.
 
+Mixture-of-Experts layers: the routed experts (`mlp.experts`) of MoE layers with the same
+(ep, etp, zero) form their own class, over the expert-data-parallel group of (ep, etp) (the
+replicas of a rank's expert shards, runtime/groups.py); the rest of the layer (attention,
+norms, router, shared experts) stays in its (tp, zero) class. megatron-core's single DDP has one
+expert buffer family over one group (distributed_data_parallel.py:109-125), so layers with
+different expert-DP groups need a DDP each; inside its own DDP an expert class is reduced as
+"dense" params over that group (its params are tagged `allreduce=True`): megatron-core tags them
+`allreduce=False` only for EP > 1, which at EP = 1 with etp != tp would reduce them over the
+attention's group instead (layers.py:829/886/1149/1209).
+
 Loss scaling: the runtime always uses per-token loss (`calculate_per_token_loss`): DDPs sum
 gradients and `finalize_grads` divides by the global token count. Averaging per data-parallel
 group would be wrong when layers have different dp degrees.
@@ -34,6 +44,7 @@ from megatron.core.distributed.data_parallel_base import _BaseDataParallel
 from megatron.core.distributed.finalize_model_grads import (
     _allreduce_non_tensor_model_parallel_grads,
     _allreduce_word_embedding_grads,
+    reset_model_temporary_tensors,
 )
 from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -55,36 +66,70 @@ class GradClass:
     """Parameters that share a gradient group and a ZeRO level."""
 
     tp: int
+    """Tensor-parallel degree of the params (expert tp for an expert class)."""
     zero: int
     modules: tuple[torch.nn.Module, ...]
     pg_collection: ProcessGroupCollection
+    expert: tuple[int, int] | None = None
+    """(ep, etp) for routed experts of MoE layers, None for other params."""
+
+    @property
+    def key(self) -> tuple:
+        return (self.tp, self.zero, self.expert)
+
+
+def _expert_collection(pgc: ProcessGroupCollection) -> ProcessGroupCollection:
+    """An MoE layer's collection seen from its experts: tp = expert tp, the data-parallel groups
+    = the expert-data-parallel group (DDP reduces and the distributed optimizer shards over
+    dp_cp / intra_dp_cp)."""
+    fields = {k: v for k, v in vars(pgc).items() if not k.startswith("_")}
+    return ProcessGroupCollection(**{**fields, "tp": pgc.expt_tp, "dp": pgc.expt_dp,
+                                     "dp_cp": pgc.expt_dp, "intra_dp_cp": pgc.expt_dp})
+
+
+def moe_parts(layer: torch.nn.Module) -> tuple[list[torch.nn.Module], torch.nn.Module | None]:
+    """(the layer's modules other than its routed experts, the experts or None)."""
+    mlp = getattr(layer, "mlp", None)
+    experts = getattr(mlp, "experts", None) if hasattr(mlp, "router") else None
+    if experts is None:
+        return [layer], None
+    rest = [m for name, m in layer.named_children() if name != "mlp"]
+    rest += [m for name, m in mlp.named_children() if name != "experts"]
+    return rest, experts
 
 
 def grad_classes(model: HeteroGPTModel) -> list[GradClass]:
     """Classes in first-use order: embedding, layers, final norm + output layer."""
     plan = model.plan
     start, end = plan.stages[model.groups.stage]
-    found: dict[tuple[int, int], tuple[list[torch.nn.Module], ProcessGroupCollection]] = {}
+    found: dict[tuple, tuple[list[torch.nn.Module], ProcessGroupCollection]] = {}
 
-    def add(tp: int, zero: int, module: torch.nn.Module | None, pgc: ProcessGroupCollection):
+    def add(tp: int, zero: int, module: torch.nn.Module | None, pgc: ProcessGroupCollection,
+            expert: tuple[int, int] | None = None):
         if module is not None and any(p.requires_grad for p in module.parameters()):
-            found.setdefault((tp, zero), ([], pgc))[0].append(module)
+            found.setdefault((tp, zero, expert), ([], pgc))[0].append(module)
 
     vocab_pg = model.pg_collection
     if model.pre_process:
         add(plan.vocab.tp, vocab_zero(plan.layers[start].zero), model.embedding, vocab_pg)
     for build in model.decoder.builds:
         strategy = plan.layers[build.layer_idx]
-        add(strategy.tp, strategy.zero, model.decoder.layers[str(build.layer_idx)],
-            build.pg_collection)
+        rest, experts = moe_parts(model.decoder.layers[str(build.layer_idx)])
+        for module in rest:
+            add(strategy.tp, strategy.zero, module, build.pg_collection)
+        if experts is not None:
+            for param in experts.parameters():
+                param.allreduce = True  # reduced over the expert-DP group by their own DDP
+            add(strategy.expert_tp, strategy.zero, experts,
+                _expert_collection(build.pg_collection), (strategy.ep, strategy.expert_tp))
     last_zero = vocab_zero(plan.layers[end - 1].zero)
     add(plan.vocab.tp, last_zero, model.decoder.final_layernorm, model.decoder.pg_collection)
     if model.post_process:
         add(plan.vocab.tp, last_zero, model.output_layer, vocab_pg)
     add(plan.vocab.tp, vocab_zero(plan.layers[start].zero), getattr(model, "vocab", None),
         vocab_pg)
-    return [GradClass(tp=tp, zero=zero, modules=tuple(mods), pg_collection=pgc)
-            for (tp, zero), (mods, pgc) in found.items()]
+    return [GradClass(tp=tp, zero=zero, modules=tuple(mods), pg_collection=pgc, expert=expert)
+            for (tp, zero, expert), (mods, pgc) in found.items()]
 
 
 class HeteroDDP(_BaseDataParallel):
@@ -198,3 +243,5 @@ def finalize_grads(
         if total.item() > 0:
             for c in model:
                 c.scale_gradients(1.0 / total.item())
+    if inner.config.num_moe_experts is not None:  # global_aux_loss counts, as megatron-core
+        reset_model_temporary_tensors(inner.config, model)

@@ -68,14 +68,47 @@ def _plain_pipeline(config: TransformerConfig, **extra: Any) -> TransformerConfi
     )
 
 
+def _moe_layer_fields(base: TransformerConfig, strategy: LayerStrategy) -> dict[str, Any]:
+    """Expert degrees of the layer, and its router-loss coefficients for per-token loss.
+
+    With `calculate_per_token_loss` (always, in this runtime) megatron-core's router attaches
+    each rank's load-balancing loss times the rank's own token count (router.py:456-463), and
+    the z-loss with its coefficient divided by the token-block group (tp x cp) times the
+    rank's tokens (router.py:480-494). The ranks of one token block (tp x Ulysses x cp) hold
+    parts of the same loss and their router grads are summed, so the block's loss would count
+    with 1/(tp x cp) of its tokens. Multiplying the coefficients by the size of the group the
+    counts are summed over (the block; the stage for global_aux_loss) weights every block's loss
+    by all its tokens: the value a single process computes for the same token block, whatever
+    tp / cp / Ulysses the layer has. Logged values divide the coefficient out again.
+    """
+    if base.num_moe_experts is None:
+        return {}
+    block = strategy.tp * strategy.cp * strategy.ulysses
+
+    def scale(kind: str) -> int:
+        return strategy.width if kind == "global_aux_loss" else block
+
+    kinds, coeffs = base.moe_router_load_balancing_type, base.moe_aux_loss_coeff
+    if isinstance(kinds, list):
+        coeffs = [c * scale(k) for k, c in zip(kinds, coeffs, strict=True)]
+    else:
+        coeffs = coeffs * scale(kinds)
+    z_loss = base.moe_z_loss_coeff * block if base.moe_z_loss_coeff else base.moe_z_loss_coeff
+    return dict(expert_model_parallel_size=strategy.ep,
+                expert_tensor_parallel_size=strategy.expert_tp,
+                moe_aux_loss_coeff=coeffs, moe_z_loss_coeff=z_loss)
+
+
 def layer_config(base: TransformerConfig, strategy: LayerStrategy) -> TransformerConfig:
-    """Config of one layer: its TP/SP/CP degrees and selective recompute (full is block-level)."""
+    """Config of one layer: its TP/SP/CP degrees, selective recompute (full is block-level) and,
+    in MoE models, its expert degrees (ep, etp)."""
     selective = strategy.recompute == "selective"
     return _plain_pipeline(
         base, tensor_model_parallel_size=strategy.tp, sequence_parallel=strategy.sp,
         context_parallel_size=strategy.cp, recompute_method=None, recompute_num_layers=None,
         recompute_granularity="selective" if selective else None,
         recompute_modules=["core_attn"] if selective else base.recompute_modules,
+        **_moe_layer_fields(base, strategy),
     )
 
 
@@ -90,10 +123,12 @@ def vocab_config(base: TransformerConfig, layout: Layout, pp: int) -> Transforme
 
 
 def layer_spec(config: TransformerConfig, strategy: LayerStrategy,
-               ulysses_group: dist.ProcessGroup, *, use_te: bool | None = None) -> ModuleSpec:
-    """Stock GPT layer spec; CP/Ulysses layers get `SequenceParallelCoreAttention`."""
+               ulysses_group: dist.ProcessGroup, *, use_te: bool | None = None,
+               moe: bool = False) -> ModuleSpec:
+    """Stock GPT layer spec (`moe`: with megatron-core's MoELayer); CP/Ulysses layers get
+    `SequenceParallelCoreAttention`."""
     use_te = have_transformer_engine() if use_te is None else use_te
-    spec = gpt_layer_spec(config, use_transformer_engine=use_te)
+    spec = gpt_layer_spec(config, use_transformer_engine=use_te, moe=moe)
     if strategy.ulysses == 1 and (strategy.cp == 1 or use_te):
         return spec
     core = ModuleSpec(module=SequenceParallelCoreAttention,

@@ -242,12 +242,12 @@ def build_optimizer(chunks: list[HeteroDDP], config: OptimizerConfig) -> HeteroC
     classes = [(chunk, cls, ddp) for chunk in chunks for cls, ddp in zip(chunk.classes,
                                                                          chunk.ddps)]
     found = [_group_keys(ddp, config) for _, _, ddp in classes]
-    local = {(cls.tp, cls.zero): list(keys) for (_, cls, _), keys in zip(classes, found)}
+    local = {cls.key: list(keys) for (_, cls, _), keys in zip(classes, found)}
     gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, local)
     chained, replicated, sharded = [], [], []
     for (_chunk, cls, ddp), keys in zip(classes, found):
-        union = list(dict.fromkeys(k for g in gathered for k in g.get((cls.tp, cls.zero), [])))
+        union = list(dict.fromkeys(k for g in gathered for k in g.get(cls.key, [])))
         cls_config = dataclasses.replace(config, use_distributed_optimizer=cls.zero == 1)
         if cls.zero >= 2:  # fp32 shards are the master weights (fsdp.py)
             cls_config = dataclasses.replace(cls_config, bf16=False, fp16=False)

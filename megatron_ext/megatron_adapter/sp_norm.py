@@ -115,13 +115,18 @@ def _swap_torch_norm(obj: Any) -> Any:
 
 
 def gpt_layer_spec(
-    config: TransformerConfig, *, use_transformer_engine: bool | None = None
+    config: TransformerConfig, *, use_transformer_engine: bool | None = None,
+    moe: bool = False,
 ) -> ModuleSpec:
-    """Dense GPT layer spec: TE spec if TE is importable, else the local spec.
+    """GPT layer spec: TE spec if TE is importable, else the local spec; `moe`: an MoE layer
+    (megatron-core's MoELayer with `config.num_moe_experts` routed experts; SequentialMLP
+    experts on the local spec, grouped GEMM with `config.moe_grouped_gemm`).
 
     With the local spec and `config.sequence_parallel`, the torch norms become `SPNorm`.
     `use_transformer_engine=None` auto-detects TE.
     """
+    experts = dict(num_experts=config.num_moe_experts,
+                   moe_grouped_gemm=config.moe_grouped_gemm) if moe else {}
     if use_transformer_engine is None:
         use_transformer_engine = have_transformer_engine()
     if use_transformer_engine:
@@ -131,9 +136,10 @@ def gpt_layer_spec(
 
         return get_gpt_layer_with_transformer_engine_spec(
             qk_layernorm=config.qk_layernorm,
-            multi_latent_attention=config.multi_latent_attention,
+            multi_latent_attention=config.multi_latent_attention, **experts,
         )
     spec = get_gpt_layer_local_spec(
+        **experts,
         qk_layernorm=config.qk_layernorm,
         multi_latent_attention=config.multi_latent_attention,
         normalization=config.normalization,

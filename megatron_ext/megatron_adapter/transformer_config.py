@@ -22,7 +22,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_ext.plan import LayerStrategy
 from megatron_ext.specs import ModelSpec
 
-__all__ = ["ModelOptions", "gpt_model_kwargs", "params_dtype", "transformer_config"]
+__all__ = ["ModelOptions", "gpt_model_kwargs", "moe_fields", "params_dtype",
+           "transformer_config"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -60,10 +61,51 @@ class ModelOptions:
     apply_rope_fusion: bool = False
     gradient_accumulation_fusion: bool = False
     """Also needs apex's fused_weight_gradient_mlp_cuda."""
+    moe_token_dispatcher_type: str = "allgather"
+    """MoE layers: --moe-token-dispatcher-type (allgather, Megatron-LM's default, or alltoall;
+    flex needs DeepEP/HybridEP kernels)."""
+    moe_grouped_gemm: bool = False
+    """MoE layers: --moe-grouped-gemm (needs Transformer Engine or the grouped_gemm package)."""
+    moe_router_dtype: str | None = None
+    """MoE layers: --moe-router-dtype (fp32 / fp64 router computation; None = input dtype)."""
+    moe_per_layer_logging: bool = False
+    """--moe-per-layer-logging: log each layer's load-balancing loss too."""
 
 
 def params_dtype(precision: str) -> torch.dtype:
     return _DTYPES[precision]
+
+
+_ROUTER_DTYPES = {None: None, "fp32": "fp32", "fp64": "fp64"}
+
+
+def moe_fields(model: ModelSpec, options: ModelOptions, strategy: LayerStrategy
+               ) -> dict[str, Any]:
+    """TransformerConfig fields of `model.moe` (none for a dense model): Megatron-LM's
+    --num-experts family, with the expert degrees of `strategy` (ep, etp)."""
+    moe = model.moe
+    if moe is None:
+        return {}
+    freq = moe.layer_freq if isinstance(moe.layer_freq, int) else list(moe.layer_freq)
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.router_topk,
+        moe_ffn_hidden_size=moe.expert_ffn_hidden_size(model),
+        moe_shared_expert_intermediate_size=moe.shared_expert_intermediate_size or None,
+        moe_layer_freq=freq,
+        moe_router_load_balancing_type=moe.router_load_balancing_type,
+        moe_aux_loss_coeff=moe.aux_loss_coeff,
+        moe_z_loss_coeff=moe.z_loss_coeff or None,
+        moe_router_score_function=moe.router_score_function,
+        moe_router_pre_softmax=moe.router_pre_softmax,
+        moe_expert_capacity_factor=moe.capacity_factor or None,
+        moe_token_dispatcher_type=options.moe_token_dispatcher_type,
+        moe_grouped_gemm=options.moe_grouped_gemm,
+        moe_router_dtype=_ROUTER_DTYPES[options.moe_router_dtype],
+        moe_per_layer_logging=options.moe_per_layer_logging,
+        expert_model_parallel_size=strategy.ep,
+        expert_tensor_parallel_size=strategy.expert_tp,
+    )
 
 
 def _recompute_fields(strategy: LayerStrategy) -> dict[str, Any]:
@@ -126,6 +168,7 @@ def transformer_config(
         gradient_accumulation_fusion=options.gradient_accumulation_fusion,
         persist_layer_norm=False,
         **_recompute_fields(strategy),
+        **moe_fields(model, options, strategy),
     )
     fields.update(overrides)
     return TransformerConfig(**fields)

@@ -4,6 +4,9 @@ A parameter's global tensor is what a single-process (TP=1) megatron-core model 
 same name (`decoder.layers.{layer_idx}.*` with global indices). Tensor-parallel params carry
 megatron's `tensor_model_parallel` / `partition_dim` attributes and their module's `tp_group`;
 the gated (SwiGLU) fc1 is split per half, as in megatron's `apply_swiglu_sharded_factory`.
+Routed experts of MoE layers are named by their global expert index
+(`mlp.experts.local_experts.{e}`, as a single-process model holds them), and sharded over their
+expert tp group.
 """
 
 from __future__ import annotations
@@ -17,13 +20,30 @@ import torch.distributed as dist
 __all__ = ["full_shape", "init_plan_invariant", "load_full_state_dict", "local_shard",
            "param_shards"]
 
-_GATED_FC1 = ("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")
+_GATED_FC1 = ("linear_fc1.weight", "linear_fc1.bias")
+_LOCAL_EXPERTS = ".experts.local_experts."
+
+
+def _expert_offsets(model: torch.nn.Module) -> dict[str, list[int]]:
+    """MoE layer module name -> global index of each of its local experts."""
+    return {name: list(module.local_expert_indices) for name, module in model.named_modules()
+            if hasattr(module, "local_expert_indices")}
+
+
+def _global_module_name(module_name: str, offsets: dict[str, list[int]]) -> str:
+    """`...mlp.experts.local_experts.{j}...` -> the same with j's global expert index."""
+    head, sep, tail = module_name.partition(_LOCAL_EXPERTS)
+    if not sep or head not in offsets:
+        return module_name
+    local, _, rest = tail.partition(".")
+    return f"{head}{sep}{offsets[head][int(local)]}" + (f".{rest}" if rest else "")
 
 
 def param_shards(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter,
                                                               dist.ProcessGroup | None]]:
     """(global name, param, its tp group or None when not tensor-parallel), each param once."""
     seen: set[int] = set()
+    offsets = _expert_offsets(model)
     for module_name, module in model.named_modules():
         for pname, param in module.named_parameters(recurse=False):
             if id(param) in seen:
@@ -31,11 +51,14 @@ def param_shards(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Paramet
             seen.add(id(param))
             tp = getattr(module, "tp_group", None)
             split = getattr(param, "tensor_model_parallel", False) and tp is not None
-            yield f"{module_name}.{pname}" if module_name else pname, param, tp if split else None
+            name = _global_module_name(module_name, offsets)
+            yield f"{name}.{pname}" if name else pname, param, tp if split else None
 
 
 def _is_gated(name: str, model: torch.nn.Module) -> bool:
-    return name.endswith(_GATED_FC1) and bool(getattr(model.config, "gated_linear_unit", False))
+    """The fc1 of a gated MLP: dense, routed expert or shared expert ([gate; up] halves)."""
+    return (name.endswith(_GATED_FC1) and (".mlp." in name or name.startswith("mlp."))
+            and bool(getattr(model.config, "gated_linear_unit", False)))
 
 
 def local_shard(name: str, full: torch.Tensor, param: torch.nn.Parameter,

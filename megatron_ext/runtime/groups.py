@@ -10,6 +10,12 @@ a rank keeps the handles of the groups it belongs to. Layers whose layouts share
 share the communicator (e.g. the dp group of `tp1 dp4` is the dp_cp group of `tp1 cp2 dp2`).
 Nothing here imports megatron; `megatron_adapter/pg.py` wraps the result in
 `ProcessGroupCollection`s.
+
+Mixture-of-Experts layers add, per layout, the token-block group `tp_cp` (tp x Ulysses x cp:
+the ranks holding one block of tokens, over which the router sums its expert counts), and per
+(ep, etp) of the stage's MoE layers the expert groups of Megatron's expert rank generator (order
+etp, ep, expert-dp inside the stage, independent of the attention layout as in megatron-core's
+MoE parallel folding): `expt_tp`, `ep`, `tp_ep` and `expt_dp`.
 """
 
 from __future__ import annotations
@@ -32,11 +38,13 @@ __all__ = [
     "PlanGroups",
     "build_plan_groups",
     "check_world_size",
+    "ExpertGroups",
+    "expert_rank_sets",
     "layout_rank_sets",
     "plan_rank_sets",
 ]
 
-Axis = Literal["tp", "seq", "cp", "dp", "dp_cp", "stage"]
+Axis = Literal["tp", "seq", "cp", "dp", "dp_cp", "tp_cp", "stage"]
 AXES: tuple[Axis, ...] = ("tp", "seq", "cp", "dp", "dp_cp")
 """Per-layout group axes. dp_cp = every rank of the stage with the same tp rank: the ranks that
 hold replicas of a tensor-parallel parameter shard (dp x cp x seq), i.e. its gradient group."""
@@ -50,13 +58,44 @@ def layout_rank_sets(layout: Layout, axis: Axis, offset: int = 0) -> list[RankSe
     if axis == "stage":
         return [tuple(range(offset, offset + width))]
     varying = {"tp": ("tp",), "seq": ("seq",), "cp": ("cp",), "dp": ("dp",),
-               "dp_cp": ("seq", "cp", "dp")}[axis]
+               "dp_cp": ("seq", "cp", "dp"), "tp_cp": ("tp", "seq", "cp")}[axis]
     groups: dict[tuple[int, ...], list[int]] = {}
     for local in range(width):
         coords = layout.coords(local)._asdict()
         key = tuple(v for k, v in coords.items() if k not in varying)
         groups.setdefault(key, []).append(offset + local)
     return sorted(tuple(g) for g in groups.values())
+
+
+ExpertAxis = Literal["expt_tp", "ep", "tp_ep", "expt_dp"]
+EXPERT_AXES: tuple[ExpertAxis, ...] = ("expt_tp", "ep", "tp_ep", "expt_dp")
+
+
+def expert_rank_sets(width: int, ep: int, etp: int, axis: ExpertAxis,
+                     offset: int = 0) -> list[RankSet]:
+    """Partition of the stage ranks [offset, offset + width) along an expert axis: local rank r
+    has expert-tp rank r % etp, ep rank (r // etp) % ep, expert-dp rank r // (etp * ep)."""
+    varying = {"expt_tp": ("t",), "ep": ("e",), "tp_ep": ("t", "e"), "expt_dp": ("d",)}[axis]
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for local in range(width):
+        coords = {"t": local % etp, "e": (local // etp) % ep, "d": local // (etp * ep)}
+        key = tuple(v for k, v in coords.items() if k not in varying)
+        groups.setdefault(key, []).append(offset + local)
+    return sorted(tuple(g) for g in groups.values())
+
+
+def moe_layer_degrees(plan: ParallelPlan, stage: int) -> list[tuple[int, int]]:
+    """Distinct (ep, expert tp) of the MoE layers of `stage`, in layer order."""
+    start, end = plan.stages[stage]
+    return list(dict.fromkeys((plan.layers[i].ep, plan.layers[i].expert_tp)
+                              for i in range(start, end) if plan.model.is_moe_layer(i)))
+
+
+def moe_layouts(plan: ParallelPlan, stage: int) -> list[Layout]:
+    """Distinct layouts of the MoE layers of `stage`."""
+    start, end = plan.stages[stage]
+    return list(dict.fromkeys(Layout.of(plan.layers[i]) for i in range(start, end)
+                              if plan.model.is_moe_layer(i)))
 
 
 def check_world_size(plan: ParallelPlan, world_size: int) -> None:
@@ -79,6 +118,11 @@ def plan_rank_sets(plan: ParallelPlan) -> Iterator[RankSet]:
         for layout in stage_layouts(plan, stage):
             for axis in AXES:
                 yield from layout_rank_sets(layout, axis, offset)
+        for layout in moe_layouts(plan, stage):
+            yield from layout_rank_sets(layout, "tp_cp", offset)
+        for ep, etp in moe_layer_degrees(plan, stage):
+            for expert_axis in EXPERT_AXES:
+                yield from expert_rank_sets(width, ep, etp, expert_axis, offset)
     for local in range(width):
         yield tuple(local + stage * width for stage in range(plan.pp))  # pipeline groups
     if plan.pp > 1:
@@ -124,6 +168,21 @@ class LayoutGroups:
     dp: dist.ProcessGroup
     dp_cp: dist.ProcessGroup
     """Gradient-reduction (and ZeRO sharding) group of this layout's parameters."""
+    tp_cp: dist.ProcessGroup | None = None
+    """MoE layouts: the ranks holding one block of tokens (tp x Ulysses x cp)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpertGroups:
+    """This rank's expert groups for MoE layers with (ep, etp) on its stage."""
+
+    ep: int
+    etp: int
+    expt_tp: dist.ProcessGroup
+    ep_group: dist.ProcessGroup
+    tp_ep: dist.ProcessGroup
+    expt_dp: dist.ProcessGroup
+    """Replicas of this rank's expert shards: their gradient-reduction group."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -146,6 +205,8 @@ class PlanGroups:
     """Groups of every layout this stage uses."""
     num_groups: int
     """Distinct rank sets the plan created (the same number on every rank)."""
+    experts: dict[tuple[int, int], ExpertGroups] = field(default_factory=dict)
+    """(ep, expert tp) -> expert groups, for the MoE layers of this stage."""
 
     def for_layout(self, layout: Layout) -> LayoutGroups:
         return self.layouts[layout]
@@ -172,14 +233,23 @@ def build_plan_groups(plan: ParallelPlan, cache: GroupCache | None = None) -> Pl
         assert group is not None
         return group
 
+    moe = set(moe_layouts(plan, stage))
     layouts = {
         layout: LayoutGroups(
             layout=layout,
             **{axis: mine(layout_rank_sets(layout, axis, offset)) for axis in AXES},
+            tp_cp=mine(layout_rank_sets(layout, "tp_cp", offset)) if layout in moe else None,
         )
         for layout in stage_layouts(plan, stage)
     }
     width = plan.stage_width
+    experts = {
+        (ep, etp): ExpertGroups(
+            ep=ep, etp=etp,
+            **{("ep_group" if axis == "ep" else axis): mine(
+                expert_rank_sets(width, ep, etp, axis, offset)) for axis in EXPERT_AXES})
+        for ep, etp in moe_layer_degrees(plan, stage)
+    }
     pp_ranks = [tuple(local + s * width for s in range(plan.pp))]
     embd = None
     if plan.pp > 1 and stage in (0, plan.pp - 1):
@@ -188,5 +258,5 @@ def build_plan_groups(plan: ParallelPlan, cache: GroupCache | None = None) -> Pl
         plan=plan, rank=rank, stage=stage, local_rank=local,
         stage_group=mine(layout_rank_sets(Layout(dp=width), "stage", offset)),
         pp=mine(pp_ranks), embd=embd, singleton=mine([(rank,)]), layouts=layouts,
-        num_groups=cache.num_groups,
+        num_groups=cache.num_groups, experts=experts,
     )

@@ -7,6 +7,7 @@ import logging
 from collections.abc import Iterator
 
 import megatron.core.tensor_parallel as tp_pkg
+import megatron.core.tensor_parallel.mappings as tp_mappings
 import megatron.core.tensor_parallel.random as tp_random
 import megatron.core.transformer.utils as transformer_utils
 import pytest
@@ -31,6 +32,7 @@ EXPECTED_NAMES = [
     "te_gemm_stub",
     "stream_events",
     "host_splits",
+    "uneven_gather",
 ]
 
 
@@ -52,6 +54,8 @@ def _sites() -> dict[str, object]:
         "seed_reexport": tp_pkg.model_parallel_cuda_manual_seed,
         "host_splits": moe_utils.maybe_move_tensor_to_cpu,
         "host_splits_dispatcher": token_dispatcher.maybe_move_tensor_to_cpu,
+        "uneven_gather": tp_mappings._gather_along_first_dim,
+        "uneven_scatter": tp_mappings._reduce_scatter_along_first_dim,
     }
 
 

@@ -1,5 +1,5 @@
-"""Run megatron-core 0.16.1 on CPU-only torch under gloo: eleven named, opt-in, undoable patches
-(the last three for Mixture-of-Experts layers).
+"""Run megatron-core 0.16.1 on CPU-only torch under gloo: twelve named, opt-in, undoable patches
+(the last four for Mixture-of-Experts layers).
 
 Each CUDA hard-code met on the CPU/gloo path is handled by one named patch; its builder's
 docstring names the megatron-core 0.16.1 `file:line` sites (paths relative to megatron/core/)

@@ -1,4 +1,4 @@
-"""The eleven named CPU patches for megatron-core 0.16.1 and their registry (see `cpu_compat`).
+"""The twelve named CPU patches for megatron-core 0.16.1 and their registry (see `cpu_compat`).
 
 Each patch is a builder returning `(owner, attr, replacement)` targets; its docstring names the
 megatron-core 0.16.1 `file:line` sites (paths relative to megatron/core/) it addresses.
@@ -461,3 +461,46 @@ def _build_host_splits() -> list[Target]:
 
     return [(moe_utils, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu),
             (dispatcher, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)]
+
+
+@_register("uneven_gather")
+def _build_uneven_gather() -> list[Target]:
+    """Uneven all-gather / reduce-scatter along dim 0 on CPU (gloo) tensors.
+
+    tensor_parallel/mappings.py:150 `all_gather(list of split_sizes-sized views)` and :193
+    `reduce_scatter(output, list of split_sizes-sized inputs)`: gloo's all_gather needs equal
+    sizes and it has no list reduce-scatter. The alltoall dispatcher calls them with the token
+    counts each expert-tp rank received (token_dispatcher.py:696 dispatch, :779 combine) when
+    ETP > 1 and EP > 1, where the counts differ between ranks. CPU tensors with split sizes:
+    gather pads every part to the largest, reduce-scatter all-reduces the whole tensor and keeps
+    this rank's rows; everything else goes to the originals.
+    """
+    mappings = importlib.import_module("megatron.core.tensor_parallel.mappings")
+    gather_original = original_value(mappings, "_gather_along_first_dim")
+    scatter_original = original_value(mappings, "_reduce_scatter_along_first_dim")
+
+    @functools.wraps(gather_original)
+    def _gather_along_first_dim(input_: torch.Tensor, group: Any, output_split_sizes: Any = None,
+                                use_global_buffer: bool = False) -> torch.Tensor:
+        if output_split_sizes is None or input_.is_cuda or group.size() == 1:
+            return gather_original(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(n) for n in output_split_sizes]
+        padded = input_.new_zeros((max(sizes), *input_.shape[1:]))  # [max rows, ...]
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        torch.distributed.all_gather(parts, padded, group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, sizes, strict=True)])
+
+    @functools.wraps(scatter_original)
+    def _reduce_scatter_along_first_dim(input_: torch.Tensor, group: Any,
+                                        input_split_sizes: Any = None,
+                                        use_global_buffer: bool = False) -> torch.Tensor:
+        if input_split_sizes is None or input_.is_cuda or group.size() == 1:
+            return scatter_original(input_, group, input_split_sizes, use_global_buffer)
+        full = input_.contiguous().clone()  # [sum(sizes), ...]
+        torch.distributed.all_reduce(full, group=group)
+        sizes = [int(n) for n in input_split_sizes]
+        return torch.split(full, sizes, dim=0)[group.rank()].contiguous()
+
+    return [(mappings, "_gather_along_first_dim", _gather_along_first_dim),
+            (mappings, "_reduce_scatter_along_first_dim", _reduce_scatter_along_first_dim)]

@@ -239,12 +239,15 @@ def gradient_class_counts(plan: ParallelPlan) -> tuple[int, ...]:
 
     Mirrors ddp.grad_classes: one class per distinct (tp, zero) among the stage's embedding
     (first stage), layers, final norm and output layer (last stage), or its vocabulary shards
-    (vocabulary parallelism, every stage). Pure: computed from the plan alone, before any group.
+    (vocabulary parallelism, every stage), plus one per distinct (ep, etp, zero) of the routed
+    experts of its MoE layers. Pure: computed from the plan alone, before any group.
     """
     counts = []
     vocab_parallel = plan.vocab.mode == "vocab_parallel"
     for stage, (start, end) in enumerate(plan.stages):
-        keys = {(s.tp, s.zero) for s in plan.layers[start:end]}
+        keys: set[tuple] = {(s.tp, s.zero) for s in plan.layers[start:end]}
+        keys |= {("experts", plan.layers[i].ep, plan.layers[i].expert_tp, plan.layers[i].zero)
+                 for i in range(start, end) if plan.model.is_moe_layer(i)}
         if stage == plan.pp - 1:  # final norm (and the output layer unless vocab-parallel)
             keys.add((plan.vocab.tp, vocab_zero(plan.layers[end - 1].zero)))
         if (stage == 0 and not vocab_parallel) or vocab_parallel:  # embedding / vocab shards

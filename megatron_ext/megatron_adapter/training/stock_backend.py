@@ -52,6 +52,8 @@ def stock_unsupported_reason(plan: ParallelPlan) -> str | None:
         return f"ZeRO-{s.zero} is used"
     if plan.virtual_stages > 1:
         return "the pipeline is interleaved (virtual stages)"
+    if plan.model.moe is not None:
+        return "the model has Mixture-of-Experts layers"
     return None
 
 
