@@ -92,6 +92,10 @@ def check_moe_support(plan: ParallelPlan, config: TransformerConfig | None = Non
             raise PlanError(f"layers[{idx}] is an MoE layer with zero={strategy.zero}: ZeRO-2/3 "
                             "shard whole layers and the experts reduce over their own group; "
                             "use zero 0 or 1 on MoE layers")
+    if plan.model.moe is not None and plan.model.moe.router_enable_expert_bias:
+        raise PlanError("model.moe.router_enable_expert_bias (--moe-router-enable-expert-bias) is "
+                        "not supported by the layerwise runtime (megatron-core updates the bias "
+                        "over its global groups); use --moe-aux-loss-coeff balancing")
     if plan.vocab.mode == "vocab_parallel":
         raise PlanError("vocab.mode='vocab_parallel' with model.moe: the vocabulary passes' "
                         "schedule does not scale the router's load-balancing loss; use "

@@ -68,8 +68,10 @@ class ModelOptions:
     """MoE layers: --moe-grouped-gemm (needs Transformer Engine or the grouped_gemm package)."""
     moe_router_dtype: str | None = None
     """MoE layers: --moe-router-dtype (fp32 / fp64 router computation; None = input dtype)."""
-    moe_per_layer_logging: bool = False
-    """--moe-per-layer-logging: log each layer's load-balancing loss too."""
+    moe_input_jitter_eps: float | None = None
+    """MoE layers: --moe-input-jitter-eps (multiplicative noise on the router input)."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """MoE layers: --moe-pad-expert-input-to-capacity."""
 
 
 def params_dtype(precision: str) -> torch.dtype:
@@ -102,7 +104,15 @@ def moe_fields(model: ModelSpec, options: ModelOptions, strategy: LayerStrategy
         moe_token_dispatcher_type=options.moe_token_dispatcher_type,
         moe_grouped_gemm=options.moe_grouped_gemm,
         moe_router_dtype=_ROUTER_DTYPES[options.moe_router_dtype],
-        moe_per_layer_logging=options.moe_per_layer_logging,
+        moe_input_jitter_eps=options.moe_input_jitter_eps,
+        moe_pad_expert_input_to_capacity=options.moe_pad_expert_input_to_capacity,
+        moe_shared_expert_gate=moe.shared_expert_gate,
+        moe_router_topk_scaling_factor=moe.router_topk_scaling_factor or None,
+        moe_router_num_groups=moe.router_num_groups or None,
+        moe_router_group_topk=moe.router_group_topk or None,
+        moe_router_enable_expert_bias=moe.router_enable_expert_bias,
+        moe_router_bias_update_rate=moe.router_bias_update_rate,
+        moe_token_drop_policy=moe.token_drop_policy,
         expert_model_parallel_size=strategy.ep,
         expert_tensor_parallel_size=strategy.expert_tp,
     )

@@ -68,9 +68,9 @@ def reference_model(plan: ParallelPlan, seed: int, divisible_by: int = 128,
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     from megatron_ext.megatron_adapter.build import prepare_megatron
-    from megatron_ext.planner.cost.compute import padded_vocab_size
     from megatron_ext.megatron_adapter.transformer_config import transformer_config
     from megatron_ext.megatron_adapter.weights import init_plan_invariant
+    from megatron_ext.planner.cost.compute import padded_vocab_size
 
     prepare_megatron()
     tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=0, ep_rank=0, etp_rank=0,
@@ -227,10 +227,13 @@ def check_body_only(plan: ParallelPlan, seed: int = 11) -> None:
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-def check_sharded_state_dict(plan: ParallelPlan, seed: int = 11) -> int:
+def check_sharded_state_dict(plan: ParallelPlan, seed: int = 11, *, reference: Any = None,
+                             config: Any = None) -> int:
     """Every ShardedTensor of the plan's model has its global key, global shape and offset such
     that its data equals that slice of the single-process tensor; each shard has exactly one
-    main replica across all ranks. Returns the number of shards checked on this rank."""
+    main replica across all ranks. Returns the number of shards checked on this rank.
+    `reference(plan, seed)` builds the single-process model (default `reference_model`);
+    `config` is build_model's."""
     from megatron.core.dist_checkpointing.mapping import (
         ShardedTensor,
         ShardedTensorFactory,
@@ -238,20 +241,33 @@ def check_sharded_state_dict(plan: ParallelPlan, seed: int = 11) -> int:
 
     from megatron_ext.megatron_adapter.build import build_model
 
+    def shards_of(sharded: dict) -> list:
+        out = []
+        for item in sharded.values():
+            items = item.build() if isinstance(item, ShardedTensorFactory) else [item]
+            out += [t for t in items if isinstance(t, ShardedTensor)]
+        return out
+
+    def index(sh: ShardedTensor) -> tuple:
+        """Where `sh` sits in its global tensor (prepended axes, e.g. the expert index, are
+        one-element slices)."""
+        lead = sh.prepend_axis_num
+        return (*(slice(o, o + 1) for o in sh.global_offset[:lead]),
+                *(slice(o, o + n) for o, n in zip(sh.global_offset[lead:], sh.data.shape)))
+
     ref_meta = {"non_homogeneous_layers": True, "dp_cp_group": _singleton_pgc().tp}
-    full = {item.key: item.data  # the reference's own checkpoint keys (megatron's key map)
-            for item in reference_model(plan, seed).sharded_state_dict(metadata=ref_meta).values()
-            if isinstance(item, ShardedTensor | ShardedTensorFactory)}
-    chunks, _ = build_model(plan, seed=seed)
-    shards = []
-    for item in chunks[0].sharded_state_dict().values():
-        items = item.build() if isinstance(item, ShardedTensorFactory) else [item]
-        shards += [t for t in items if isinstance(t, ShardedTensor)]
+    ref = (reference or reference_model)(plan, seed)
+    full: dict = {}  # the reference's own checkpoint keys (megatron's key map), assembled
+    for sh in shards_of(ref.sharded_state_dict(metadata=ref_meta)):
+        tensor = full.setdefault(sh.key, torch.zeros(sh.global_shape, dtype=sh.data.dtype))
+        tensor[index(sh)] = sh.data.reshape(tensor[index(sh)].shape)
+    chunks, _ = build_model(plan, config, seed=seed)
+    shards = shards_of(chunks[0].sharded_state_dict())
     mains = []
     for sh in shards:
         assert sh.global_shape == tuple(full[sh.key].shape), (sh.key, sh.global_shape)
-        index = tuple(slice(o, o + n) for o, n in zip(sh.global_offset, sh.local_shape))
-        torch.testing.assert_close(sh.data, full[sh.key][index], rtol=0, atol=0,
+        want = full[sh.key][index(sh)].reshape(sh.data.shape)
+        torch.testing.assert_close(sh.data, want, rtol=0, atol=0,
                                    msg=lambda m, k=sh.key: f"{k}: {m}")
         if all(r == 0 for r in (sh.replica_id if isinstance(sh.replica_id, tuple)
                                 else (sh.replica_id,))):

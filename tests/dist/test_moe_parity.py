@@ -78,6 +78,12 @@ def _run_plans(rank: int, world_size: int) -> dict:
         ref = reference_run(plan, make_batches(plan, 5), seed=11, blocks=moe_blocks(plan))
         result = run_plan(plan, ref=ref, seed=11, dispatcher=dispatcher, **TOLERANCES)
         out[name] = {**result, "seconds": time.perf_counter() - start}
+    if world_size == 4:  # checkpoint metadata: experts under global keys, one main replica each
+        from tests.dist.moe_parity import reference_model
+        from tests.dist.runtime_parity import check_sharded_state_dict
+
+        for name, (plan, _) in plans(world_size).items():
+            out[name]["shards"] = check_sharded_state_dict(plan, reference=reference_model)
     return out
 
 
@@ -90,7 +96,8 @@ def _check(results: list[dict]) -> None:
 def test_moe_parity_4_ranks() -> None:
     """Uniform EP2 (alltoall); EP2 x ETP2 under TP2+SP (allgather); dense and MoE layers on
     different strategies, incl. ETP=1 under TP2 at EP=1 (experts reduced over their own
-    expert-data-parallel group, the case megatron-core's allreduce tag gets wrong)."""
+    expert-data-parallel group, the case megatron-core's allreduce tag gets wrong); then the
+    sharded state dicts of all three (experts' global keys and offsets, unique main replicas)."""
     _check(run_distributed(_run_plans, world_size=4, timeout_s=900))
 
 

@@ -141,7 +141,7 @@ EXPECTED_REFUSALS: dict[str, set[str]] = {
     "--rampup-batch-size": set(),
     "--exit-duration-in-mins": set(),
     "--attention-dropout other than 0": {"flexsp"},
-    "--num-experts (a mixture-of-experts model)": {"stock", "layerwise", "flexsp"},
+    "--num-experts (a mixture-of-experts model)": {"stock", "flexsp"},
 }
 # Flags that turn each setting on (on top of BASE).
 TURN_ON: dict[str, tuple[str, ...]] = {

@@ -8,7 +8,7 @@ runtime) and flexsp_backend.py build one; select.py decides which runs a plan.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -42,6 +42,9 @@ class Backend:
     """Output-layer rows; part of the checkpoint's shape contract."""
     name: Literal["stock", "layerwise", "flexsp"]
     """Which backend built it (select.py decides)."""
+    step_metrics: dict[str, float] = field(default_factory=dict)
+    """Extra values of the last training step the log line shows after the lm loss (MoE
+    models: Megatron-LM's router losses, e.g. load_balancing_loss), the same on every rank."""
     model_format: str = "megatron"
     """Which optimizer chain the checkpoint's optimizer state has: "megatron" (one megatron-core
     optimizer per rank: the stock and FlexSP backends) or "layerwise" (the layerwise runtime's

@@ -124,7 +124,8 @@ def train(run: RunConfig, backend: Backend, scheduler: OptimizerParamScheduler,
         state.iteration += 1
         state.consumed_train_samples += global_batch
         state.skipped_iterations += 0 if ok else 1
-        reporter.stats.add(loss, time.perf_counter() - start_s, grad_norm)
+        reporter.stats.add(loss, time.perf_counter() - start_s, grad_norm,
+                           backend.step_metrics)
         if state.iteration % log_interval == 0:
             reporter.log_interval(
                 iteration=state.iteration, consumed=state.consumed_train_samples,

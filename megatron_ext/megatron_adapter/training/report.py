@@ -54,12 +54,17 @@ class IntervalStats:
     losses: list[float] = field(default_factory=list)
     times_s: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
+    metrics: dict[str, list[float]] = field(default_factory=dict)
+    """Extra per-step values by name (MoE router losses), in first-seen order."""
 
-    def add(self, loss: float, time_s: float, grad_norm: float | None) -> None:
+    def add(self, loss: float, time_s: float, grad_norm: float | None,
+            metrics: dict[str, float] | None = None) -> None:
         self.losses.append(loss)
         self.times_s.append(time_s)
         if grad_norm is not None:
             self.grad_norms.append(float(grad_norm))
+        for name, value in (metrics or {}).items():
+            self.metrics.setdefault(name, []).append(value)
 
 
 class Reporter:
@@ -105,14 +110,17 @@ class Reporter:
         tokens_per_s = self.plan.global_batch_size * self.plan.seq_length / time_s
         norm = (f" grad norm: {sum(stats.grad_norms) / len(stats.grad_norms):.6f} |"
                 if stats.grad_norms else "")
+        extra = {name: sum(v) / len(v) for name, v in stats.metrics.items()}
+        # Megatron-LM prints its other loss-dict entries (router losses) as ' name: %.6E |'
+        extra_text = "".join(f" {name}: {value:.6E} |" for name, value in extra.items())
         logger.info(
             " iteration %8d/%8d | consumed samples: %12d | elapsed time per iteration (ms): "
-            "%.1f | learning rate: %.6E | global batch size: %5d | lm loss: %.9E | "
+            "%.1f | learning rate: %.6E | global batch size: %5d | lm loss: %.9E |%s "
             "loss scale: %.1f |%s number of skipped iterations: %3d | tokens/s: %.1f | "
             "peak memory (GiB): %.3f |%s",
             iteration, self.train_iters, consumed, time_s * 1e3, lr,
-            self.plan.global_batch_size, loss, loss_scale, norm, skipped, tokens_per_s, peak_gib,
-            self._prediction(time_s),
+            self.plan.global_batch_size, loss, extra_text, loss_scale, norm, skipped,
+            tokens_per_s, peak_gib, self._prediction(time_s),
         )
         if self.tb is not None:
             for name, value in (("lm loss", loss), ("learning-rate", lr),
@@ -121,6 +129,8 @@ class Reporter:
                 self.tb.add_scalar(name, value, iteration)
             if stats.grad_norms:
                 self.tb.add_scalar("grad-norm", stats.grad_norms[-1], iteration)
+            for name, value in extra.items():
+                self.tb.add_scalar(name, value, iteration)
             self.tb.flush()
 
     def log_validation(self, *, iteration: int, loss: float, label: str = "validation") -> None:

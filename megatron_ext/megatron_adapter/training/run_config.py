@@ -219,6 +219,11 @@ def _model(ns: argparse.Namespace, *, cpu: bool, swiglu: bool, have_te: bool,
         apply_rope_fusion=fused and ns.apply_rope_fusion,
         gradient_accumulation_fusion=fused and ns.gradient_accumulation_fusion
         and have_wgrad_kernel,
+        moe_token_dispatcher_type=ns.moe_token_dispatcher_type,
+        moe_grouped_gemm=bool(ns.moe_grouped_gemm),
+        moe_router_dtype=ns.moe_router_dtype,
+        moe_input_jitter_eps=ns.moe_input_jitter_eps,
+        moe_pad_expert_input_to_capacity=bool(ns.moe_pad_expert_input_to_capacity),
     )
 
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from megatron_ext.megatron_adapter.build import build_model
 from megatron_ext.megatron_adapter.model import HeteroGPTModel
+from megatron_ext.megatron_adapter.moe_logging import clear_router_losses, router_losses
 from megatron_ext.megatron_adapter.optimizer import build_optimizer
 from megatron_ext.megatron_adapter.train_step import forward_backward
 from megatron_ext.megatron_adapter.training.backend import Backend
@@ -65,12 +66,18 @@ def build_runtime_backend(run: RunConfig, padded_vocab: int) -> Backend:
     if shard is not None:
         inner.batch_shard = (shard.index, shard.count)
     check_nan = run.optimizer.check_for_nan_in_loss_and_grad
+    metrics: dict[str, float] = {}
 
     def step(data: Iterator | None, num_microbatches: int, forward_only: bool) -> float:
-        return forward_backward(chunks, data, groups, forward_only=forward_only,
+        clear_router_losses()
+        loss = forward_backward(chunks, data, groups, forward_only=forward_only,
                                 check_nan=check_nan, num_microbatches=num_microbatches)["loss"]
+        if not forward_only:
+            metrics.clear()
+            metrics.update(router_losses(plan, num_microbatches))
+        return loss
 
-    return Backend(
+    return Backend(step_metrics=metrics,
         model=list(chunks), optimizer=optimizer, config=chunks[0].module.config,
         shard=shard or DataShard(index=0, count=1),
         rank_micro_batch_size=plan.micro_batch_size // (shard.count if shard else 1),

@@ -83,14 +83,12 @@ BACKEND_SETTINGS: tuple[BackendSetting, ...] = (
                    is_on=lambda r: r.batch.rampup_batch_size is not None, refused_by={}),
     BackendSetting(flag="--exit-duration-in-mins",
                    is_on=lambda r: r.schedule.exit_duration_in_mins is not None, refused_by={}),
-    # plans, flags and HF configs read MoE models; training them needs the expert layers in
-    # the backends, so until then an MoE model is refused rather than trained dense
+    # MoE models train on the layerwise runtime (select_backend never picks stock for them)
     BackendSetting(flag="--num-experts (a mixture-of-experts model)",
                    is_on=lambda r: r.plan.model.moe is not None,
-                   refused_by=dict.fromkeys(
-                       ("stock", "layerwise", "flexsp"),
-                       "its expert layers are not built yet; plan-from-args, args, validate and "
-                       "search read MoE plans, training them is not implemented")),
+                   refused_by={"flexsp": "FlexSP plans have dense layers only; drop "
+                               "--flexsp or --num-experts",
+                               "stock": "MoE models run on the layerwise runtime"}),
     BackendSetting(flag="--attention-dropout other than 0",
                    is_on=lambda r: r.model.attention_dropout != 0,
                    refused_by={"flexsp": "FlexSP attention has no dropout; pass "
