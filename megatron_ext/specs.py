@@ -281,6 +281,10 @@ class MoESpec:
                 raise PlanError(f"model.moe.router_num_groups={groups} must divide num_experts="
                                 f"{self.num_experts} and router_group_topk={keep} be at most "
                                 "router_num_groups")
+        if self.aux_loss_coeff and self.router_load_balancing_type == "sinkhorn":
+            raise PlanError(f"model.moe.aux_loss_coeff={self.aux_loss_coeff} with "
+                            "router_load_balancing_type='sinkhorn': sinkhorn balancing has no "
+                            "aux loss (megatron-core asserts a zero coefficient); set it to 0")
         if self.capacity_factor and self.router_load_balancing_type == "sinkhorn":
             raise PlanError("model.moe.capacity_factor with router_load_balancing_type='sinkhorn':"
                             " megatron-core drops tokens only with aux_loss, seq_aux_loss, "

@@ -178,6 +178,11 @@ def test_per_layer_expert_degrees_need_the_plan_file(tmp_path: Path) -> None:
     ([*MOE, "--moe-router-num-groups", "3", "--moe-router-group-topk", "2"], None,
      "router_num_groups=3 must divide num_experts=4"),
     ([*MOE, "--moe-layer-freq", "([0]*4)"], None, "makes no layer MoE"),
+    ([*MOE, "--moe-router-load-balancing-type", "sinkhorn"], None,
+     "aux_loss_coeff=0.01 with router_load_balancing_type='sinkhorn'"),
+    ([*MOE, "--moe-router-load-balancing-type", "sinkhorn", "--moe-aux-loss-coeff", "0",
+      "--moe-expert-capacity-factor", "1"], None, "capacity_factor with "
+     "router_load_balancing_type='sinkhorn'"),
     ([*MOE, "--expert-model-parallel-size", "4", "--pipeline-model-parallel-size", "2"], 4,
      "world size 4 is not divisible by --expert-tensor-parallel-size x "
      "--expert-model-parallel-size x --pipeline-model-parallel-size = 8"),
