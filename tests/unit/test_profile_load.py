@@ -37,13 +37,14 @@ def reading(alone_s: float, shared_s: float, alone_min_s: float | None = None) -
 
 def test_machine_state_from_the_readings():
     """Before/after a run in two rounds; one reading caught a burst of other work (0.9 s
-    shared). Sharing: median shared / median alone; solo: fastest alone step / reference."""
+    shared). Sharing: median shared / median alone; solo: median of the readings' fastest
+    alone steps / reference."""
     readings = [reading(a, s, m) for a, s, m in ((0.10, 0.25, 0.095), (0.11, 0.26, 0.10),
                                                  (0.12, 0.90, 0.11), (0.10, 0.24, 0.097))]
     state = machine_state(readings, reference_alone_s=0.1)
     median_alone, median_shared = (0.10 + 0.11) / 2, (0.25 + 0.26) / 2
     assert state.sharing_slowdown == pytest.approx(median_shared / median_alone)
-    assert state.solo_factor == pytest.approx(0.095 / 0.1)
+    assert state.solo_factor == pytest.approx((0.097 + 0.10) / 2 / 0.1)
     assert state.readings == 4
     # a profile without the alone reference: solo speed unknown, taken as unchanged
     assert machine_state(readings, None).solo_factor == 1.0

@@ -14,9 +14,10 @@ model's layer stack, one rank alone, then every rank at once), and predicts each
 profile re-expressed at the machine state those probes saw:
 
 - solo speed: every measured time (layers, vocabulary, optimizer) scaled by the fastest alone
-  step now against the fastest while profiling (`ModelProfile.sharing_alone_s`, timed in the
-  same rounds as the layer samples; 1 when the profile predates it): the profile keeps each
-  shape's fastest run, so its reference is a fastest run too;
+  step now (median over readings of each one's fastest) against the fastest while profiling
+  (`ModelProfile.sharing_alone_s`, timed in the same rounds as the layer samples; 1 when the
+  profile predates it): the profile keeps each shape's fastest run, so its reference is a
+  fastest run too;
 - sharing: `sharing_slowdown` replaced by shared_now / alone_now, medians over the readings
   as the profiler takes it, so one burst of other work during one reading does not set it.
 
@@ -82,14 +83,16 @@ class MachineState:
 def machine_state(readings: Sequence[ProbeReading], reference_alone_s: float | None
                   ) -> MachineState:
     """The state `readings` describe. Sharing slowdown as the profiler computes it: median
-    shared / median alone, at least 1. Solo factor: the fastest alone step of all readings
-    against `reference_alone_s` (the profile's `sharing_alone_s`, itself the fastest of its
-    rounds, like the layer times it scales; None: 1.0, speed unknown)."""
+    shared / median alone, at least 1. Solo factor: the median over readings of each reading's
+    fastest alone step, against `reference_alone_s` (the profile's `sharing_alone_s`: the
+    fastest of a few steps, like the layer times it scales, and like each reading's fastest of
+    its few steps; the fastest over all readings would get many more chances at a quiet moment
+    than the profile had; None: 1.0, speed unknown)."""
     if not readings:
         raise ValueError("machine_state needs at least one probe reading")
     alone = statistics.median(r.alone_s for r in readings)
     shared = statistics.median(r.shared_s for r in readings)
-    fastest = min(r.alone_min_s for r in readings)
+    fastest = statistics.median(r.alone_min_s for r in readings)
     solo = 1.0 if reference_alone_s is None else fastest / reference_alone_s
     return MachineState(solo_factor=solo, sharing_slowdown=max(1.0, shared / alone),
                         readings=len(readings))
