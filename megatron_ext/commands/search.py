@@ -256,8 +256,9 @@ def _billions(count: int) -> str:
 
 def _stated_size(name: str) -> str | None:
     """The size a model's name states ("Llama-2-7b-hf" -> 7B); None for none or several, or a
-    mixture-of-experts "8x7B" (the name gives the expert size, not the total)."""
-    sizes = re.findall(r"(?<![\dx.])(\d+(?:\.\d+)?)([bBmM])(?![a-zA-Z])", name)
+    mixture-of-experts "8x7B" (the name gives the expert size, not the total); an "A2.7B"
+    (Qwen-MoE's activated parameters) is not the total either."""
+    sizes = re.findall(r"(?<![\dx.A])(\d+(?:\.\d+)?)([bBmM])(?![a-zA-Z])", name)
     if len(sizes) != 1:
         return None
     number, unit = sizes[0]

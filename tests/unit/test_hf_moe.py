@@ -150,3 +150,15 @@ def test_search_and_evaluate_never_price_an_moe_model_as_dense() -> None:
         assert model_parameters(model) > 40e9
     with pytest.raises(PlanError, match="^profile model: Mixtral is a mixture-of-experts"):
         refuse_moe_profile(model)
+
+
+@pytest.mark.parametrize(("name", "stated"), [
+    ("Llama-2-7b-hf", "7B"), ("deepseek-moe-16b", "16B"), ("Mixtral-8x7B-v0.1", None),
+    ("Qwen1.5-MoE-A2.7B", None), ("Qwen3-30B-A3B", "30B"), ("Qwen2-57B-A14B", "57B"),
+])
+def test_search_compares_only_a_stated_total(name: str, stated: str | None) -> None:
+    """An MoE name's "8x7B" gives the expert size and "A2.7B" the activated parameters; neither
+    is the total search compares its count with."""
+    from megatron_ext.commands.search import _stated_size
+
+    assert _stated_size(name) == stated
