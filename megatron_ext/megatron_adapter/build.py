@@ -49,6 +49,7 @@ from megatron_ext.runtime.groups import (
 from megatron_ext.runtime.layout import Layout
 from megatron_ext.runtime.plan_layouts import (
     boundary_layout,
+    chunk_boundary_layout,
     embedding_layout,
     output_layout,
 )
@@ -158,10 +159,14 @@ def new_plan_vocab_groups(plan: ParallelPlan) -> VocabCommGroups:
 
 def _stage_model(plan: ParallelPlan, config: TransformerConfig, groups: PlanGroups, *,
                  embedding: bool, output: bool, final_norm: bool, use_te: bool | None,
-                 divisible_by: int, options: ModelOptions | None) -> HeteroGPTModel:
+                 divisible_by: int, options: ModelOptions | None,
+                 vp_stage: int | None = None) -> HeteroGPTModel:
+    """This rank's stage, or with `vp_stage` its model chunk vp_stage (interleaved plans:
+    plan.stages[vp_stage * pp + stage], whose boundaries carry chunk_boundary_layout)."""
     stage, pp = groups.stage, plan.pp
-    start, end = plan.stages[stage]
-    first, last = stage == 0, stage == pp - 1
+    chunk = stage if vp_stage is None else vp_stage * pp + stage
+    start, end = plan.stages[chunk]
+    first, last = chunk == 0, chunk == len(plan.stages) - 1
     pgs = {layout: layout_pg_collection(groups, layout) for layout in groups.layouts}
     builds = []
     for idx in range(start, end):
@@ -175,8 +180,12 @@ def _stage_model(plan: ParallelPlan, config: TransformerConfig, groups: PlanGrou
         builds.append(LayerBuild(layer_idx=idx, layout=layout, config=cfg, spec=spec,
                                  pg_collection=pgc,
                                  full_recompute=strategy.recompute == "full"))
-    input_layout = embedding_layout(plan) if first else boundary_layout(plan, stage - 1)
-    out_layout = output_layout(plan) if last else boundary_layout(plan, stage)
+    if vp_stage is None:
+        input_layout = embedding_layout(plan) if first else boundary_layout(plan, stage - 1)
+        out_layout = output_layout(plan) if last else boundary_layout(plan, stage)
+    else:
+        input_layout = embedding_layout(plan) if first else chunk_boundary_layout(plan)
+        out_layout = output_layout(plan) if last else chunk_boundary_layout(plan)
     model_layout = (embedding_layout(plan) if first else
                     output_layout(plan) if last else Layout.of(plan.layers[start]))
     if plan.vocab.mode == "vocab_parallel":  # body only, from / to the vocabulary passes' layout
@@ -185,6 +194,13 @@ def _stage_model(plan: ParallelPlan, config: TransformerConfig, groups: PlanGrou
         out_layout = model_layout if last else out_layout
         embedding = output = False
     model_config = vocab_config(config, model_layout, pp)
+    if vp_stage is not None:  # megatron-core's interleaved schedule and LanguageModule read them
+        # Unbatched, waited point-to-point: batched at pp=2 pairs sends and receives with the
+        # wrong peer op (Megatron-LM forbids it) and the overlapped (async) path gave wrong
+        # gradients on gloo (a sent output freed before its send completes).
+        model_config = dataclasses.replace(
+            model_config, virtual_pipeline_model_parallel_size=plan.virtual_stages,
+            microbatch_group_size_per_vp_stage=pp, overlap_p2p_comm=False, batch_p2p_comm=False)
     assert not last or out_layout.sp == model_layout.sp, "a stage's vocabulary layouts share sp"
     return HeteroGPTModel(
         model_config, plan=plan, groups=groups, builds=builds, input_layout=input_layout,
@@ -194,7 +210,7 @@ def _stage_model(plan: ParallelPlan, config: TransformerConfig, groups: PlanGrou
         pg_collection=_without_cp(pgs[model_layout], groups.singleton),
         block_pg_collection=pgs[out_layout if last else model_layout],
         final_norm=final_norm_spec(use_te=use_te) if last and final_norm else None,
-        pre_process=first and embedding, post_process=last and output,
+        pre_process=first and embedding, post_process=last and output, vp_stage=vp_stage,
     )
 
 
@@ -214,7 +230,9 @@ def build_model(
     make_vocab_size_divisible_by: int = 128,
     model_options: ModelOptions | None = None,
 ) -> tuple[list[HeteroDDP] | list[HeteroGPTModel], PlanGroups]:
-    """Build this rank's pipeline stage of `plan` (collective: every rank calls it).
+    """Build this rank's pipeline stage of `plan` (collective: every rank calls it): one model
+    chunk, or virtual_stages chunks of an interleaved plan (chunk c holds plan.stages[c*pp +
+    stage]), each wrapped in its own HeteroDDP as megatron-core's interleaved schedule expects.
 
     `config` is a megatron `TransformerConfig` for the plan's model (degrees are replaced per
     layer) or a ModelSpec / None for CPU-safe defaults; `model_options` gives the GPTModel
@@ -233,30 +251,38 @@ def build_model(
     vocab_groups = new_plan_vocab_groups(plan) if plan.vocab.mode == "vocab_parallel" else None
     tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=groups.local_rank, ep_rank=0,
                                                     etp_rank=0, force_reset_rng=True)
-    model = _stage_model(plan, config, groups, embedding=embedding, output=output_layer,
-                         final_norm=final_norm, use_te=use_te,
-                         divisible_by=make_vocab_size_divisible_by, options=model_options)
+    interleaved = plan.virtual_stages > 1
+    models = [_stage_model(plan, config, groups, embedding=embedding, output=output_layer,
+                           final_norm=final_norm, use_te=use_te,
+                           divisible_by=make_vocab_size_divisible_by, options=model_options,
+                           vp_stage=c if interleaved else None)
+              for c in range(plan.virtual_stages)]
+    model = models[0]
     if vocab_groups is not None and embedding:
         model.attach_vocab(VocabParallelLayers(
             config=model.config, vocab_size=model.vocab_size, hidden_size=config.hidden_size,
             group=vocab_groups.vocab, tie_embeddings=plan.model.tied_embeddings,
             init_method=config.init_method, max_position_embeddings=_vocab_positions(plan, groups),
             position_tp_group=model.pg_collection.tp), vocab_groups)
-    if init == "plan_invariant":
-        init_plan_invariant(model, seed)
-        if model.vocab is not None:
-            init_vocab_plan_invariant(model.vocab, model.config, seed)
-    elif init != "megatron":
-        raise ValueError(f"init={init!r} must be 'plan_invariant' or 'megatron'")
-    if plan.precision == "bf16":  # every parameter, norms included, as Float16Module does
-        model.bfloat16()
-    elif plan.precision == "fp16":
-        model.half()
+    for model in models:
+        if init == "plan_invariant":
+            init_plan_invariant(model, seed)
+            if model.vocab is not None:
+                init_vocab_plan_invariant(model.vocab, model.config, seed)
+        elif init != "megatron":
+            raise ValueError(f"init={init!r} must be 'plan_invariant' or 'megatron'")
+        if plan.precision == "bf16":  # every parameter, norms included, as Float16Module does
+            model.bfloat16()
+        elif plan.precision == "fp16":
+            model.half()
     if not wrap_ddp:
-        return [model], groups
-    chunk = HeteroDDP(model, ddp_config or DistributedDataParallelConfig())
-    if init == "megatron":  # megatron's TP-rng init differs between replicas of a shard
-        chunk.broadcast_params()
-    model.config.no_sync_func = chunk.no_sync
-    model.config.finalize_model_grads_func = finalize_grads
-    return [chunk], groups
+        return models, groups
+    chunks = [HeteroDDP(model, ddp_config or DistributedDataParallelConfig()) for model in models]
+    for chunk in chunks:
+        if init == "megatron":  # megatron's TP-rng init differs between replicas of a shard
+            chunk.broadcast_params()
+        chunk.module.config.finalize_model_grads_func = finalize_grads
+    # the schedule reads chunk 0's config: one no_sync per chunk (a list for the interleaved one)
+    no_sync = [chunk.no_sync for chunk in chunks]
+    models[0].config.no_sync_func = no_sync if interleaved else no_sync[0]
+    return chunks, groups

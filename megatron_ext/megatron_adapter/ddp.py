@@ -101,7 +101,7 @@ def moe_parts(layer: torch.nn.Module) -> tuple[list[torch.nn.Module], torch.nn.M
 def grad_classes(model: HeteroGPTModel) -> list[GradClass]:
     """Classes in first-use order: embedding, layers, final norm + output layer."""
     plan = model.plan
-    start, end = plan.stages[model.groups.stage]
+    start, end = model.decoder.builds[0].layer_idx, model.decoder.builds[-1].layer_idx + 1
     found: dict[tuple, tuple[list[torch.nn.Module], ProcessGroupCollection]] = {}
 
     def add(tp: int, zero: int, module: torch.nn.Module | None, pgc: ProcessGroupCollection,
@@ -226,17 +226,17 @@ def finalize_grads(
     blocks (its dp_cp group, as megatron-core's finalize_model_grads does) and broadcast along
     the pipeline.
     """
-    chunk = model[0]
-    chunk.finish_grad_sync(force_all_reduce=force_all_reduce)
+    for c in model:  # every model chunk of an interleaved plan has its own HeteroDDP
+        c.finish_grad_sync(force_all_reduce=force_all_reduce)
     for c in model:
         c.allreduce_sequence_parallel_grads()
-    inner: HeteroGPTModel = chunk.module
-    if inner.groups.embd is not None:
+    inner: HeteroGPTModel = model[0].module
+    if inner.groups.embd is not None:  # megatron's: model[0] on the first stage, model[-1] last
         _allreduce_word_embedding_grads(model, inner.config, inner.groups.embd, inner.groups.pp)
     if num_tokens is not None:  # this rank's loss tokens on the last stage
         total = num_tokens.detach().to(torch.float64).reshape(1)
-        if inner.groups.stage == inner.plan.pp - 1:
-            dist.all_reduce(total, group=inner.decoder.pg_collection.dp_cp)
+        if inner.groups.stage == inner.plan.pp - 1:  # the last chunk holds the loss
+            dist.all_reduce(total, group=model[-1].module.decoder.pg_collection.dp_cp)
         if inner.plan.pp > 1:
             last = dist.get_global_rank(inner.groups.pp, inner.plan.pp - 1)
             dist.broadcast(total, src=last, group=inner.groups.pp)

@@ -86,12 +86,14 @@ class HeteroGPTModel(GPTModel):
         final_norm: Any | None,
         pre_process: bool,
         post_process: bool,
+        vp_stage: int | None = None,
     ) -> None:
         super().__init__(
             config=config,
             transformer_layer_spec=TransformerBlockSubmodules(layer_specs=[], layer_norm=None),
             vocab_size=vocab_size, pre_process=pre_process, post_process=post_process,
-            pg_collection=pg_collection, **gpt_kwargs,  # transformer_config.gpt_model_kwargs
+            pg_collection=pg_collection, vp_stage=vp_stage,
+            **gpt_kwargs,  # transformer_config.gpt_model_kwargs
         )
         self.plan = plan
         self.groups = groups

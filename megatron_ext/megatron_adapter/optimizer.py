@@ -242,7 +242,10 @@ def build_optimizer(chunks: list[HeteroDDP], config: OptimizerConfig) -> HeteroC
     classes = [(chunk, cls, ddp) for chunk in chunks for cls, ddp in zip(chunk.classes,
                                                                          chunk.ddps)]
     found = [_group_keys(ddp, config) for _, _, ddp in classes]
-    local = {cls.key: list(keys) for (_, cls, _), keys in zip(classes, found)}
+    local: dict[tuple, list] = {}  # model chunks of one class share its keys
+    for (_, cls, _), keys in zip(classes, found):
+        local.setdefault(cls.key, [])
+        local[cls.key] += [k for k in keys if k not in local[cls.key]]
     gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, local)
     chained, replicated, sharded = [], [], []

@@ -9,6 +9,13 @@ pp = 1 runs `forward_backward_no_pipelining`; pp > 1 runs megatron-core's 1F1B
 strategies on both sides of a boundary pass fixed, known shapes (no shape exchange).
 Batches are dicts of full micro-batch tensors `[b, s]` (tokens, labels, loss_mask, optional
 position_ids), identical on every rank of a stage; the model slices its part.
+
+Interleaved plans (virtual_stages > 1) run megatron-core's
+`forward_backward_pipelining_with_interleaving` over the rank's model chunks. That schedule
+passes one tensor shape for every message (no adjust_tensor_shapes_fn), so every chunk boundary
+carries one layout (plan_layouts.chunk_boundary_layout) and `ChunkP2P` sends and receives its
+`[s_loc, b_loc, h]`. The chunk reading tokens (chunk 0 on the first stage) or labels (the last
+chunk on the last stage) gets the data iterator; the others get None.
 """
 
 from __future__ import annotations
@@ -27,11 +34,23 @@ from megatron_ext.megatron_adapter.losses import global_loss, layerwise_view
 from megatron_ext.megatron_adapter.model import HeteroGPTModel
 from megatron_ext.megatron_adapter.optimizer import HeteroChainedOptimizer
 from megatron_ext.runtime.groups import PlanGroups
-from megatron_ext.runtime.plan_layouts import stage_shapes
+from megatron_ext.runtime.plan_layouts import chunk_shape, stage_shapes
 
 __all__ = ["forward_backward", "forward_step", "train_step"]
 
 Batch = dict[str, torch.Tensor]
+
+
+class ChunkP2P(P2PCommunicator):
+    """megatron-core's P2PCommunicator with every message of `shape` (the interleaved
+    schedule's own shape assumes one uniform layout and the global micro-batch)."""
+
+    def __init__(self, *, pp_group: Any, config: Any, shape: tuple[int, int, int]) -> None:
+        super().__init__(pp_group=pp_group, config=config)
+        self.shape = shape
+
+    def _communicate(self, *, tensor_shape: Any, **kwargs: Any) -> Any:  # noqa: ARG002
+        return super()._communicate(tensor_shape=self.shape, **kwargs)
 
 
 forward_step = partial(_forward_step, layerwise_view, False)
@@ -67,11 +86,18 @@ def forward_backward(
     inner: HeteroGPTModel = chunks[0].module
     config = inner.config
     kwargs: dict[str, Any] = {}
-    if plan.pp > 1:
+    if plan.virtual_stages > 1:
+        comm = ChunkP2P(pp_group=groups.pp, config=config,
+                        shape=chunk_shape(plan, config.hidden_size))
+        kwargs = {"p2p_communicator": comm}
+        reads = [c.module.pre_process or c.module.post_process for c in chunks]
+        data_iterator = [data_iterator if r else None for r in reads]  # type: ignore[assignment]
+    elif plan.pp > 1:
         recv, send = stage_shapes(plan, groups.stage, config.hidden_size)
         kwargs = {"adjust_tensor_shapes_fn": lambda _r, _s: (recv, send),
                       "p2p_communicator": P2PCommunicator(pp_group=groups.pp, config=config)}
-    reports = get_forward_backward_func(pp_size=plan.pp, vp_size=None)(
+    vp_size = plan.virtual_stages if plan.virtual_stages > 1 else None
+    reports = get_forward_backward_func(pp_size=plan.pp, vp_size=vp_size)(
         forward_step_func=forward_step_func, data_iterator=data_iterator, model=chunks,
         num_microbatches=num_microbatches, seq_length=plan.seq_length,
         micro_batch_size=plan.micro_batch_size, forward_only=forward_only,
@@ -80,7 +106,7 @@ def forward_backward(
     if forward_only:
         for chunk in chunks:
             getattr(chunk, "reshard", lambda: None)()  # ZeRO-2 weights gathered for forward
-    return global_loss(inner, groups, reports)
+    return global_loss(chunks[-1].module, groups, reports)
 
 
 def train_step(

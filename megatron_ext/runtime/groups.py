@@ -212,8 +212,8 @@ class PlanGroups:
         return self.layouts[layout]
 
     def for_layer(self, layer_idx: int) -> LayoutGroups:
-        start, end = self.plan.stages[self.stage]
-        assert start <= layer_idx < end, f"layer {layer_idx} is not on stage {self.stage}"
+        assert layer_idx in self.plan.stage_layers(self.stage), (
+            f"layer {layer_idx} is not on stage {self.stage}")
         return self.layouts[Layout.of(self.plan.layers[layer_idx])]
 
 

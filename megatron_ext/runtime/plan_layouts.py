@@ -9,6 +9,9 @@ Legend: s = sequence, b = micro-batch (all replicas), S = ranks per stage, vtp =
   ranks split the batch as far as the micro-batch allows and the sequence for the rest.
 - Stage boundaries carry the sending stage's last-layer layout: senders never re-layout, the
   receiving stage does, and each stage's recv/send shapes are known from the plan alone.
+- Interleaved plans (virtual_stages > 1): megatron-core's interleaved schedule passes one tensor
+  shape for every message, so every chunk boundary carries one layout, `chunk_boundary_layout`
+  (the first chunk's last layer's): a chunk re-lays its input from it and its output to it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from megatron_ext.runtime.vocab.layout import vocab_parallel_layout
 
 __all__ = [
     "boundary_layout",
+    "chunk_boundary_layout",
     "embedding_layout",
     "output_layout",
     "stage_layouts",
@@ -72,11 +76,25 @@ def boundary_layout(plan: ParallelPlan, stage: int) -> Layout:
     return Layout.of(plan.layers[plan.stages[stage][1] - 1])
 
 
+def chunk_boundary_layout(plan: ParallelPlan) -> Layout:
+    """The one layout every chunk boundary of an interleaved plan carries."""
+    return Layout.of(plan.layers[plan.stages[0][1] - 1])
+
+
+def chunk_shape(plan: ParallelPlan, hidden: int) -> tuple[int, int, int]:
+    """`[s_loc, b_loc, h]` of every message of an interleaved plan."""
+    s_loc, b_loc = chunk_boundary_layout(plan).local_shape(plan.seq_length,
+                                                           plan.micro_batch_size)
+    return (s_loc, b_loc, hidden)
+
+
 def stage_layouts(plan: ParallelPlan, stage: int, *, vocab: bool = True) -> list[Layout]:
     """Distinct layouts used on `stage`, in first-use order (layers, then vocabulary layers;
-    under vocabulary parallelism every stage also holds the vocabulary passes' layout)."""
-    start, end = plan.stages[stage]
-    found = [Layout.of(s) for s in plan.layers[start:end]]
+    under vocabulary parallelism every stage also holds the vocabulary passes' layout;
+    interleaved plans: the layers of all the stage's chunks and the chunk boundary layout)."""
+    found = [Layout.of(plan.layers[i]) for i in plan.stage_layers(stage)]
+    if plan.virtual_stages > 1:
+        found.append(chunk_boundary_layout(plan))
     if vocab and plan.vocab.mode == "vocab_parallel":
         found.append(vocab_parallel_layout(plan))
     if vocab and stage == 0:

@@ -129,8 +129,8 @@ def opt_config(plan: ParallelPlan):
 def _owned_range(chunks, optimizer, param) -> tuple[int, int] | None:
     """Flat range of a ZeRO-1 `param` whose reduced grad lives on this rank (possibly empty);
     None for params reduced in full (DDP)."""
-    zero = {id(p) for ddp in chunks[0].ddps if ddp.ddp_config.use_distributed_optimizer
-            for p in ddp.module.parameters()}
+    zero = {id(p) for chunk in chunks for ddp in chunk.ddps
+            if ddp.ddp_config.use_distributed_optimizer for p in ddp.module.parameters()}
     if id(param) not in zero:
         return None
     for opt in optimizer.chained_optimizers:
@@ -149,9 +149,10 @@ def compare_grads(chunks, optimizer, ref_grads: dict[str, torch.Tensor], *, rtol
         param_shards,
     )
 
-    model = chunks[0].module
     count = 0
-    for name, param, tp in param_shards(model):
+    shards = [(name, param, tp, chunk.module) for chunk in chunks  # every model chunk
+              for name, param, tp in param_shards(chunk.module)]
+    for name, param, tp, model in shards:
         key = "embedding.word_embeddings.weight" if (
             name == "output_layer.weight" and name not in ref_grads) else name
         expected = local_shard(name, ref_grads[key], param, tp, _is_gated(name, model))
@@ -189,7 +190,8 @@ def run_plan(plan: ParallelPlan, *, steps: int = 5, seed: int = 11,
     optimizer = build_optimizer(chunks, opt_config(plan))
     losses = []
     for step, micro in enumerate(batches):
-        chunks[0].zero_grad_buffer()
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
         optimizer.zero_grad()
         out = forward_backward(chunks, iter(micro), groups)
         if step == 0:
@@ -262,7 +264,7 @@ def check_sharded_state_dict(plan: ParallelPlan, seed: int = 11, *, reference: A
         tensor = full.setdefault(sh.key, torch.zeros(sh.global_shape, dtype=sh.data.dtype))
         tensor[index(sh)] = sh.data.reshape(tensor[index(sh)].shape)
     chunks, _ = build_model(plan, config, seed=seed)
-    shards = shards_of(chunks[0].sharded_state_dict())
+    shards = [sh for chunk in chunks for sh in shards_of(chunk.sharded_state_dict())]
     mains = []
     for sh in shards:
         assert sh.global_shape == tuple(full[sh.key].shape), (sh.key, sh.global_shape)

@@ -56,12 +56,23 @@ class Backend:
         # data_parallel_base.py `_BaseDataParallel`): the wrapper would prefix every key.
         if len(self.model) == 1:
             return {"model": self.model[0].module.sharded_state_dict(metadata=metadata)}
+        if self.model_format == "layerwise":  # chunks' keys are global layer indices: one dict
+            merged: dict[str, Any] = {}
+            for chunk in self.model:
+                merged.update(chunk.module.sharded_state_dict(metadata=metadata))
+            return {"model": merged}
         return {f"model{i}": chunk.module.sharded_state_dict(metadata=metadata)
                 for i, chunk in enumerate(self.model)}
 
     def load_model_state(self, state: dict[str, Any]) -> None:
         if len(self.model) == 1:
             self.model[0].module.load_state_dict(state["model"], strict=True)
+            return
+        if self.model_format == "layerwise":
+            for chunk in self.model:
+                own = chunk.module.state_dict().keys()
+                chunk.module.load_state_dict({k: v for k, v in state["model"].items()
+                                              if k in own}, strict=True)
             return
         for i, chunk in enumerate(self.model):
             chunk.module.load_state_dict(state[f"model{i}"], strict=True)

@@ -242,17 +242,18 @@ def gradient_class_counts(plan: ParallelPlan) -> tuple[int, ...]:
     (vocabulary parallelism, every stage), plus one per distinct (ep, etp, zero) of the routed
     experts of its MoE layers. Pure: computed from the plan alone, before any group.
     """
-    counts = []
+    counts = [0] * plan.pp
     vocab_parallel = plan.vocab.mode == "vocab_parallel"
-    for stage, (start, end) in enumerate(plan.stages):
+    last = len(plan.stages) - 1
+    for chunk, (start, end) in enumerate(plan.stages):  # interleaved: one chain per model chunk
         keys: set[tuple] = {(s.tp, s.zero) for s in plan.layers[start:end]}
         keys |= {("experts", plan.layers[i].ep, plan.layers[i].expert_tp, plan.layers[i].zero)
                  for i in range(start, end) if plan.model.is_moe_layer(i)}
-        if stage == plan.pp - 1:  # final norm (and the output layer unless vocab-parallel)
+        if chunk == last:  # final norm (and the output layer unless vocab-parallel)
             keys.add((plan.vocab.tp, vocab_zero(plan.layers[end - 1].zero)))
-        if (stage == 0 and not vocab_parallel) or vocab_parallel:  # embedding / vocab shards
+        if (chunk == 0 and not vocab_parallel) or vocab_parallel:  # embedding / vocab shards
             keys.add((plan.vocab.tp, vocab_zero(plan.layers[start].zero)))
-        counts.append(len(keys))
+        counts[chunk % plan.pp] += len(keys)
     return tuple(counts)
 
 

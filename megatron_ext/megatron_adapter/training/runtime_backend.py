@@ -61,10 +61,14 @@ def build_runtime_backend(run: RunConfig, padded_vocab: int) -> Backend:
                                  make_vocab_size_divisible_by=1, model_options=run.model)
     optimizer = build_optimizer(chunks, optimizer_config(run, use_distributed_optimizer=False))
     chunks[0].module.config.grad_scale_func = optimizer.scale_loss  # as Megatron-LM's setup
-    inner: HeteroGPTModel = chunks[0].module
+    # the chunk that reads tokens or labels (interleaved plans: at most one per rank)
+    inner: HeteroGPTModel = next((c.module for c in chunks
+                                  if c.module.pre_process or c.module.post_process),
+                                 chunks[0].module)
     shard = data_shard(inner)
     if shard is not None:
-        inner.batch_shard = (shard.index, shard.count)
+        for chunk in chunks:
+            chunk.module.batch_shard = (shard.index, shard.count)
     check_nan = run.optimizer.check_for_nan_in_loss_and_grad
     metrics: dict[str, float] = {}
 

@@ -125,9 +125,6 @@ def build_backend(run: RunConfig, padded_vocab: int, *, eod: int | None = None) 
     documents."""
     name = select_backend(run)
     check_backend_settings(run, name)
-    if run.plan.virtual_stages > 1:
-        raise PlanError(f"virtual_stages={run.plan.virtual_stages}: the training runtime does not "
-                        "run interleaved pipelines yet; use a plan with virtual_stages=1")
     if dist.get_rank() == 0:
         logger.info("backend: %s", name)
     if name == "flexsp":
