@@ -85,16 +85,15 @@ def expert_rank_sets(width: int, ep: int, etp: int, axis: ExpertAxis,
 
 
 def moe_layer_degrees(plan: ParallelPlan, stage: int) -> list[tuple[int, int]]:
-    """Distinct (ep, expert tp) of the MoE layers of `stage`, in layer order."""
-    start, end = plan.stages[stage]
+    """Distinct (ep, expert tp) of the MoE layers of `stage` (all its chunks), in layer
+    order."""
     return list(dict.fromkeys((plan.layers[i].ep, plan.layers[i].expert_tp)
-                              for i in range(start, end) if plan.model.is_moe_layer(i)))
+                              for i in plan.stage_layers(stage) if plan.model.is_moe_layer(i)))
 
 
 def moe_layouts(plan: ParallelPlan, stage: int) -> list[Layout]:
-    """Distinct layouts of the MoE layers of `stage`."""
-    start, end = plan.stages[stage]
-    return list(dict.fromkeys(Layout.of(plan.layers[i]) for i in range(start, end)
+    """Distinct layouts of the MoE layers of `stage` (all its chunks)."""
+    return list(dict.fromkeys(Layout.of(plan.layers[i]) for i in plan.stage_layers(stage)
                               if plan.model.is_moe_layer(i)))
 
 
