@@ -1,4 +1,4 @@
-"""Three real Megatron-LM core_v0.16.1 command lines (tests/data/megatron_lm), scaled down, train
+"""Four real Megatron-LM core_v0.16.1 command lines (tests/data/megatron_lm), scaled down, train
 on CPU under examples/pretrain_gpt.py (4 gloo ranks, torchrun).
 
 Scaling down replaces only sizes: the model's widths and depth, sequence and batch lengths, the
@@ -15,6 +15,9 @@ log a finite loss every iteration, and print the no-effect notes for the flags t
   RoPE base 500000 with Llama 3 scaling, GQA, SwiGLU, RMSNorm, untied embeddings.
 - functional_tests/gpt3_mcore_tp1_pp2: a GPT functional-test config with its logging, rerun and
   determinism switches.
+- modelopt_conf/Qwen__Qwen3-30B-A3B plus the launcher's training flags and expert degrees (ep 2,
+  etp 1 beside tp 2 + SP): mixture of experts (128 -> 4 experts, top-8 -> top-2, expert width
+  scaled), alltoall dispatcher and fp32 router as the file has them, q/k norms, GQA.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ SIZES = {
     "--eval-interval": str(ITERS), "--log-interval": "1", "--save-interval": str(ITERS),
     "--lr-decay-iters": str(ITERS), "--lr-warmup-iters": "1",
     "--num-workers": "0",
+    "--num-experts": "4", "--moe-router-topk": "2", "--moe-ffn-hidden-size": "32",
 }
 DEGREES = {"--tensor-model-parallel-size", "--pipeline-model-parallel-size"}  # at most 2 each
 # data, tokenizer and output locations: replaced by the test's (value-taking flags)
@@ -95,6 +99,9 @@ CASES = {
     "gpt3_175b": ("examples/train_gpt3_175b_distributed", []),
     "llama31_8b": ("modelopt_conf/meta-llama__Llama-3.1-8B-Instruct", LLAMA_TRAINING),
     "functional_gpt3_tp1_pp2": ("functional_tests/gpt3_mcore_tp1_pp2", []),
+    "qwen3_30b_a3b_moe": ("modelopt_conf/Qwen__Qwen3-30B-A3B",
+                          [*LLAMA_TRAINING, "--expert-model-parallel-size", "2",
+                           "--expert-tensor-parallel-size", "1"]),
 }
 
 
@@ -137,3 +144,5 @@ def test_scaled_down_script_trains(case: str, corpus: list[str], tmp_path: Path)
     assert all(math.isfinite(v) for v in losses.values()), losses
     if "--log-num-zeros-in-grad" in argv:
         assert "--log-num-zeros-in-grad has no effect here" in log
+    if "--num-experts" in argv:  # the experts ran: Megatron-LM's balancing loss is logged
+        assert len(re.findall(r"\| load_balancing_loss: [0-9.E+-]+ \|", log)) == ITERS, log[-3000:]
