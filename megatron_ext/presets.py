@@ -18,7 +18,7 @@ from pathlib import Path
 from megatron_ext.errors import PlanError
 from megatron_ext.hf_config import model_from_hf_config
 from megatron_ext.schema import load_json_file
-from megatron_ext.specs import ClusterSpec, LinkSpec, ModelSpec
+from megatron_ext.specs import ClusterSpec, LinkSpec, ModelSpec, MoESpec
 
 
 def _gpt3(name: str, layers: int, hidden: int, heads: int) -> ModelSpec:
@@ -61,10 +61,42 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
         # Qwen2.5-7B: q/k/v biases, RoPE base 1e6, RMSNorm eps 1e-6 (its config.json)
         dataclasses.replace(_llama("qwen2.5-7b", 28, 3584, 28, 4, 18944, 152064, 32768),
                             add_qkv_bias=True, rotary_base=1000000, norm_epsilon=1e-6),
+        # Mixture of Experts (their HuggingFace config.json files; MoE fields as
+        # hf_config maps them: Qwen/DeepSeek norm_topk_prob=false -> pre-softmax routing).
+        # Mixtral-8x7B: every layer MoE, 8 experts top-2, expert width = intermediate_size.
+        dataclasses.replace(
+            _llama("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 32768), rotary_base=1000000,
+            moe=MoESpec(num_experts=8, router_topk=2, aux_loss_coeff=0.02)),
+        # Qwen1.5-MoE-A2.7B: 60 experts top-4 (width 1408) + a 5632-wide gated shared expert.
+        dataclasses.replace(
+            _llama("qwen1.5-moe-a2.7b", 24, 2048, 16, 16, 5632, 151936, 8192),
+            add_qkv_bias=True, rotary_base=1000000, norm_epsilon=1e-6,
+            moe=MoESpec(num_experts=60, router_topk=4, ffn_hidden_size=1408,
+                        shared_expert_intermediate_size=5632, shared_expert_gate=True,
+                        aux_loss_coeff=0.001, router_pre_softmax=True)),
+        # Qwen2-57B-A14B: 64 experts top-8 (width 2560) + a 20480-wide shared expert, GQA 28/4.
+        dataclasses.replace(
+            _llama("qwen2-57b-a14b", 28, 3584, 28, 4, 18944, 151936, 32768),
+            add_qkv_bias=True, rotary_base=1000000, norm_epsilon=1e-6,
+            moe=MoESpec(num_experts=64, router_topk=8, ffn_hidden_size=2560,
+                        shared_expert_intermediate_size=20480, shared_expert_gate=True,
+                        aux_loss_coeff=0.001, router_pre_softmax=True)),
+        # DeepSeekMoE-16B: first layer dense (width 10944), then 64 fine-grained experts top-6
+        # (width 1408) + 2 shared experts (2 x 1408); multi-head attention (no MLA).
+        dataclasses.replace(
+            _llama("deepseek-moe-16b", 28, 2048, 16, 16, 10944, 102400, 4096),
+            norm_epsilon=1e-6,
+            moe=MoESpec(num_experts=64, router_topk=6, ffn_hidden_size=1408,
+                        shared_expert_intermediate_size=2816, aux_loss_coeff=0.001,
+                        router_pre_softmax=True, layer_freq=(0,) + (1,) * 27)),
         # Small enough to train on CPU under gloo: tests, examples and the CPU walk-through.
         _llama("tiny-llama", 4, 64, 4, 2, 176, 512, 256),
         dataclasses.replace(_gpt3("tiny-gpt", 4, 64, 4), vocab_size=512,
                             max_position_embeddings=256),
+        # Dense and MoE layers alternate (layer_freq 0,1,0,1): 4 experts top-2, no biases.
+        dataclasses.replace(_llama("tiny-moe", 4, 64, 4, 4, 128, 512, 256),
+                            moe=MoESpec(num_experts=4, router_topk=2, layer_freq=(0, 1, 0, 1),
+                                        aux_loss_coeff=0.01)),
     )
 }
 

@@ -62,6 +62,11 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--memory-gib", type=float, default=None, help="usable memory per GPU")
     p.add_argument(
+        "--moe-imbalance", type=float, default=None, metavar="RHO",
+        help="MoE models: routed tokens on the busiest rank over the mean (default 1.2, "
+        "Switch Transformer's capacity factor; 1 = balanced)",
+    )
+    p.add_argument(
         "--against-search",
         action="store_true",
         help="also search the fastest layout on the same inputs and show both side by side",
@@ -173,6 +178,7 @@ def _cost_model(plan: ParallelPlan, args: argparse.Namespace):
         seq_length=plan.seq_length,
         precision=plan.precision,
         allow_zero3=any(s.zero >= 2 for s in plan.layers),
+        **({} if args.moe_imbalance is None else {"moe_imbalance": args.moe_imbalance}),
     )
     if profile is None and not args.model_profile:
         return CostModel(plan.model, cluster, training)

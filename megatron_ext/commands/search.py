@@ -20,6 +20,7 @@ from megatron_ext.commands.moe_support import require_priced_experts
 from megatron_ext.errors import PlanError
 from megatron_ext.flags.emit import plan_to_megatron_args
 from megatron_ext.planner.cost.compute import model_parameters
+from megatron_ext.planner.cost.moe import moe_model_parameters
 from megatron_ext.presets import (
     CLUSTER_PRESETS,
     MODEL_PRESETS,
@@ -63,6 +64,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--nodes", type=int, default=None, help="nodes (default 1, or the profile's)")
     p.add_argument("--memory-gib", type=float, default=None, help="usable memory per GPU")
+    p.add_argument(
+        "--moe-imbalance", type=float, default=None, metavar="RHO",
+        help="MoE models: routed tokens on the busiest rank over the mean (default 1.2, "
+        "Switch Transformer's capacity factor; 1 = balanced)",
+    )
     p.add_argument(
         "--global-batch-size",
         type=int,
@@ -157,6 +163,7 @@ def _cost_model(args: argparse.Namespace, model: ModelSpec):
         seq_length=args.seq_length,
         precision=args.precision,
         allow_vocab_parallel=args.vocab_parallel,
+        **({} if args.moe_imbalance is None else {"moe_imbalance": args.moe_imbalance}),
     )
     if not args.cluster_profile and not args.model_profile:
         cluster = cluster_preset(
@@ -216,7 +223,9 @@ def run(args: argparse.Namespace) -> int:
     nodes = f"{c.num_nodes} node{'s' if c.num_nodes != 1 else ''}"
     sys.stderr.write(
         f"model: {model.name}, {_billions(model_parameters(model))} parameters "
-        f"({model.num_layers} layers, hidden {model.hidden_size}"
+        + (f"({_billions(moe_model_parameters(model, active=True))} active per token) "
+           if model.moe is not None else "")
+        + f"({model.num_layers} layers, hidden {model.hidden_size}"
         + (f"; its name says {stated}" if (stated := _stated_size(model.name)) else "")
         + ")\n"
     )

@@ -9,6 +9,9 @@ DP accepts really fits), s = strategy of the newest layer.
 
 All layers of a stage share their costs (identical transformer layers), so one pass yields the
 answer for every layer count l <= num_layers: the partitioner reads best[l][budget] directly.
+Models with layers of several kinds (MoE models: dense and MoE layers) pass costs and memory per
+kind ([K, S]) and the kind of each position (`kinds`); f_l then uses the l-th position's kind,
+and one pass answers every layer count of stages starting where that kind sequence starts.
 When the switch cost depends only on the activation layout (`layout` ids; 0 inside a layout), the
 inner min runs over layouts: O(L * U * (S + G^2)) instead of O(L * U * S^2).
 """
@@ -33,7 +36,9 @@ class StageDP:
     choice: np.ndarray | None
     """[num_layers + 1, S, budget_units + 1] previous layer's strategy (with choices)."""
     mem_units: np.ndarray
-    """[S] quantised memory per strategy."""
+    """[S] quantised memory per strategy ([K, S] with layer kinds)."""
+    kinds: np.ndarray | None = None
+    """[num_layers] kind of each position when mem_units is [K, S]."""
 
     def picks(self, num_layers: int, budget_units: int) -> list[int]:
         """Strategy index per layer of the best solution with `num_layers` layers."""
@@ -45,7 +50,10 @@ class StageDP:
         out = [s]
         for layer in range(num_layers, 1, -1):
             prev = int(self.choice[layer, s, u])
-            u -= int(self.mem_units[s])
+            if self.kinds is None:
+                u -= int(self.mem_units[s])
+            else:
+                u -= int(self.mem_units[self.kinds[layer - 1], s])
             s = prev
             out.append(s)
         return out[::-1]
@@ -77,8 +85,8 @@ class MaxSwitch:
 
 
 def layer_dp(
-    cost: np.ndarray,  # [S] seconds per layer
-    mem_units: np.ndarray,  # [S] int, quantised memory per layer
+    cost: np.ndarray,  # [S] seconds per layer, or [K, S] per layer kind
+    mem_units: np.ndarray,  # [S] int, quantised memory per layer, or [K, S]
     switch: np.ndarray,  # [S, S] seconds, switch[i, j] = layer i followed by layer j; 0 diagonal
     *,
     num_layers: int,
@@ -87,32 +95,45 @@ def layer_dp(
     max_switch: MaxSwitch | None = None,  # the same switch costs in "max" form (needs layout)
     keep_choices: bool = False,
     groups: SwitchGroups | None = None,  # switch_groups(switch, layout, max_switch), reused
+    kinds: np.ndarray | None = None,  # [>= num_layers] kind of each position ([K, S] costs)
 ) -> StageDP:
     """Run the recurrence of the module docstring for 1..num_layers layers.
 
     Internally strategies are sorted by layout (a layout's members contiguous, so its minimum is
     one slice) and tables are [S, U] (shifting a strategy's row by its memory is one slice);
     choices are mapped back to the caller's indices."""
-    num = len(cost)
-    units = budget_units + 1
+    cost_k = np.asarray(cost, dtype=float)
     mem_in = np.asarray(mem_units, dtype=np.int64)
+    per_kind = cost_k.ndim == 2
+    if per_kind:
+        assert kinds is not None and len(kinds) >= num_layers, "kinds needed with [K, S] costs"
+        kinds = np.asarray(kinds, dtype=np.int64)[:num_layers]
+    else:
+        cost_k, kinds = cost_k[None], np.zeros(num_layers, dtype=np.int64)
+    mem_k = mem_in if per_kind else mem_in[None]
+    num = cost_k.shape[1]
+    units = budget_units + 1
     best = np.full((num_layers + 1, units), np.inf)
     best[0] = 0.0
     argbest = np.zeros((num_layers + 1, units), dtype=np.int32) if keep_choices else None
     choice = np.zeros((num_layers + 1, num, units), dtype=np.int16) if keep_choices else None
+    out_kinds = kinds if per_kind else None
     if num == 0 or num_layers == 0:
-        return StageDP(best=best, argbest=argbest, choice=choice, mem_units=mem_in)
+        return StageDP(best=best, argbest=argbest, choice=choice, mem_units=mem_in,
+                       kinds=out_kinds)
     assert num < 2**15 and np.all(np.diag(switch) == 0), "switch[i, i] must be 0"
     if groups is None:
         groups = switch_groups(switch, layout, max_switch)
     order = groups.order
-    cost_o, mem = np.asarray(cost, dtype=float)[order], mem_in[order]
+    cost_all, mem_all = cost_k[:, order], mem_k[:, order]
+    cost_o, mem = cost_all[kinds[0]], mem_all[kinds[0]]
     f = np.full((num, units), np.inf)  # [S, U], sorted order
     for s in range(num):
         if mem[s] < units:
             f[s, mem[s] :] = cost_o[s]
     _record(best, argbest, f, 1, order)
     for layer in range(2, num_layers + 1):
+        cost_o, mem = cost_all[kinds[layer - 1]], mem_all[kinds[layer - 1]]
         g, prev = groups.inner_min(f, with_arg=choice is not None)  # [S, U]
         f = np.full((num, units), np.inf)
         for s in range(num):
@@ -123,7 +144,7 @@ def layer_dp(
         _record(best, argbest, f, layer, order)
         if not np.isfinite(best[layer, -1]):
             break
-    return StageDP(best=best, argbest=argbest, choice=choice, mem_units=mem_in)
+    return StageDP(best=best, argbest=argbest, choice=choice, mem_units=mem_in, kinds=out_kinds)
 
 
 def _record(

@@ -10,6 +10,10 @@ it solves min sum_k slot[k, n_k] with slot[k, n_k] <= tau by a DP over stages, a
 (unconstrained min sum) + (m - 1) tau cannot beat the best found: any partition whose bottleneck
 is tau costs at least that much. Memory is honoured because infeasible counts are inf.
 
+Models with layers of several kinds (MoE: dense and MoE layers) give slot[k, a, n]: stage k
+starting at layer a with n layers; the DP over stages knows each stage's start, so the same
+exact method applies (`bmw_partition` then defers to it).
+
 `bmw_partition` is Galvatron-BMW's heuristic (TKDE'24): start from the memory-balanced split
 (layers in proportion to what each stage's memory holds) and move layers off the slowest stage
 towards faster ones while memory allows, keeping the best objective seen. It is kept as a
@@ -21,10 +25,17 @@ from __future__ import annotations
 import numpy as np
 
 
+def _stage_times(slot: np.ndarray, counts: np.ndarray | list[int]) -> np.ndarray:
+    if slot.ndim == 2:
+        return np.array([slot[k, n] for k, n in enumerate(counts)])
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    return np.array([slot[k, a, n] for k, (a, n) in enumerate(zip(starts, counts))])
+
+
 def partition_objective(
     slot: np.ndarray, counts: np.ndarray | list[int], num_microbatches: int
 ) -> float:
-    times = np.array([slot[k, n] for k, n in enumerate(counts)])
+    times = _stage_times(slot, counts)
     if not np.all(np.isfinite(times)):
         return np.inf
     return float(times.sum() + (num_microbatches - 1) * times.max())
@@ -32,7 +43,7 @@ def partition_objective(
 
 def _min_sum(slot: np.ndarray, num_layers: int) -> tuple[np.ndarray, np.ndarray]:
     """h[k, j] = min sum over stages < k+1 holding j layers; arg[k, j] = layers of stage k."""
-    pp, width = slot.shape
+    pp, width = slot.shape[0], slot.shape[-1]
     j = np.arange(num_layers + 1)[:, None]
     n = np.arange(width)[None, :]
     src = j - n  # [L+1, N+1]
@@ -43,7 +54,8 @@ def _min_sum(slot: np.ndarray, num_layers: int) -> tuple[np.ndarray, np.ndarray]
     prev = np.full(num_layers + 1, np.inf)
     prev[0] = 0.0
     for k in range(pp):
-        total = np.where(ok, prev[src] + slot[k][None, :], np.inf)
+        here = slot[k][None, :] if slot.ndim == 2 else slot[k][src, n]
+        total = np.where(ok, prev[src] + here, np.inf)
         arg[k] = np.argmin(total, axis=1)
         h[k] = total[np.arange(num_layers + 1), arg[k]]
         prev = h[k]
@@ -66,9 +78,9 @@ def best_partition(
 ) -> tuple[float, list[int]] | None:
     """Exact minimum of the module's objective; None if no partition fits."""
     slot = np.array(slot, dtype=float)
-    slot[:, 0] = np.inf
+    slot[..., 0] = np.inf
     pp = slot.shape[0]
-    if slot.shape[1] < 2 or pp > num_layers:
+    if slot.shape[-1] < 2 or pp > num_layers:
         return None
     h, arg = _min_sum(slot, num_layers)
     floor = h[-1, num_layers]
@@ -82,7 +94,7 @@ def best_partition(
         return best
     values = np.unique(slot[np.isfinite(slot)])
     # The bottleneck is at least the smallest stage's cheapest feasible slot of every stage.
-    start = np.searchsorted(values, np.max(np.min(slot, axis=1)))
+    start = np.searchsorted(values, np.max(np.min(slot.reshape(pp, -1), axis=1)))
     for tau in values[start:]:
         if floor + (num_microbatches - 1) * tau >= best[0]:
             break
@@ -100,6 +112,8 @@ def bmw_partition(
     slot: np.ndarray, num_layers: int, num_microbatches: int
 ) -> tuple[float, list[int]] | None:
     """Galvatron-BMW's memory-to-time walk (see module docstring); None if nothing fits."""
+    if np.ndim(slot) == 3:  # start-dependent slots (layer kinds): the exact partition
+        return best_partition(slot, num_layers, num_microbatches)
     slot = np.array(slot, dtype=float)
     slot[:, 0] = np.inf
     pp, width = slot.shape

@@ -41,10 +41,11 @@ import numpy as np
 from megatron_ext.errors import InfeasiblePlanError
 from megatron_ext.plan import ParallelPlan, VocabStrategy
 from megatron_ext.plan_checks import check_sequence
-from megatron_ext.planner.bounds import combo_bound
+from megatron_ext.planner.bounds import combo_bound, combo_bound_kinds
 from megatron_ext.planner.cost.evaluate import Evaluation
 from megatron_ext.planner.cost.interval import overlap_relax, search_relax, with_interval
 from megatron_ext.planner.cost.model import CostModel, LayerCosts
+from megatron_ext.planner.cost.moe import kind_costs, layer_kinds, per_layer_costs, valid_for
 from megatron_ext.planner.cost.vocab import StageExtras, stage_extras
 from megatron_ext.planner.dp import MaxSwitch, StageDP, layer_dp, switch_groups
 from megatron_ext.planner.infeasible import explain_infeasible
@@ -54,7 +55,7 @@ from megatron_ext.planner.space import (
     StrategyTable,
     divisors,
     layer_strategies,
-    prune_strategies,
+    prune_components,
     vocab_options,
 )
 from megatron_ext.planner.uniform import (
@@ -119,7 +120,10 @@ class _Combo:
     pp: int
     micro_batch_size: int
     table: StrategyTable
-    costs: LayerCosts
+    costs: list[LayerCosts]
+    """Per layer kind the model has (dense models: one)."""
+    valid: np.ndarray
+    """[K, S]: which strategies each kind may use."""
     bound_s: float
 
 
@@ -312,8 +316,9 @@ def interleaved_variants(cm: CostModel, layout: Layout) -> list[Layout]:
     if not options:
         return []
     distinct = list(dict.fromkeys(layout.layers))
-    costs = cm.layer_costs(StrategyTable.of(distinct), layout.micro_batch_size)
-    work = (costs.forward_s + costs.backward_s)[[distinct.index(s) for s in layout.layers]]
+    index = np.array([distinct.index(s) for s in layout.layers], dtype=np.int64)
+    costs = per_layer_costs(cm, StrategyTable.of(distinct), layout.micro_batch_size, index)
+    work = costs.forward_s + costs.backward_s  # one row per layer, priced as its kind
     total = np.concatenate([[0.0], np.cumsum(work)])
     out = []
     for v in options:
@@ -335,8 +340,50 @@ def interleaved_variants(cm: CostModel, layout: Layout) -> list[Layout]:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class _Kinds:
+    """Layer kinds of the model as the search sees them: `kinds` [L] indexes the kinds the model
+    uses (0..K-1; a dense model, or one whose layers are all MoE, has K = 1); `used` maps them
+    back to cost/moe.py's DENSE / MOE. Stages starting at different layers see different kind
+    sequences: `of_start[a]` is the class of start a, `seqs[c]` the kind sequence class c's
+    DP runs over (a start's first n kinds are a prefix of its class's sequence)."""
+
+    kinds: np.ndarray
+    used: np.ndarray
+    of_start: tuple[int, ...]
+    seqs: tuple[np.ndarray, ...]
+
+    @property
+    def single(self) -> bool:
+        return len(self.seqs) == 1
+
+    @classmethod
+    def of(cls, model, n_hi: int | None = None) -> _Kinds:
+        all_kinds = layer_kinds(model)
+        used = np.unique(all_kinds)
+        kinds = np.searchsorted(used, all_kinds)
+        num = len(kinds)
+        n_hi = num if n_hi is None else max(1, min(n_hi, num))
+        if len(used) == 1:
+            return cls(kinds=kinds, used=used, of_start=(0,) * num, seqs=(kinds[:n_hi],))
+        keys = [tuple(kinds[a:min(num, a + n_hi)].tolist()) for a in range(num)]
+        seqs: list[tuple[int, ...]] = []
+        of_start = [0] * num
+        for a in sorted(range(num), key=lambda a: -len(keys[a])):
+            for c, key in enumerate(seqs):
+                if key[: len(keys[a])] == keys[a]:
+                    of_start[a] = c
+                    break
+            else:
+                seqs.append(keys[a])
+                of_start[a] = len(seqs) - 1
+        return cls(kinds=kinds, used=used, of_start=tuple(of_start),
+                   seqs=tuple(np.array(q, dtype=np.int64) for q in seqs))
+
+
 def _combos(cm: CostModel) -> list[_Combo]:
     model, cluster, t = cm.model, cm.cluster, cm.training
+    used = _Kinds.of(model).used
     out = []
     for pp in [p for p in divisors(cluster.num_gpus) if p <= model.num_layers]:
         for mbs in divisors(t.global_batch_size):
@@ -349,14 +396,21 @@ def _combos(cm: CostModel) -> list[_Combo]:
             )
             if len(table) == 0:
                 continue
-            costs = cm.layer_costs(table, mbs)
-            bound = combo_bound(cm, costs, pp, mbs)
+            per_kind = kind_costs(cm, table, mbs)
+            costs = [per_kind[u] for u in used]
+            valid = valid_for(model, table)[used]
+            if len(costs) == 1:
+                bound = combo_bound(cm, costs[0], pp, mbs, valid=valid[0])
+            else:
+                counts = [int(np.sum(layer_kinds(model) == u)) for u in used]
+                bound = combo_bound_kinds(cm, costs, valid, counts, pp, mbs)
             virtual = virtual_stage_options(cm, pp, mbs, even_only=False)
             if virtual:  # an interleaved variant of the combo's layouts may go below 1F1B's
                 bound *= interleave_bound(pp, t.global_batch_size // mbs, max(virtual))
             if math.isfinite(bound):
                 out.append(
-                    _Combo(pp=pp, micro_batch_size=mbs, table=table, costs=costs, bound_s=bound)
+                    _Combo(pp=pp, micro_batch_size=mbs, table=table, costs=costs, valid=valid,
+                           bound_s=bound)
                 )
     return out
 
@@ -368,23 +422,36 @@ def _take(costs: LayerCosts, index: np.ndarray) -> LayerCosts:
 @dataclass(slots=True)
 class _Level:
     """Strategies whose transient memory is at most `transient_bytes` (one transient level):
-    a stage using only these needs transient_bytes on top of its states and activations."""
+    a stage using only these needs transient_bytes on top of its states and activations.
+    Per layer kind: `ok` [K, S_j] says which kind may use which strategy at this level."""
 
     transient_bytes: float
     index: np.ndarray  # [S_j] into the kept table
     table: StrategyTable
-    costs: LayerCosts
-    objective: np.ndarray
+    costs: list[LayerCosts]
+    objective: np.ndarray  # [K, S_j], inf where not ok
+    ok: np.ndarray  # [K, S_j]
     max_switch: MaxSwitch
     budgets: list[np.ndarray]  # per vocabulary layout, [pp] units
-    dps: dict[int, StageDP]
+    dps: dict[tuple[int, int], StageDP]  # (kind class, in-flight count)
+
+    def dp_inputs(self, inflight: int, unit: float) -> tuple[np.ndarray, np.ndarray]:
+        """(cost, memory units) for layer_dp: [S_j] with one kind, [K, S_j] with several."""
+        mem = np.stack([
+            np.ceil(np.where(ok, c.memory_bytes(inflight), 0.0) / unit).astype(np.int64)
+            for c, ok in zip(self.costs, self.ok)
+        ])
+        if len(self.costs) == 1:
+            return self.objective[0], mem[0]
+        return self.objective, mem
 
 
 def _levels(
     cm: CostModel,
     table: StrategyTable,
-    costs: LayerCosts,
+    costs: list[LayerCosts],
     objective: np.ndarray,
+    valid: np.ndarray,
     mbs: int,
     extras: list[StageExtras],
     unit: float,
@@ -393,18 +460,29 @@ def _levels(
     states and activations plus the largest transient of the strategies it uses, so the exact
     feasible set is the union over levels T of "strategies with transient <= T within
     cap - fixed - T" (subtracting the largest transient of all strategies from every budget
-    would charge ZeRO-3's gathered weights to stages that use no ZeRO-3)."""
+    would charge ZeRO-3's gathered weights to stages that use no ZeRO-3). With several layer
+    kinds a strategy's transient is its kind's."""
+    trans = np.stack([np.where(ok, c.transient_bytes, np.inf) for c, ok in zip(costs, valid)])
+    values = np.unique(trans[np.isfinite(trans)])
+    if cm.model.moe is not None:
+        # MoE models (R9, heuristic): levels rounded up to 1/64 of the memory cap. Expert
+        # layouts multiply the distinct transients; a stage then loses at most cap/64 of its
+        # budget, which the exact repair pass (_ExactStage) gives back layer by layer.
+        step = cm.memory_cap_bytes / 64
+        values = np.unique(np.ceil(values / step) * step)
     out = []
-    for level in np.unique(costs.transient_bytes):
-        index = np.flatnonzero(costs.transient_bytes <= level)
+    for level in values:
+        ok = trans <= level
+        index = np.flatnonzero(ok.any(axis=0))
         sub = table.subset(index)
         out.append(
             _Level(
                 transient_bytes=float(level),
                 index=index,
                 table=sub,
-                costs=_take(costs, index),
-                objective=objective[index],
+                costs=[_take(c, index) for c in costs],
+                objective=np.where(ok[:, index], objective[:, index], np.inf),
+                ok=ok[:, index],
                 max_switch=cm.transition_model(sub, mbs),
                 budgets=[
                     np.floor((cm.memory_cap_bytes - ex.fixed_bytes - level) / unit).astype(
@@ -426,10 +504,21 @@ def _solve_combo(
     pp, mbs = combo.pp, combo.micro_batch_size
     m = t.global_batch_size // mbs
     switch_all = cm.transition_s(combo.table, mbs)
-    objective_all = combo.costs.objective_s(m, cm.overlap_slowdown)
-    keep = prune_strategies(combo.costs, objective_all, switch_all, combo.table.layout)
-    table, costs = combo.table.subset(keep), _take(combo.costs, keep)
-    objective = objective_all[keep]
+    valid_all = combo.valid
+    objective_all = np.stack([
+        np.where(ok, c.objective_s(m, cm.overlap_slowdown), np.inf)
+        for c, ok in zip(combo.costs, valid_all)
+    ])  # [K, S]
+    comps = np.concatenate([
+        np.stack([obj, np.where(ok, c.state_bytes, np.inf),
+                  np.where(ok, c.activation_bytes, np.inf),
+                  np.where(ok, c.transient_bytes, np.inf)], axis=1)
+        for c, ok, obj in zip(combo.costs, valid_all, objective_all)
+    ], axis=1)
+    keep = prune_components(comps, switch_all, combo.table.layout)
+    table = combo.table.subset(keep)
+    costs = [_take(c, keep) for c in combo.costs]
+    valid, objective = valid_all[:, keep], objective_all[:, keep]
     vocabs = vocab_options(
         width=cm.cluster.num_gpus // pp,
         pp=pp,
@@ -440,37 +529,42 @@ def _solve_combo(
     extras = [stage_extras(cm, v, pp, mbs, m, vocab_zero=1) for v in vocabs]
     n_hi = model.num_layers - pp + 1
     if math.isfinite(best_s):  # a stage of n layers alone takes m * n * fastest per iteration
-        n_hi = min(n_hi, int(best_s / (m * float(np.min(costs.forward_s + costs.backward_s)))))
+        fastest = min(float(np.min(np.where(ok, c.forward_s + c.backward_s, np.inf)))
+                      for c, ok in zip(costs, valid))
+        n_hi = min(n_hi, int(best_s / (m * fastest)))
     if n_hi < 1:
         return []
+    kinds = _Kinds.of(model, n_hi)
     unit = cm.memory_cap_bytes / options.memory_units
-    levels = _levels(cm, table, costs, objective, mbs, extras, unit)
+    levels = _levels(cm, table, costs, objective, valid, mbs, extras, unit)
+    needed = {kinds.of_start[0]} if pp == 1 else set(range(len(kinds.seqs)))
     for level in levels:
-        level.dps = _stage_dps(level, extras, unit, n_hi)
+        level.dps = _stage_dps(level, extras, unit, kinds, needed)
         stats["dp_runs"] += len(level.dps)
     partition = best_partition if options.partition == "exact" else bmw_partition
     scored = []
     for v, (vocab, ex) in enumerate(zip(vocabs, extras)):
-        slot, which = _slots(ex, v, levels, n_hi, m, cm.overlap_slowdown)
+        slot, which = _slots(ex, v, levels, n_hi, m, cm.overlap_slowdown, kinds)
         found = partition(slot, model.num_layers, m)
         if found is not None:
             scored.append((found[0], vocab, v, which, found[1]))
     scored.sort(key=lambda item: item[0])
-    exact = _ExactStage(cm, table, costs, objective, mbs, m)
+    exact = _ExactStage(cm, table, costs, objective, valid, mbs, m, kinds.kinds)
     out = []
     for estimate, vocab, v, which, counts in scored[: options.finalists]:
         if estimate > best_s * (1 + options.finalist_slack):
             break
-        picks = _backtrack(levels, unit, extras[v], v, which, counts)
+        picks = _backtrack(levels, unit, extras[v], v, which, counts, kinds)
         out.append(exact.layout(picks, vocab, extras[v]))
     return out
 
 
 def _stage_dps(
-    level: _Level, extras: list[StageExtras], unit: float, n_hi: int
-) -> dict[int, StageDP]:
-    """One layerwise DP per distinct in-flight count, at the largest budget any stage with that
-    count has under any vocabulary layout; smaller budgets are read from the same table."""
+    level: _Level, extras: list[StageExtras], unit: float, kinds: _Kinds, needed: set[int]
+) -> dict[tuple[int, int], StageDP]:
+    """One layerwise DP per kind class and distinct in-flight count, at the largest budget any
+    stage with that count has under any vocabulary layout; smaller budgets are read from the
+    same table."""
     ms = level.max_switch
     switch = ms.matrix()[np.ix_(level.table.layout, level.table.layout)]
     tops: dict[int, int] = {}
@@ -480,17 +574,22 @@ def _stage_dps(
     dps = {}
     groups = switch_groups(switch, level.table.layout, ms)
     for inflight, top in sorted(tops.items()):
-        if top >= 0:
-            mem_units = np.ceil(level.costs.memory_bytes(inflight) / unit).astype(np.int64)
-            dps[inflight] = layer_dp(
-                level.objective,
+        if top < 0:
+            continue
+        cost, mem_units = level.dp_inputs(inflight, unit)
+        for c, seq in enumerate(kinds.seqs):
+            if c not in needed:  # no stage starts where this kind sequence does
+                continue
+            dps[(c, inflight)] = layer_dp(
+                cost,
                 mem_units,
                 switch,
-                num_layers=n_hi,
+                num_layers=len(seq),
                 budget_units=top,
                 layout=level.table.layout,
                 max_switch=ms,
                 groups=groups,
+                kinds=seq if cost.ndim == 2 else None,
             )
     return dps
 
@@ -502,24 +601,41 @@ def _slots(
     n_hi: int,
     m: int,
     slowdown: float,
-) -> tuple[np.ndarray, np.ndarray]:  # [pp, n_hi + 1] seconds and the level that gives them
+    kinds: _Kinds,
+) -> tuple[np.ndarray, np.ndarray]:
     """Slot time of stage k with n layers: DP time (best over transient levels) + vocabulary
     work + p2p + exposed side-stream communication + the vocabulary tail spread over the
-    micro-batches."""
+    micro-batches. [pp, n_hi + 1] seconds and the level that gives them; with several kind
+    classes [pp, L + 1, n_hi + 1], the middle axis the stage's first layer."""
     pp = len(ex.inflight)
-    layers = np.full((pp, n_hi + 1), np.inf)
-    which = np.zeros((pp, n_hi + 1), dtype=np.int64)
-    for j, level in enumerate(levels):
-        budget = level.budgets[v]
-        for k in range(pp):
-            dp = level.dps.get(int(ex.inflight[k]))
-            if dp is None or budget[k] < 0:
-                continue
-            here = dp.best[:, budget[k]]
-            better = here < layers[k]
-            layers[k] = np.where(better, here, layers[k])
-            which[k] = np.where(better, j, which[k])
-    slot = np.full((pp, n_hi + 1), np.inf)
+    per_class = []
+    for c in range(len(kinds.seqs)):
+        layers = np.full((pp, n_hi + 1), np.inf)
+        which = np.zeros((pp, n_hi + 1), dtype=np.int64)
+        for j, level in enumerate(levels):
+            budget = level.budgets[v]
+            for k in range(pp):
+                dp = level.dps.get((c, int(ex.inflight[k])))
+                if dp is None or budget[k] < 0:
+                    continue
+                here = np.full(n_hi + 1, np.inf)
+                rows = min(n_hi + 1, dp.best.shape[0])
+                here[:rows] = dp.best[:rows, budget[k]]
+                better = here < layers[k]
+                layers[k] = np.where(better, here, layers[k])
+                which[k] = np.where(better, j, which[k])
+        per_class.append((layers, which))
+    if kinds.single:
+        layers, which = per_class[0]
+    else:
+        num = len(kinds.kinds)
+        layers = np.full((pp, num + 1, n_hi + 1), np.inf)
+        which = np.zeros((pp, num + 1, n_hi + 1), dtype=np.int64)
+        for a, c in enumerate(kinds.of_start):
+            top = min(n_hi, num - a) + 1
+            layers[:, a, :top] = per_class[c][0][:, :top]
+            which[:, a, :top] = per_class[c][1][:, :top]
+    slot = np.full(layers.shape, np.inf)
     for k in range(pp):
         tail = max(0.0, slowdown * ex.grad_sync_s[k] - ex.backward_s[k])
         tail += ex.optimizer_s[k] + max(0.0, ex.param_gather_s[k] - ex.forward_s[k])
@@ -537,30 +653,35 @@ def _backtrack(
     v: int,
     which: np.ndarray,
     counts: list[int],
+    kinds: _Kinds,
 ) -> list[list[int]]:
     """Per-layer strategies (indices into the kept table) of a partition: rerun each stage's
     DP at its level keeping its choices."""
     out = []
-    cache: dict[tuple[int, int, int, int], list[int]] = {}
+    cache: dict[tuple[int, int, int, int, int], list[int]] = {}
+    start = 0
     for k, n in enumerate(counts):
-        j = int(which[k, n])
+        j = int(which[k, n] if which.ndim == 2 else which[k, start, n])
+        c = kinds.of_start[start]
         level = levels[j]
-        key = (j, int(ex.inflight[k]), int(n), int(level.budgets[v][k]))
+        key = (j, c, int(ex.inflight[k]), int(n), int(level.budgets[v][k]))
         if key not in cache:
             ms = level.max_switch
-            mem_units = np.ceil(level.costs.memory_bytes(key[1]) / unit).astype(np.int64)
+            cost, mem_units = level.dp_inputs(key[2], unit)
             dp = layer_dp(
-                level.objective,
+                cost,
                 mem_units,
                 ms.matrix()[np.ix_(level.table.layout, level.table.layout)],
-                num_layers=key[2],
-                budget_units=key[3],
+                num_layers=key[3],
+                budget_units=key[4],
                 layout=level.table.layout,
                 max_switch=ms,
                 keep_choices=True,
+                kinds=kinds.seqs[c] if cost.ndim == 2 else None,
             )
-            cache[key] = [int(level.index[i]) for i in dp.picks(key[2], key[3])]
+            cache[key] = [int(level.index[i]) for i in dp.picks(key[3], key[4])]
         out.append(cache[key])
+        start += n
     return out
 
 
@@ -571,41 +692,49 @@ class _ExactStage:
     room for a faster strategy on a layer or two. The repair changes one layer at a time to
     the strategy that lowers the DP objective (layer time + switch costs) the most while the
     stage's exact memory (fixed + states + in-flight activations + largest transient) fits,
-    until no change helps."""
+    until no change helps. Each layer is priced as its kind (dense or MoE)."""
 
     def __init__(
         self,
         cm: CostModel,
         table: StrategyTable,
-        costs: LayerCosts,
-        objective: np.ndarray,
+        costs: list[LayerCosts],
+        objective: np.ndarray,  # [K, S]
+        valid: np.ndarray,  # [K, S]
         mbs: int,
         m: int,
+        kinds: np.ndarray,  # [L]
     ) -> None:
         self.cm, self.table, self.costs, self.objective = cm, table, costs, objective
+        self.valid, self.kinds = valid, kinds
         self.mbs, self.m = mbs, m
         self.switch = cm.transition_s(table, mbs)
 
-    def repair(self, picks: list[int], fixed: float, inflight: int) -> list[int]:
+    def repair(self, picks: list[int], fixed: float, inflight: int,
+               kinds: np.ndarray) -> list[int]:
         picks = list(picks)
-        mem = self.costs.memory_bytes(inflight)
-        trans = self.costs.transient_bytes
+        mem = np.stack([np.where(ok, c.memory_bytes(inflight), 0.0)
+                        for c, ok in zip(self.costs, self.valid)])  # [K, S]
+        trans = np.stack([np.where(ok, c.transient_bytes, 0.0)
+                          for c, ok in zip(self.costs, self.valid)])
         cap = self.cm.memory_cap_bytes - fixed
         obj, sw = self.objective, self.switch
         n = len(picks)
-        for _ in range(4 * n * len(obj)):
+        for _ in range(4 * n * obj.shape[1]):
             arr = np.array(picks)
-            base = float(mem[arr].sum())
-            best_gain, best_move = 1e-12 * float(obj[arr].sum()), None
+            base = float(mem[kinds, arr].sum())
+            cur_t = trans[kinds, arr]
+            best_gain, best_move = 1e-12 * float(obj[kinds, arr].sum()), None
             for i, s in enumerate(picks):
-                rest_t = np.delete(trans[arr], i).max(initial=0.0)
-                fits = base - mem[s] + mem + np.maximum(rest_t, trans) <= cap
-                gain = obj[s] - obj
+                c = kinds[i]
+                rest_t = np.delete(cur_t, i).max(initial=0.0)
+                fits = base - mem[c, s] + mem[c] + np.maximum(rest_t, trans[c]) <= cap
+                gain = obj[c, s] - obj[c]
                 if i > 0:
                     gain += sw[picks[i - 1], s] - sw[picks[i - 1]]
                 if i + 1 < n:
                     gain += sw[s, picks[i + 1]] - sw[:, picks[i + 1]]
-                gain = np.where(fits, gain, -np.inf)
+                gain = np.where(fits & np.isfinite(obj[c]), gain, -np.inf)
                 j = int(np.argmax(gain))
                 if gain[j] > best_gain:
                     best_gain, best_move = float(gain[j]), (i, j)
@@ -617,10 +746,12 @@ class _ExactStage:
     def layout(self, picks: list[list[int]], vocab: VocabStrategy, ex: StageExtras) -> Layout:
         """The backtracked layout, repaired stage by stage (the better of the two exactly)."""
         first = self._to_layout(picks, vocab)
-        repaired = [
-            self.repair(p, float(ex.fixed_bytes[k]), int(ex.inflight[k]))
-            for k, p in enumerate(picks)
-        ]
+        repaired, start = [], 0
+        for k, p in enumerate(picks):
+            stage_kinds = self.kinds[start:start + len(p)]
+            repaired.append(self.repair(p, float(ex.fixed_bytes[k]), int(ex.inflight[k]),
+                                        stage_kinds))
+            start += len(p)
         if repaired == picks:
             return first
         second = self._to_layout(repaired, vocab)

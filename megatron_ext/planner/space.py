@@ -26,6 +26,8 @@ R6 dominance (exact, `dominated`): drop s if some s' is no slower in the DP obje
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from itertools import product
 
@@ -55,6 +57,8 @@ class StrategyTable:
     dp: np.ndarray  # [S]
     zero: np.ndarray  # [S]
     recompute: np.ndarray  # [S], RECOMPUTE_CODES
+    ep: np.ndarray  # [S] expert-parallel degree (MoE layers; 1 elsewhere)
+    etp: np.ndarray  # [S] expert tensor-parallel degree, resolved (LayerStrategy.expert_tp)
     layout: np.ndarray
     """[S] id of the activation layout (tp, sp, cp, ulysses, dp): equal ids switch for free."""
 
@@ -76,6 +80,8 @@ class StrategyTable:
             dp=col("dp"),
             zero=col("zero"),
             recompute=np.array([RECOMPUTE_CODES[s.recompute] for s in strategies], dtype=np.int64),
+            ep=col("ep"),
+            etp=np.array([s.expert_tp for s in strategies], dtype=np.int64).reshape(-1),
             layout=np.array([ids[k] for k in keys], dtype=np.int64),
         )
 
@@ -89,6 +95,11 @@ class StrategyTable:
     def shard_ranks(self) -> np.ndarray:
         """d: ranks that share (and reduce) one parameter shard's gradients: dp * cp * ulysses."""
         return self.dp * self.cp * self.ulysses
+
+    @property
+    def expert_dp(self) -> np.ndarray:
+        """Replicas of each expert (MoE layers): tp * cp * ulysses * dp / (ep * etp)."""
+        return self.tp * self.shard_ranks // (self.ep * self.etp)
 
 
 def divisors(n: int) -> list[int]:
@@ -128,8 +139,32 @@ def layer_strategies(
         dp = width // (tp * cp * uly)
         if micro_batch_size % dp:
             continue
-        out += _variants(tp, cp, uly, dp, seq, training, uniform, uniform_fsdp)
+        base = _variants(tp, cp, uly, dp, seq, training, uniform, uniform_fsdp)
+        out += base + expert_variants(model, base, width)
     return StrategyTable.of(out)
+
+
+def expert_variants(model: ModelSpec, base: list[LayerStrategy], width: int
+                    ) -> list[LayerStrategy]:
+    """R7, MoE models: each strategy again with every expert layout an MoE layer may take:
+    ep > 1 dividing num_experts with ep * etp dividing the stage width, etp in {tp, 1} (the
+    dense strategy itself is ep = 1, etp = tp). ep = 1 with etp != tp is left out (megatron-core
+    0.16.1 then skips the experts' gradient reduction, reference M1.6), and so is tp > 1
+    without sp (MoE needs SP with TP). Only MoE layers take these (cost/moe.py valid_for)."""
+    if model.moe is None:
+        return []
+    f = model.moe.expert_ffn_hidden_size(model)
+    out = []
+    for s in base:
+        if s.tp > 1 and not s.sp:
+            continue
+        for ep in divisors(math.gcd(model.moe.num_experts, width)):
+            for etp in dict.fromkeys([None, 1] if s.tp > 1 else [None]):
+                et = s.tp if etp is None else etp
+                if ep == 1 or width % (ep * et) or f % et:
+                    continue
+                out.append(dataclasses.replace(s, ep=ep, etp=etp))
+    return out
 
 
 def _variants(
@@ -177,15 +212,21 @@ def dominated(
     any third strategy costs no more (ties keep the lower index)."""
     num = costs.shape[0]
     le = np.all(costs[:, None, :] <= costs[None, :, :], axis=-1)  # le[j, i]: j <= i everywhere
+    np.fill_diagonal(le, False)
     if num > 1:
         into = transition_s.T  # into[i, x] = cost of x -> i
-        # switch[j, i]: for every x not in {i, j}: x -> j <= x -> i and j -> x <= i -> x
-        ok_in = into[:, None, :] <= into[None, :, :]
-        ok_out = transition_s[:, None, :] <= transition_s[None, :, :]
-        eye = np.eye(num, dtype=bool)
-        mask = eye[:, None, :] | eye[None, :, :]
-        le &= np.all((ok_in & ok_out) | mask, axis=-1)
-    np.fill_diagonal(le, False)
+        # switch[j, i]: for every x not in {i, j}: x -> j <= x -> i and j -> x <= i -> x;
+        # checked only for the pairs already <= in every component, a chunk of pairs at a time
+        jj, ii = np.nonzero(le)
+        chunk = max(1, 4_000_000 // num)
+        for lo in range(0, len(jj), chunk):
+            j, i = jj[lo : lo + chunk], ii[lo : lo + chunk]
+            ok = (into[j] <= into[i]) & (transition_s[j] <= transition_s[i])  # [P, S]
+            rows = np.arange(len(j))
+            ok[rows, i] = True
+            ok[rows, j] = True
+            bad = ~ok.all(axis=1)
+            le[j[bad], i[bad]] = False
     strictly = le & ~le.T
     earlier = np.tril(np.ones((num, num), dtype=bool), k=-1).T  # earlier[j, i]: j < i
     return np.any(strictly | (le & le.T & earlier), axis=0)
@@ -270,6 +311,14 @@ def prune_strategies(
     comps = np.stack(
         [objective, costs.state_bytes, costs.activation_bytes, costs.transient_bytes], axis=1
     )
+    return prune_components(comps, switch, layout)
+
+
+def prune_components(comps: np.ndarray, switch: np.ndarray, layout: np.ndarray,
+                     max_rounds: int | None = None) -> np.ndarray:
+    """Rule R6 on [S, C] components (lower is better in each): for models with several layer
+    kinds the components of every kind side by side, inf where a kind may not use a strategy.
+    `max_rounds` stops the across-layout passes early (still exact: it only keeps more)."""
     keep = []
     for lay in np.unique(layout):
         members = np.flatnonzero(layout == lay)
@@ -277,10 +326,13 @@ def prune_strategies(
         drop = dominated(sub, np.zeros((len(members), len(members))))
         keep.extend(members[~drop].tolist())
     keep = np.array(sorted(keep), dtype=np.int64)
-    while True:  # dropping a layout can make another one dominated: repeat to a fixed point
+    rounds = 0
+    while max_rounds is None or rounds < max_rounds:  # dropping a layout can make another one
+        rounds += 1  # dominated: repeat to a fixed point
         sub = np.ix_(keep, keep)
         kept = keep[~dominated_layouts(comps[keep], switch[sub], layout[keep])]
         kept = kept[~dominated(comps[kept], switch[np.ix_(kept, kept)])]
         if len(kept) == len(keep):
             return keep
         keep = kept
+    return keep

@@ -9,6 +9,15 @@ from megatron_ext.errors import PlanError
 
 Precision = Literal["bf16", "fp16", "fp32"]
 
+DEFAULT_MOE_IMBALANCE = 1.2
+"""Default MoE load-imbalance factor rho: tokens the busiest rank's experts receive over the
+mean (planner/cost/moe.py scales expert compute, all-to-all volume and routed activations by it).
+Source: Switch Transformer (Fedus et al., JMLR 2022, arXiv 2101.03961, Sec. 2.2 and Table 1)
+trains with the load-balancing loss at expert capacity factors 1.0-1.25 and drops under 1% of the
+tokens at 1.25, i.e. the busiest expert stays within ~1.25x the mean; a rank holds E/ep experts,
+whose sum varies less than one expert's load, so 1.2. Override with `search --moe-imbalance`
+(1.0 = perfectly balanced, e.g. Megatron-LM's --moe-router-force-load-balancing benchmarks)."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainingSpec:
@@ -44,6 +53,8 @@ class TrainingSpec:
     """Attention scores are never stored (flash / fused attention), as with Transformer Engine."""
     dropout: bool = True
     """Hidden dropout is on (Megatron's default 0.1): one byte of mask per activation element."""
+    moe_imbalance: float = DEFAULT_MOE_IMBALANCE
+    """MoE load-imbalance factor (DEFAULT_MOE_IMBALANCE); read only for models with experts."""
     reserve_gib: float | None = None
     """Memory per GPU kept free for the CUDA context, NCCL buffers and allocator fragmentation;
     None means 1 GiB + 4% of the GPU's memory."""
@@ -57,6 +68,9 @@ class TrainingSpec:
             raise PlanError(f"--precision={self.precision!r} must be bf16, fp16 or fp32")
         if self.num_optimizer_states < 0:
             raise PlanError(f"num_optimizer_states={self.num_optimizer_states} must be >= 0")
+        if not self.moe_imbalance >= 1.0:
+            raise PlanError(f"--moe-imbalance={self.moe_imbalance} must be >= 1 (busiest rank's "
+                            "routed tokens over the mean; 1 = balanced)")
         if self.reserve_gib is not None and self.reserve_gib < 0:
             raise PlanError(f"reserve_gib={self.reserve_gib} must be >= 0")
 

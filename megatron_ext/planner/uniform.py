@@ -12,6 +12,7 @@ partitions, stages].
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import numpy as np
 from megatron_ext.plan import LayerStrategy, VocabStrategy
 from megatron_ext.planner.cost.evaluate import Evaluation, evaluate
 from megatron_ext.planner.cost.model import CostModel
+from megatron_ext.planner.cost.moe import MOE, kind_costs, layer_kinds, valid_for
 from megatron_ext.planner.cost.pipeline import (
     interleaved_inflight,
     one_f_one_b,
@@ -101,7 +103,10 @@ def score_uniform(
     """Best uniform layout at this (pp, micro-batch size) faster than bound_s, or None.
     fsdp=True also tries ZeRO-3 everywhere (FSDP2), which Megatron-LM allows with pp=1 and
     untied embeddings only. virtual_stages v > 1 scores the interleaved schedule with v equal
-    chunks per rank (the caller passes a v from `virtual_stage_options`)."""
+    chunks per rank (the caller passes a v from `virtual_stage_options`). MoE models: one
+    strategy for every layer, its expert degrees (--expert-model-parallel-size,
+    --expert-tensor-parallel-size) on the MoE layers only, each stage priced by its own count
+    of dense and MoE layers."""
     v = virtual_stages
     model, cluster = cm.model, cm.cluster
     width = cluster.num_gpus // pp
@@ -116,42 +121,47 @@ def score_uniform(
     )
     if len(table) == 0:
         return None
-    costs = cm.layer_costs(table, micro_batch_size)
+    per_kind = kind_costs(cm, table, micro_batch_size)
+    usable = valid_for(model, table)[-1]  # the MoE layers' rules (dense models: all)
+    kinds = layer_kinds(model)
     m = cm.training.global_batch_size // micro_batch_size
     if v == 1:
         parts = _partitions(model.num_layers, pp)  # [P, pp]
     else:
         parts = np.full((1, pp), model.num_layers / pp)
+    counts = _kind_counts(kinds, parts, len(per_kind), pp, v)  # [K, P, pp]
+    totals = [float(np.sum(kinds == k)) for k in range(len(per_kind))]
     best: tuple[float, Layout] | None = None
     for key in sorted({(int(tp), min(int(z), 1)) for tp, z in zip(table.tp, table.zero)}):
         ex = stage_extras(cm, VocabStrategy(mode="tp", tp=key[0]), pp, micro_batch_size, m, key[1],
                           virtual_stages=v)
-        work = (
-            model.num_layers * (costs.forward_s + costs.backward_s)
-            + (ex.forward_s + ex.backward_s).sum()
-        )
+        work = sum(n * (c.forward_s + c.backward_s) for n, c in zip(totals, per_kind))
+        work = work + (ex.forward_s + ex.backward_s).sum()
         bound = min(bound_s, best[0] if best else np.inf)
         sel = np.flatnonzero(
             (table.tp == key[0])
             & (np.minimum(table.zero, 1) == key[1])
+            & usable
             & (pipeline_lower_bound_s(work, pp, m) * interleave_bound(pp, m, v) < bound)
         )
         if len(sel) == 0:
             continue
-        found = _best_of(cm, costs, sel, ex, parts, m, v)
+        found = _best_of(cm, per_kind, sel, ex, counts, m, v)
         if found is not None and (best is None or found[0] < best[0]):
-            i, counts = found[1], parts[found[2]].astype(int)
+            i, sizes = found[1], parts[found[2]].astype(int)
             if v > 1:
-                counts = np.full(pp * v, model.num_layers // (pp * v))
-            bounds = np.concatenate([[0], np.cumsum(counts)])
+                sizes = np.full(pp * v, model.num_layers // (pp * v))
+            bounds = np.concatenate([[0], np.cumsum(sizes)])
+            chosen = table.strategies[i]
+            dense = dataclasses.replace(chosen, ep=1, etp=None)
             best = (
                 found[0],
                 Layout(
                     pp=pp,
                     micro_batch_size=micro_batch_size,
                     stages=tuple((int(bounds[k]), int(bounds[k + 1]))
-                                 for k in range(len(counts))),
-                    layers=(table.strategies[i],) * model.num_layers,
+                                 for k in range(len(sizes))),
+                    layers=tuple(chosen if kind == MOE else dense for kind in kinds.tolist()),
                     vocab=VocabStrategy(mode="tp", tp=key[0]),
                     virtual_stages=v,
                 ),
@@ -165,34 +175,64 @@ def interleave_bound(pp: int, m: int, v: int) -> float:
     return (m + (pp - 1) / v) / (m + pp - 1)
 
 
+def _kind_counts(kinds: np.ndarray, parts: np.ndarray, num_kinds: int, pp: int,
+                 v: int = 1) -> np.ndarray:
+    """[K, P, pp]: layers of each kind on each rank of each partition (v > 1: parts is the even
+    split and rank k holds chunks k, pp + k, ... of L / (pp v) layers)."""
+    if num_kinds == 1:
+        return parts[None]
+    prefix = np.concatenate([[0], np.cumsum(kinds == MOE)])
+    if v == 1:
+        ends = np.cumsum(parts, axis=1).astype(np.int64)
+        starts = ends - parts.astype(np.int64)
+        moe = (prefix[ends] - prefix[starts]).astype(float)
+    else:
+        size = len(kinds) // (pp * v)
+        moe = np.array([[sum(prefix[(c * pp + k + 1) * size] - prefix[(c * pp + k) * size]
+                             for c in range(v)) for k in range(pp)]], dtype=float)
+    return np.stack([parts - moe, moe])
+
+
 def _best_of(
-    cm, costs, sel: np.ndarray, ex, parts: np.ndarray, m: int, v: int = 1
+    cm, per_kind, sel: np.ndarray, ex, counts: np.ndarray, m: int, v: int = 1
 ) -> tuple[float, int, int] | None:
     """(iteration, strategy index, partition index) of the fastest feasible pair in sel x parts;
-    v > 1: the interleaved schedule with v equal chunks per rank (parts is the even split)."""
+    `per_kind` the LayerCosts of each layer kind, `counts` [K, P, pp] layers of each kind per
+    stage; v > 1: the interleaved schedule with v equal chunks per rank (the even split)."""
     col = lambda a: a[sel][:, None, None]
     if v == 1:
         inflight = ex.inflight
     else:  # in-flight chunk micro-batches at the peak, in units of a whole rank's layers
         inflight = interleaved_inflight(len(ex.inflight), m, v).sum(axis=-1).max(axis=0) / v
-    mem = (
-        ex.fixed_bytes
-        + parts[None] * (col(costs.state_bytes) + inflight * col(costs.activation_bytes))
-        + col(costs.transient_bytes)
-    )
+    mem = ex.fixed_bytes
+    transient = 0.0
+    for n, costs in zip(counts, per_kind):
+        mem = mem + n[None] * (col(costs.state_bytes) + inflight * col(costs.activation_bytes))
+        if len(per_kind) == 1:
+            transient = col(costs.transient_bytes)
+        else:  # the largest transient of the kinds the stage holds
+            transient = np.maximum(transient, np.where(n[None] > 0, col(costs.transient_bytes),
+                                                       0.0))
+    mem = mem + transient
     fits = np.all(mem <= cm.memory_cap_bytes, axis=-1)  # [S, P]
     si, pj = np.nonzero(fits)
     if len(si) == 0:
         return None
-    n = parts[pj]  # [F, pp]
     c = lambda a: a[sel][si][:, None]
+
+    def stage(name: str) -> np.ndarray:
+        total = 0.0
+        for n, costs in zip(counts, per_kind):
+            total = total + n[pj] * c(getattr(costs, name))
+        return total
+
     pipe = one_f_one_b(
-        n * c(costs.forward_s) + ex.forward_s,
-        n * c(costs.backward_s) + ex.backward_s,
+        stage("forward_s") + ex.forward_s,
+        stage("backward_s") + ex.backward_s,
         ex.p2p_s,
-        n * c(costs.grad_sync_s) + ex.grad_sync_s,
-        n * c(costs.param_gather_s) + ex.param_gather_s,
-        n * c(costs.optimizer_s) + ex.optimizer_s,
+        stage("grad_sync_s") + ex.grad_sync_s,
+        stage("param_gather_s") + ex.param_gather_s,
+        stage("optimizer_s") + ex.optimizer_s,
         m,
         overlap_slowdown=cm.overlap_slowdown,
         virtual_stages=v,

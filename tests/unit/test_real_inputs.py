@@ -15,6 +15,7 @@ dense/MoE layer pattern were all read correctly.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -180,17 +181,21 @@ def test_hf_config(name: str) -> None:
 
 def _parameters(model) -> int:
     """All parameters; an MoE layer's MLP is its experts (E x the gated MLP of the expert width),
-    its router (E x h), its shared experts and their sigmoid gate (h)."""
+    its router (E x h), its shared experts and their sigmoid gate (h). Counted here from the
+    dense model of the same shape, and the cost model's own count must agree."""
     total = model_parameters(model)
     if model.moe is None:
         return total
+    total = model_parameters(dataclasses.replace(model, moe=None))
     moe, h = model.moe, model.hidden_size
     gated = 3 if model.activation == "swiglu" else 2
     routed = moe.num_experts * (gated * h * moe.expert_ffn_hidden_size(model) + h)
     shared = gated * h * moe.shared_expert_intermediate_size + (h if moe.shared_expert_gate else 0)
     dense_mlp = gated * h * model.ffn_hidden_size
     moe_layers = sum(model.is_moe_layer(i) for i in range(model.num_layers))
-    return total + moe_layers * (routed + shared - dense_mlp)
+    counted = total + moe_layers * (routed + shared - dense_mlp)
+    assert model_parameters(model) == counted, (model_parameters(model), counted)
+    return counted
 
 
 def _mapped_fields() -> set[str]:

@@ -25,7 +25,7 @@ import numpy as np
 
 from megatron_ext.plan import LayerStrategy, VocabStrategy
 from megatron_ext.planner.cost.evaluate import Evaluation, evaluate, pipeline_of, stage_sums
-from megatron_ext.planner.cost.memory import state_bytes_breakdown
+from megatron_ext.planner.cost.moe import per_layer_costs, per_layer_weight_grad_bytes
 from megatron_ext.planner.space import StrategyTable
 
 MEMORY_PARTS = (
@@ -110,16 +110,9 @@ def breakdown(
     distinct = list(dict.fromkeys(layers))
     table = StrategyTable.of(distinct)
     index = np.array([distinct.index(s) for s in layers], dtype=np.int64)
-    costs = cm.layer_costs(table, micro_batch_size)
+    costs = per_layer_costs(cm, table, micro_batch_size, index)  # one row per layer
     t = cm.training
-    w, g, _ = state_bytes_breakdown(
-        table.zero,
-        table.shard_ranks,
-        half_precision=t.half_precision,
-        num_optimizer_states=t.num_optimizer_states,
-    )
-    params = cm.layer_params / table.tp  # per GPU, as CostModel's state_bytes count them
-    weights, grads = params * np.asarray(w), params * np.asarray(g)
+    weights, grads = per_layer_weight_grad_bytes(cm, table, index)
     reserve = t.reserve_bytes(cm.cluster.memory_gib)
     iteration = float(ev.iteration_s)
     busy = np.asarray(pipe.stage_busy_s, dtype=float)
@@ -127,7 +120,7 @@ def breakdown(
     v = virtual_stages
     for k in range(pp):
         chunks = [stages[c * pp + k] for c in range(v)]
-        ids = np.concatenate([index[s:e] for s, e in chunks])
+        ids = np.concatenate([np.arange(s, e) for s, e in chunks])  # per-layer rows
         start = chunks[0][0]
         w_k, g_k = float(weights[ids].sum()), float(grads[ids].sum())
         memory = {

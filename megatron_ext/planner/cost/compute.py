@@ -16,6 +16,7 @@ checked against 55 published A100 runs (tools/bench_published.py, docs/benchmark
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -123,7 +124,9 @@ def layer_params(model: ModelSpec) -> int:
 
 def model_parameters(model: ModelSpec) -> int:
     """All parameters, unpadded vocabulary: layers, embedding, output layer (untied), learned
-    positions, final norm."""
+    positions, final norm. MoE models: every expert counts (cost/moe.py)."""
+    if model.moe is not None:
+        return moe_model_parameters(model)
     h = model.hidden_size
     embedding = model.vocab_size * h * (1 if model.tied_embeddings else 2)
     learned = model.position_embedding == "learned_absolute"
@@ -141,9 +144,80 @@ def padded_vocab_size(vocab_size: int, num_shards: int, divisible_by: int = 128)
 
 def model_flops_per_token(model: ModelSpec, seq_length: int) -> float:
     """Training FLOPs per token for MFU: 6 x (layer GEMM weights + output layer) plus causal
-    attention 6 * s * q per layer (half of the s x s score matrix); recomputation not counted."""
+    attention 6 * s * q per layer (half of the s x s score matrix); recomputation not counted.
+    MoE layers count the weights a token uses (router, shared and top-k experts; cost/moe.py)."""
+    if model.moe is not None:
+        return moe_flops_per_token(model, seq_length)
     per_layer = 6 * layer_matmul_params(model) + 6 * seq_length * q_dim(model)
     return model.num_layers * per_layer + 6 * model.hidden_size * model.vocab_size
+
+
+# ---- Mixture of Experts: parameters and FLOPs (their costs: cost/moe.py) ----------------------
+
+
+def _num_moe_layers(model: ModelSpec) -> int:
+    return sum(model.is_moe_layer(i) for i in range(model.num_layers))
+
+
+def _u(model: ModelSpec) -> int:  # gated MLPs (swiglu) have two input branches
+    return 2 if model.activation == "swiglu" else 1
+
+
+def dense_mlp_params(model: ModelSpec) -> int:
+    """The dense MLP weights an MoE layer replaces: h f (u + 1)."""
+    return model.hidden_size * model.ffn_hidden_size * (_u(model) + 1)
+
+
+def expert_params(model: ModelSpec) -> int:
+    """All routed experts of one MoE layer: E h f (u + 1)."""
+    moe = model.moe
+    assert moe is not None
+    f = moe.expert_ffn_hidden_size(model)
+    return moe.num_experts * model.hidden_size * f * (_u(model) + 1)
+
+
+def router_params(model: ModelSpec) -> int:
+    assert model.moe is not None
+    return model.moe.num_experts * model.hidden_size
+
+
+def shared_expert_params(model: ModelSpec) -> int:
+    """The shared experts' MLP (h f_s (u + 1)) and, when gated (Qwen2-MoE), its gate [1, h]."""
+    assert model.moe is not None
+    gate = model.hidden_size if model.moe.shared_expert_gate else 0
+    return model.hidden_size * model.moe.shared_expert_intermediate_size * (_u(model) + 1) + gate
+
+
+def moe_layer_params(model: ModelSpec, *, active: bool = False) -> int:
+    """Parameters of one MoE layer: all of them, or those one token uses (top-k experts)."""
+    assert model.moe is not None
+    experts = expert_params(model)
+    if active:
+        experts = experts * model.moe.router_topk // model.moe.num_experts
+    base = layer_params(model) - dense_mlp_params(model)
+    return base + router_params(model) + shared_expert_params(model) + experts
+
+
+def moe_model_parameters(model: ModelSpec, *, active: bool = False) -> int:
+    """All parameters of an MoE model (or the active ones: top-k experts per MoE layer)."""
+    n_moe = _num_moe_layers(model)
+    dense_total = model_parameters(dataclasses.replace(model, moe=None))
+    per_moe = moe_layer_params(model, active=active) - layer_params(model)
+    return dense_total + n_moe * per_moe
+
+
+def moe_flops_per_token(model: ModelSpec, seq_length: int) -> float:
+    """Training FLOPs per token of an MoE model for MFU: as the dense formula
+    (compute.model_flops_per_token) with each MoE layer's GEMM weights counted as the ones a
+    token uses: router E h, shared experts and k of the E experts."""
+    dense = model_flops_per_token(dataclasses.replace(model, moe=None), seq_length)
+    moe = model.moe
+    assert moe is not None
+    f = moe.expert_ffn_hidden_size(model)
+    active = (router_params(model) + shared_expert_params(model)
+              + moe.router_topk * model.hidden_size * f * (_u(model) + 1))
+    return dense + _num_moe_layers(model) * 6.0 * (active - dense_mlp_params(model))
+
 
 
 # ---- transformer layer ----------------------------------------------------------------------

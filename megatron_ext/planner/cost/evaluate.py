@@ -25,6 +25,7 @@ import numpy as np
 
 from megatron_ext.plan import LayerStrategy, Prediction, VocabStrategy
 from megatron_ext.planner.cost.compute import model_flops_per_token
+from megatron_ext.planner.cost.moe import per_layer_costs
 from megatron_ext.planner.cost.pipeline import (
     PipelineTime,
     interleaved_inflight,
@@ -96,7 +97,7 @@ def stage_sums(
     distinct = list(dict.fromkeys(layers))
     table = StrategyTable.of(distinct)
     index = np.array([distinct.index(s) for s in layers], dtype=np.int64)
-    costs = cm.layer_costs(table, micro_batch_size)
+    costs = per_layer_costs(cm, table, micro_batch_size, index)  # one row per layer
     switch = cm.transition_s(table, micro_batch_size)
     m = cm.training.global_batch_size // micro_batch_size
     vocab_zero = 1 if any(s.zero >= 1 for s in distinct) else 0
@@ -109,6 +110,7 @@ def stage_sums(
         k = j % pp
         ids = index[start:end]
         sw = float(switch[ids[:-1], ids[1:]].sum()) / 2
+        ids = np.arange(start, end)  # rows of the per-layer costs
         arr["f"][k] += costs.forward_s[ids].sum() + sw
         arr["b"][k] += costs.backward_s[ids].sum() + sw
         arr["sync"][k] += costs.grad_sync_s[ids].sum()
@@ -138,7 +140,7 @@ def stage_sums(
         if v == 1:  # the same sum in the same order as before virtual stages existed
             start, end = stages[k]
             arr["mem"][k] = (ex.fixed_bytes[k]
-                             + costs.memory_bytes(int(ex.inflight[k]))[index[start:end]].sum()
+                             + costs.memory_bytes(int(ex.inflight[k]))[start:end].sum()
                              + transient[k])
         else:
             arr["mem"][k] += ex.fixed_bytes[k] + arr["act"][k] + transient[k]

@@ -253,16 +253,22 @@ class CostModel:
         return fwd, bwd
 
     def _data_parallel_s(
-        self, table: StrategyTable, forward_s: np.ndarray, backward_s: np.ndarray
+        self, table: StrategyTable, forward_s: np.ndarray, backward_s: np.ndarray,
+        *, params: np.ndarray | None = None, shard_ranks: np.ndarray | None = None,
+        stride: np.ndarray | None = None,
     ):
         """Gradient reduction, ZeRO-1 weight all-gather and ZeRO-2/3 per-micro-batch traffic over
         the d = dp*cp*ulysses ranks sharing a shard (stride tp). `forward_s` / `backward_s`:
-        the layer's compute that ZeRO-3 traffic can hide behind (backward incl. recompute)."""
-        params = self._params_per_gpu(table)
-        d, zero = table.shard_ranks, table.zero
-        grads = self.collective_s("reduce_scatter", params * GRAD_BYTES, d, table.tp)
-        weights = self.collective_s("all_gather", params * self.element_bytes, d, table.tp)
-        all_reduce = self.collective_s("all_reduce", params * GRAD_BYTES, d, table.tp)
+        the layer's compute that ZeRO-3 traffic can hide behind (backward incl. recompute).
+        `params`, `shard_ranks`, `stride` replace the layer's parameters per GPU, d and the
+        group's stride (cost/moe.py prices expert parameters over the expert-DP group)."""
+        params = self._params_per_gpu(table) if params is None else params
+        d = table.shard_ranks if shard_ranks is None else shard_ranks
+        stride = table.tp if stride is None else stride
+        zero = table.zero
+        grads = self.collective_s("reduce_scatter", params * GRAD_BYTES, d, stride)
+        weights = self.collective_s("all_gather", params * self.element_bytes, d, stride)
+        all_reduce = self.collective_s("all_reduce", params * GRAD_BYTES, d, stride)
         sync = np.where(zero == 0, all_reduce, np.where(zero == 1, grads, 0.0))
         gather = np.where(zero == 1, weights, 0.0)
         # ZeRO-3 gathers weights before forward and again before backward (the recompute
@@ -271,9 +277,9 @@ class CostModel:
         # per-layer collectives run at ZERO3_NICS_PER_GPU NICs per GPU (comm.py). ZeRO-2 (FSDP2
         # without the re-shard after forward) keeps the forward's gather for the backward.
         z3 = zero == 3
-        z3_ag = self.collective_s("all_gather", params * self.element_bytes, d, table.tp,
+        z3_ag = self.collective_s("all_gather", params * self.element_bytes, d, stride,
                                   nics_per_gpu=ZERO3_NICS_PER_GPU)
-        z3_rs = self.collective_s("reduce_scatter", params * GRAD_BYTES, d, table.tp,
+        z3_rs = self.collective_s("reduce_scatter", params * GRAD_BYTES, d, stride,
                                   nics_per_gpu=ZERO3_NICS_PER_GPU)
         fsdp = zero >= 2
         z3_fwd = np.where(fsdp, zero3_exposed_s(z3_ag, forward_s), 0.0)
