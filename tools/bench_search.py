@@ -23,7 +23,6 @@ import sys
 import time
 from dataclasses import dataclass
 
-from megatron_ext.planner.bounds import combo_bound
 from megatron_ext.planner.cost.model import CostModel
 from megatron_ext.planner.search import _combos, search
 from megatron_ext.planner.training import TrainingSpec
@@ -154,7 +153,7 @@ def run_case(case: Case, sharded_zero: bool = True) -> dict:
     result = search(cm)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     plan, uni = result.plan, result.uniform_plan
-    bound = min(combo_bound(cm, c.costs, c.pp, c.micro_batch_size) for c in _combos(cm))
+    bound = min(c.bound_s for c in _combos(cm))
     uniform_s = result.uniform_evaluation.iteration_s if uni else math.inf
     fsdp = search_uniform(cm, fsdp=True)
     fsdp_s = fsdp[1].iteration_s if fsdp else math.inf
