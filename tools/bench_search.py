@@ -1,7 +1,11 @@
 """Benchmark of `megatron-ext search`: search time and predicted speedup over the best uniform
 (stock Megatron-LM) layout on a fixed suite, printed as a table and written as JSON.
 
-    python tools/bench_search.py [--json bench_search.json] [--cases NAME ...]
+    python tools/bench_search.py [--json bench_search.json] [--cases NAME ...] [--moe]
+
+--moe runs the MoE suite instead (Mixtral-8x7B, Qwen2-57B-A14B, DeepSeekMoE-16B, a memory-tight
+case; the uniform baseline is Megatron-LM's MoE layout: one TP/PP/CP/DP plus EP/ETP on the MoE
+layers) and scores published MoE runs' layouts with the cost model.
 
 Speedup = plan tokens/s / best uniform tokens/s, both predicted by the same cost model.
 `bound` = uniform time / the search's own lower bound on any layout's time (the relaxation the
@@ -15,6 +19,7 @@ machine the CPU time is the fairer number.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -25,7 +30,7 @@ from dataclasses import dataclass
 
 from megatron_ext.planner.cost.model import CostModel
 from megatron_ext.planner.search import _combos, search
-from megatron_ext.planner.training import TrainingSpec
+from megatron_ext.planner.training import DEFAULT_MOE_IMBALANCE, TrainingSpec
 from megatron_ext.planner.uniform import search_uniform
 from megatron_ext.presets import cluster_preset, model_preset
 
@@ -144,6 +149,104 @@ SUITE = (
 )
 
 
+MOE_SUITE = (
+    # Mixtral-8x7B on 64 H100 (NeMo's performance-table setting: GBS 256, seq 4096)
+    Case(model="mixtral-8x7b", cluster="dgx-h100", nodes=8, global_batch_size=256,
+         seq_length=4096),
+    # Qwen2-57B-A14B (64 experts top-8 + a 20480-wide gated shared expert) on 128 H100
+    Case(model="qwen2-57b-a14b", cluster="dgx-h100", nodes=16, global_batch_size=512,
+         seq_length=4096),
+    # DeepSeekMoE-16B (first layer dense, 64 fine-grained experts top-6, 2 shared) on 128 H100
+    Case(model="deepseek-moe-16b", cluster="dgx-h100", nodes=16, global_batch_size=1024,
+         seq_length=4096),
+    # memory-tight: Mixtral-8x7B on 64 GPUs of 40 GiB
+    Case(model="mixtral-8x7b", cluster="dgx-h100", nodes=8, global_batch_size=256,
+         seq_length=4096, memory_gib=40, tight=True),
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Published:
+    """A published MoE training run on H100 (BF16) and its layout, scored with `evaluate`."""
+
+    name: str
+    model: str
+    """Preset name or a HuggingFace config under tests/data/hf_configs."""
+    nodes: int
+    global_batch_size: int
+    seq_length: int
+    micro_batch_size: int
+    """Per data-parallel replica, as the sources give it."""
+    tp: int
+    pp: int
+    ep: int
+    zero: int
+    tokens_per_s_per_gpu: float
+    source: str
+
+
+PUBLISHED = (
+    Published(name="Qwen3-30B-A3B 8xH100 EP8", model="Qwen3-30B-A3B", nodes=1,
+              global_batch_size=512, seq_length=4096, micro_batch_size=4, tp=1, pp=1, ep=8,
+              zero=3, tokens_per_s_per_gpu=12040,
+              source="NeMo AutoModel performance summary (DGX-H100, BF16, TE + DeepEP, "
+                     "FSDP2 over 8): 21.77 s per step"),
+    Published(name="Qwen3-235B-A22B 256xH100 TP2 EP8 PP32", model="qwen3-235b-a22b", nodes=32,
+              global_batch_size=2048, seq_length=4096, micro_batch_size=1, tp=2, pp=32, ep=8,
+              zero=1, tokens_per_s_per_gpu=2048 * 4096 / 24.2 / 256,
+              source="Megatron-MoE-ModelZoo best_practice/Qwen3 (H100, BF16, alltoall "
+                     "dispatcher, VPP 3, recompute norm+act): 24.2 s per step, 200 TFLOP/s"),
+)
+
+
+def _published_model(name: str):
+    if name == "qwen3-235b-a22b":  # Qwen/Qwen3-235B-A22B config.json
+        from megatron_ext.specs import ModelSpec, MoESpec
+
+        return ModelSpec(name=name, num_layers=94, hidden_size=4096, ffn_hidden_size=12288,
+                         num_attention_heads=64, num_query_groups=4, kv_channels=128,
+                         vocab_size=151936, max_position_embeddings=40960, qk_layernorm=True,
+                         rotary_base=1000000, norm_epsilon=1e-6,
+                         moe=MoESpec(num_experts=128, router_topk=8, ffn_hidden_size=1536,
+                                     aux_loss_coeff=0.001))
+    from pathlib import Path
+
+    from megatron_ext.presets import model_from_file
+
+    path = Path(__file__).resolve().parents[1] / "tests" / "data" / "hf_configs" / f"{name}.json"
+    return model_from_file(path)
+
+
+def run_published(run: Published, imbalance: float) -> dict:
+    """Predicted tokens/s/GPU of a published layout (uniform, 1F1B, even stages as Megatron's
+    default split) against the published figure."""
+    from megatron_ext.plan import LayerStrategy, VocabStrategy
+    from megatron_ext.planner.cost.evaluate import evaluate
+
+    model = _published_model(run.model)
+    cluster = cluster_preset("dgx-h100", num_nodes=run.nodes)
+    cm = CostModel(model, cluster, TrainingSpec(global_batch_size=run.global_batch_size,
+                                                seq_length=run.seq_length,
+                                                moe_imbalance=imbalance))
+    width = cluster.num_gpus // run.pp
+    dp = width // run.tp
+    base = LayerStrategy(tp=run.tp, sp=run.tp > 1, dp=dp, zero=run.zero)
+    expert = LayerStrategy(tp=run.tp, sp=run.tp > 1, dp=dp, zero=run.zero, ep=run.ep,
+                           etp=1 if run.tp > 1 else None)
+    layers = tuple(expert if model.is_moe_layer(i) else base for i in range(model.num_layers))
+    sizes = [model.num_layers // run.pp + (k < model.num_layers % run.pp) for k in range(run.pp)]
+    bounds = [0, *itertools.accumulate(sizes)]
+    ev = evaluate(cm, pp=run.pp, stages=tuple(zip(bounds[:-1], bounds[1:])), layers=layers,
+                  vocab=VocabStrategy(mode="tp", tp=run.tp),
+                  micro_batch_size=run.micro_batch_size * dp)
+    predicted = ev.tokens_per_s / cluster.num_gpus
+    return {"run": run.name, "imbalance": imbalance, "published": round(run.tokens_per_s_per_gpu),
+            "predicted": round(predicted), "error": round(predicted / run.tokens_per_s_per_gpu - 1,
+                                                          4),
+            "feasible": ev.feasible, "peak_gib": round(max(ev.stage_peak_bytes) / 2**30, 1),
+            "source": run.source}
+
+
 def run_case(case: Case, sharded_zero: bool = True) -> dict:
     cluster = cluster_preset(case.cluster, num_nodes=case.nodes, memory_gib=case.memory_gib)
     training = TrainingSpec(global_batch_size=case.global_batch_size, seq_length=case.seq_length,
@@ -245,16 +348,32 @@ def main() -> int:
     parser.add_argument("--cases", nargs="*", default=None, help="case keys to run (default all)")
     parser.add_argument("--no-sharded-zero", action="store_true",
                         help="search zero 0/1 only (the space before ZeRO-2/3 ran), to compare")
+    parser.add_argument("--moe", action="store_true",
+                        help="the MoE suite (search vs the best uniform Megatron MoE layout) and "
+                        "the published MoE runs scored by the cost model, instead of the dense "
+                        "suite")
     args = parser.parse_args()
-    cases = [c for c in SUITE if args.cases is None or c.key in args.cases]
+    suite = MOE_SUITE if args.moe else SUITE
+    cases = [c for c in suite if args.cases is None or c.key in args.cases]
     rows = []
     for case in cases:
         rows.append(run_case(case, sharded_zero=not args.no_sharded_zero))
         print(f"done {case.key}: {rows[-1]['search_s']:.2f} s", file=sys.stderr)
     print_table(rows)
+    published = []
+    if args.moe:
+        for run in PUBLISHED:
+            for rho in (1.0, DEFAULT_MOE_IMBALANCE):
+                published.append(run_published(run, rho))
+        print("published MoE runs (H100, BF16), predicted tokens/s/GPU by imbalance rho:")
+        for p in published:
+            print(f"  {p['run']}: rho {p['imbalance']:g}: predicted {p['predicted']:,} vs "
+                  f"published {p['published']:,} ({100 * p['error']:+.1f}%), peak "
+                  f"{p['peak_gib']} GiB{'' if p['feasible'] else ' (over memory)'}")
     out = {
         "summary": summarize(rows),
         "cases": rows,
+        "published_moe": published,
         "machine": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
