@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from megatron_ext.planner.cost.moe import kind_costs, valid_for
 from megatron_ext.planner.cost.vocab import stage_extras
 from megatron_ext.planner.space import divisors, layer_strategies, vocab_options
 
@@ -59,7 +60,7 @@ def min_allocated_bytes(cm) -> float:
             )
             if len(table) == 0:
                 continue
-            costs = cm.layer_costs(table, mbs)
+            costs = _least_memory_costs(cm, table, mbs)
             order = np.argsort(costs.transient_bytes)
             transient = costs.transient_bytes[order]
             m = t.global_batch_size // mbs
@@ -78,6 +79,22 @@ def min_allocated_bytes(cm) -> float:
                 bound = _min_max_bytes(ex.fixed_bytes, transient, per_layer, model.num_layers)
                 best = min(best, bound)
     return best
+
+
+def _least_memory_costs(cm, table, mbs: int):
+    """The layer costs whose memory bounds every layer's from below: a dense model's own; for
+    MoE models each strategy's smallest state, activation and transient bytes over the layer
+    kinds that may use it (a layer of either kind then needs at least that much)."""
+    per_kind = kind_costs(cm, table, mbs)
+    if len(per_kind) == 1:
+        return per_kind[0]
+    valid = valid_for(cm.model, table)
+    least = {
+        name: np.min(np.stack([np.where(ok, getattr(c, name), np.inf)
+                               for c, ok in zip(per_kind, valid)]), axis=0)
+        for name in ("state_bytes", "activation_bytes", "transient_bytes")
+    }
+    return dataclasses.replace(per_kind[0], **least)
 
 
 def min_memory_gib(cm) -> float:
