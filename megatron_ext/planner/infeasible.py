@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from megatron_ext.planner.cost.moe import kind_costs, valid_for
+from megatron_ext.planner.cost.moe import kind_costs, layer_kinds, valid_for
 from megatron_ext.planner.cost.vocab import stage_extras
 from megatron_ext.planner.space import divisors, layer_strategies, vocab_options
 
@@ -84,17 +84,18 @@ def min_allocated_bytes(cm) -> float:
 def _least_memory_costs(cm, table, mbs: int):
     """The layer costs whose memory bounds every layer's from below: a dense model's own; for
     MoE models each strategy's smallest state, activation and transient bytes over the layer
-    kinds that may use it (a layer of either kind then needs at least that much)."""
+    kinds the model has that may use it (inf where none may: the strategy is never chosen)."""
     per_kind = kind_costs(cm, table, mbs)
     if len(per_kind) == 1:
         return per_kind[0]
+    used = np.unique(layer_kinds(cm.model))  # the kinds the model has (Mixtral: MoE only)
     valid = valid_for(cm.model, table)
     least = {
-        name: np.min(np.stack([np.where(ok, getattr(c, name), np.inf)
-                               for c, ok in zip(per_kind, valid)]), axis=0)
+        name: np.min(np.stack([np.where(valid[k], getattr(per_kind[k], name), np.inf)
+                               for k in used]), axis=0)
         for name in ("state_bytes", "activation_bytes", "transient_bytes")
     }
-    return dataclasses.replace(per_kind[0], **least)
+    return dataclasses.replace(per_kind[int(used[-1])], **least)
 
 
 def min_memory_gib(cm) -> float:

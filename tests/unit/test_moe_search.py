@@ -275,3 +275,16 @@ def test_cli_moe_imbalance(tmp_path, capsys) -> None:
     assert main([*argv, "--moe-imbalance", "1.5", "--out", str(tmp_path / "p.json")]) == 0
     out = capsys.readouterr().err
     assert "active per token" in out
+
+
+def test_infeasibility_bound_counts_the_experts() -> None:
+    """Mixtral-8x7B (46.7B parameters, 16 bytes each with Adam) cannot fit 8 x 80 GiB even fully
+    sharded; priced as the 7.2B dense model of its shape it would seem to fit easily."""
+    from megatron_ext.planner.infeasible import min_allocated_bytes
+
+    model = MODEL_PRESETS["mixtral-8x7b"]
+    cluster = ClusterSpec(name="dgx-h100", num_nodes=1, gpus_per_node=8)
+    training = TrainingSpec(global_batch_size=8, seq_length=4096)
+    moe = min_allocated_bytes(CostModel(model, cluster, training))
+    dense = min_allocated_bytes(CostModel(dataclasses.replace(model, moe=None), cluster, training))
+    assert moe > 46.7e9 * 16 / 8 > 80 * 2**30 > dense
