@@ -27,6 +27,7 @@ R6 dominance (exact, `dominated`): drop s if some s' is no slower in the DP obje
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from itertools import product
@@ -153,18 +154,25 @@ def expert_variants(model: ModelSpec, base: list[LayerStrategy], width: int
     without sp (MoE needs SP with TP). Only MoE layers take these (cost/moe.py valid_for)."""
     if model.moe is None:
         return []
-    f = model.moe.expert_ffn_hidden_size(model)
+    return list(_expert_variants(model.moe.num_experts, model.moe.expert_ffn_hidden_size(model),
+                                 tuple(base), width))
+
+
+@functools.lru_cache(maxsize=4096)
+def _expert_variants(num_experts: int, f: int, base: tuple[LayerStrategy, ...], width: int
+                     ) -> tuple[LayerStrategy, ...]:
+    """expert_variants, cached: every micro-batch size of a pipeline degree asks again."""
     out = []
     for s in base:
         if s.tp > 1 and not s.sp:
             continue
-        for ep in divisors(math.gcd(model.moe.num_experts, width)):
+        for ep in divisors(math.gcd(num_experts, width)):
             for etp in dict.fromkeys([None, 1] if s.tp > 1 else [None]):
                 et = s.tp if etp is None else etp
                 if ep == 1 or width % (ep * et) or f % et:
                     continue
                 out.append(dataclasses.replace(s, ep=ep, etp=etp))
-    return out
+    return tuple(out)
 
 
 def _variants(
@@ -206,14 +214,15 @@ def _variants(
 
 def dominated(
     costs: np.ndarray,  # [S, C] components, lower is better in each
-    transition_s: np.ndarray,  # [S, S], transition_s[i, j] = cost of layer i followed by j
+    transition_s: np.ndarray | None,  # [S, S], transition_s[i, j] = cost of i followed by j
 ) -> np.ndarray:  # [S] bool
     """Rule R6: s_i is dropped when some s_j is <= in every component and every switch to or from
-    any third strategy costs no more (ties keep the lower index)."""
+    any third strategy costs no more (ties keep the lower index). transition_s None: all switches
+    are free (strategies of one layout), so only the components decide."""
     num = costs.shape[0]
     le = np.all(costs[:, None, :] <= costs[None, :, :], axis=-1)  # le[j, i]: j <= i everywhere
     np.fill_diagonal(le, False)
-    if num > 1:
+    if num > 1 and transition_s is not None:
         into = transition_s.T  # into[i, x] = cost of x -> i
         # switch[j, i]: for every x not in {i, j}: x -> j <= x -> i and j -> x <= i -> x;
         # checked only for the pairs already <= in every component, a chunk of pairs at a time
@@ -323,7 +332,7 @@ def prune_components(comps: np.ndarray, switch: np.ndarray, layout: np.ndarray,
     for lay in np.unique(layout):
         members = np.flatnonzero(layout == lay)
         sub = comps[members]
-        drop = dominated(sub, np.zeros((len(members), len(members))))
+        drop = dominated(sub, None)  # one layout: every switch between them is free
         keep.extend(members[~drop].tolist())
     keep = np.array(sorted(keep), dtype=np.int64)
     rounds = 0
