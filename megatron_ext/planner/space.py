@@ -21,7 +21,14 @@ R5 with flash attention, selective recomputation is dropped in the layerwise spa
 R6 dominance (exact, `dominated`): drop s if some s' is no slower in the DP objective, keeps no
    more state, activation and transient memory, and costs no more to switch to or from any other
    strategy. Replacing s by s' in any solution then keeps every stage within memory and does not
-   raise the objective, so an optimum without s exists.
+   raise the objective, so an optimum without s exists. For MoE models the components of both
+   layer kinds are compared side by side (inf where a kind may not use a strategy).
+R7 MoE models (`expert_variants`): MoE layers also get every strategy with ep > 1 dividing the
+   experts and ep * etp the stage width, etp in {tp, 1} (heuristic only in leaving out other
+   etp values, which Megatron-LM's MoE recipes do not use); ep = 1 with etp != tp is left out
+   (megatron-core 0.16.1 never reduces those expert gradients over expert-DP).
+R9 (search.py) MoE models: transient-memory levels rounded up to 1/64 of the cap (heuristic: a
+   stage may lose cap/64 of budget, which the exact repair pass gives back layer by layer).
 """
 
 from __future__ import annotations
