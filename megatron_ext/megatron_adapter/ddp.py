@@ -51,7 +51,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron_ext.megatron_adapter.fsdp import ShardedLayers, shard_root
 from megatron_ext.megatron_adapter.model import HeteroGPTModel
 
-__all__ = ["GradClass", "HeteroDDP", "finalize_grads", "vocab_zero"]
+__all__ = ["GradClass", "HeteroDDP", "chain_kinds", "finalize_grads", "stage_class_keys",
+           "vocab_zero"]
 
 
 def vocab_zero(layer_zero: int) -> int:
@@ -59,6 +60,39 @@ def vocab_zero(layer_zero: int) -> int:
     megatron's DDP (the embedding is tied across stages and sits outside the layer loop), with
     the distributed optimizer when the neighbour shards anything."""
     return min(layer_zero, 1)
+
+
+def stage_class_keys(plan: Any, chunk: int) -> list[tuple]:
+    """(tp, zero, expert) of the gradient classes of model chunk `chunk` (an entry of
+    plan.stages), in `grad_classes`' order (the order of its chained optimizers), from the plan
+    alone."""
+    start, end = plan.stages[chunk]
+    vocab_parallel = plan.vocab.mode == "vocab_parallel"
+    wanted: list[tuple] = [(plan.vocab.tp, vocab_zero(plan.layers[start].zero), None)] if (
+        chunk == 0 and not vocab_parallel) else []
+    for i in range(start, end):
+        s = plan.layers[i]
+        wanted.append((s.tp, s.zero, None))
+        if plan.model.is_moe_layer(i):
+            wanted.append((s.expert_tp, s.zero, (s.ep, s.expert_tp)))
+    if chunk == len(plan.stages) - 1:  # final norm (and the output layer unless vocab-parallel)
+        wanted.append((plan.vocab.tp, vocab_zero(plan.layers[end - 1].zero), None))
+    if vocab_parallel:
+        wanted.append((plan.vocab.tp, vocab_zero(plan.layers[start].zero), None))
+    return list(dict.fromkeys(wanted))
+
+
+def chain_kinds(plan: Any) -> tuple[tuple[str, ...], ...]:
+    """Per pipeline rank (its model chunks in order), the kind of each chained optimizer:
+    "distributed" (ZeRO-1), "sharded" (ZeRO-2/3 under bf16/fp16: fp32 FSDP2 shards are the
+    master weights) or "local" (megatron's FP32Optimizer / Float16OptimizerWithFloat16Params).
+    Their state dicts differ in structure between kinds."""
+    half = plan.precision in ("bf16", "fp16")
+    kinds: list[list[str]] = [[] for _ in range(plan.pp)]
+    for chunk in range(len(plan.stages)):
+        kinds[chunk % plan.pp] += ["distributed" if zero == 1 else "sharded" if zero >= 2 and half
+                                   else "local" for _, zero, _ in stage_class_keys(plan, chunk)]
+    return tuple(tuple(k) for k in kinds)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
+from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase
 from megatron.core.optimizer import (
     OptimizerConfig,
     _get_megatron_optimizer_based_on_param_groups,
@@ -56,7 +58,7 @@ from megatron.core.optimizer_param_scheduler import (
 )
 from torch.distributed.tensor import DTensor
 
-from megatron_ext.megatron_adapter.ddp import HeteroDDP
+from megatron_ext.megatron_adapter.ddp import HeteroDDP, chain_kinds
 from megatron_ext.megatron_adapter.fsdp import load_optimizer_state, optimizer_sharded_state_dict
 
 __all__ = ["HeteroChainedOptimizer", "build_optimizer", "chain_grad_scaler"]
@@ -102,7 +104,7 @@ class HeteroChainedOptimizer(ChainedOptimizer):
 
     def __init__(self, chained: list[MegatronOptimizer], config: OptimizerConfig,
                  replicated: list[bool], grad_scaler: MegatronGradScaler | None = None,
-                 sharded: list[bool] | None = None) -> None:
+                 sharded: list[bool] | None = None, stage: int | None = None) -> None:
         # ChainedOptimizer.__init__ asserts equal configs; ours differ in use_distributed_optimizer.
         self.chained_optimizers = chained
         self.config = config
@@ -114,6 +116,9 @@ class HeteroChainedOptimizer(ChainedOptimizer):
         self.is_stub_optimizer = not chained
         self._replicated = replicated
         """Per sub-optimizer: grads identical on every dp_cp rank (no ZeRO) -> count once."""
+        self.stage = stage
+        """This rank's pipeline stage when the stages' chains differ in kind (their states are
+        then saved per stage, see `sharded_state_dict`); None otherwise."""
         self._sharded = sharded or [False] * len(chained)
         """Per sub-optimizer: it steps FSDP2 shards (a ZeRO-2/3 class)."""
         self.grad_scaler = grad_scaler
@@ -158,8 +163,14 @@ class HeteroChainedOptimizer(ChainedOptimizer):
     def sharded_state_dict(self, model_sharded_state_dict: dict, is_loading: bool = False,
                            **kwargs: Any) -> dict:
         """megatron-core's, with the ZeRO-2/3 classes' states in the weights' own keys
-        (fsdp.optimizer_sharded_state_dict)."""
-        if not any(self._sharded):
+        (fsdp.optimizer_sharded_state_dict).
+
+        dist_checkpointing keeps only rank 0's non-tensor ("common") part and gives it to every
+        rank on load, which fits only if every stage chains the same kinds of optimizer. When
+        they differ (`stage` set), the chain is saved as {"stage<p>": chain of stage p}: the
+        common parts of all stages are gathered (collective over the world when saving), so
+        rank 0 writes every stage's, and each rank loads its own stage's entry."""
+        if not any(self._sharded) and self.stage is None:
             return super().sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
         states = []
         for opt, sharded in zip(self.chained_optimizers, self._sharded):
@@ -169,10 +180,25 @@ class HeteroChainedOptimizer(ChainedOptimizer):
             else:
                 states.append(opt.sharded_state_dict(model_sharded_state_dict, is_loading,
                                                      **kwargs))
-        return states[0] if len(states) == 1 else dict(enumerate(states))
+        own = states[0] if len(states) == 1 else dict(enumerate(states))
+        if self.stage is None:
+            return own
+        out = {f"stage{self.stage}": own}
+        if not is_loading:
+            _, common = extract_matching_values(
+                own, lambda v: isinstance(v, ShardedBase | LocalNonpersistentObject),
+                return_lists_as_dicts=False)  # as megatron splits it (save_preprocess)
+            gathered: list = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, (self.stage, common))
+            for stage, stage_common in gathered:
+                out.setdefault(f"stage{stage}", stage_common)
+        return out
 
     def load_state_dict(self, state_dict: Any) -> None:
-        if not any(self._sharded):
+        full = state_dict  # every stage's entry: the scaler is in those with a Float16/ZeRO-1 one
+        if self.stage is not None:
+            state_dict = state_dict[f"stage{self.stage}"]
+        if not any(self._sharded) and self.stage is None:
             super().load_state_dict(state_dict)
         else:
             states = [state_dict] if len(self.chained_optimizers) == 1 else [
@@ -186,7 +212,7 @@ class HeteroChainedOptimizer(ChainedOptimizer):
                 else:
                     opt.load_state_dict(state)
         if self.grad_scaler is not None:  # rank 0's scaler state, the same on every rank
-            saved = _find_grad_scaler_state(state_dict)
+            saved = _find_grad_scaler_state(full)
             if saved is not None:
                 self.grad_scaler.load_state_dict(saved)
 
@@ -211,12 +237,16 @@ class HeteroChainedOptimizer(ChainedOptimizer):
         return float(zeros.item())
 
 
-def _find_grad_scaler_state(state_dict: Any) -> dict | None:
-    entries = state_dict.values() if isinstance(state_dict, dict) and "grad_scaler" not in \
-        state_dict else [state_dict] if isinstance(state_dict, dict) else state_dict
-    for entry in entries:
-        if isinstance(entry, dict) and entry.get("grad_scaler") is not None:
-            return entry["grad_scaler"]
+def _find_grad_scaler_state(state: Any, depth: int = 3) -> dict | None:
+    """The first 'grad_scaler' entry in a (chained, possibly per-stage) optimizer state."""
+    if not isinstance(state, dict) or depth < 0:
+        return None
+    if state.get("grad_scaler") is not None:
+        return state["grad_scaler"]
+    for value in state.values():
+        found = _find_grad_scaler_state(value, depth - 1)
+        if found is not None:
+            return found
     return None
 
 
@@ -266,6 +296,8 @@ def build_optimizer(chunks: list[HeteroDDP], config: OptimizerConfig) -> HeteroC
         chained.append(opt)
         replicated.append(cls.zero == 0)
         sharded.append(cls.zero >= 2)
-    plan = chunks[0].module.plan
+    inner = chunks[0].module
+    plan = inner.plan
     scaler = chain_grad_scaler(config, any(s.zero >= 1 for s in plan.layers))
-    return HeteroChainedOptimizer(chained, config, replicated, scaler, sharded)
+    stage = inner.groups.stage if len(set(chain_kinds(plan))) > 1 else None
+    return HeteroChainedOptimizer(chained, config, replicated, scaler, sharded, stage)

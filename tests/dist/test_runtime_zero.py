@@ -147,14 +147,14 @@ def _check_optimizer_resume(plan_a, plan_b, path: str) -> dict:
     expected = [train_step(backend.model, backend.optimizer, iter(micro), groups)["loss"]
                 for _ in range(2)]
     resumed = []
-    for plan in (plan_a, plan_b):
+    for plan in (plan_a, plan_b) if plan_b is not None else (plan_a,):
         check_optimizer_layout(checkpoint_info(path), plan, path)
         backend, groups, scheduler = _layerwise_backend(plan, seed=5)
         state = load_checkpoint(resolve_load(path), backend, scheduler, plan)
         assert state.iteration == 2, state
         resumed.append([train_step(backend.model, backend.optimizer, iter(micro), groups)["loss"]
                         for _ in range(2)])
-    return {"expected": expected, "same_plan": resumed[0], "other_plan": resumed[1]}
+    return {"expected": expected, "same_plan": resumed[0], "other_plan": resumed[-1]}
 
 
 def _run_plans(rank: int, world_size: int, ckpt_dir: str | None = None) -> dict:
@@ -189,10 +189,17 @@ def _run_plans(rank: int, world_size: int, ckpt_dir: str | None = None) -> dict:
         out["optimizer_checkpoint"] = _check_optimizer_resume(
             zero3, dataclasses.replace(zero3, layers=(L(tp=2, dp=2, zero=2),) * 2 + (
                 L(dp=4, zero=3),) * 2), f"{ckpt_dir}/c")
+        # stages chaining different kinds (stage 0: ZeRO-1 vocab, ZeRO-3, DDP; stage 1: ZeRO-2,
+        # ZeRO-1): the chain is saved per stage
+        out["optimizer_checkpoint_pp"] = _check_optimizer_resume(
+            plans["pp2 zero 3|2 (MHA, tied), overlapped DDP beside"], None, f"{ckpt_dir}/d")
     return out
 
 
 def _check(results: list[dict]) -> None:
+    resume_pp = results[0].pop("optimizer_checkpoint_pp", None)
+    if resume_pp is not None:
+        assert resume_pp["same_plan"] == resume_pp["expected"], resume_pp
     resume = results[0].pop("optimizer_checkpoint", None)
     if resume is not None:  # same plan: bit for bit; resharded: fp32 summation order only
         assert resume["same_plan"] == resume["expected"], resume

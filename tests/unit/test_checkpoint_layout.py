@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from megatron_ext.errors import PlanError
+from megatron_ext.megatron_adapter.ddp import chain_kinds
 from megatron_ext.megatron_adapter.training.checkpoint import (
     check_optimizer_layout,
     gradient_class_counts,
@@ -56,3 +57,23 @@ def test_a_different_chain_is_one_line_naming_the_fix() -> None:
     check_optimizer_layout(info, stock_pp1, "ckpt")  # layerwise [1, 1] -> stock
     with pytest.raises(PlanError, match=r"\[1\] gradient classes .* \[2, 1\]"):
         check_optimizer_layout(stock_info, other, "ckpt")
+
+
+def test_stages_chaining_different_kinds_reload_only_into_the_same_chains() -> None:
+    """ZeRO-1 (distributed), ZeRO-2/3 under bf16/fp16 (sharded) and the rest (local) have
+    differently shaped states; a plan whose stages chain different kinds saves them per stage."""
+    tp1 = VocabStrategy(mode="tp", tp=1)
+    z2, z3 = dataclasses.replace(DP2, zero=2), dataclasses.replace(DP2, zero=3)
+    saved = dataclasses.replace(_plan((z2, DP2_Z1, z3, DP2_Z1), ((0, 2), (2, 4)), tp1),
+                                precision="fp16")
+    assert chain_kinds(saved) == (("distributed", "sharded"), ("sharded", "distributed"))
+    assert chain_kinds(dataclasses.replace(saved, precision="fp32")) == (
+        ("distributed", "local"), ("local", "distributed"))
+    info = {"model_format": "layerwise", "plan": saved.to_json(),
+            "optimizer_chain": [list(k) for k in chain_kinds(saved)]}
+    check_optimizer_layout(info, saved, "ckpt")
+    swapped = dataclasses.replace(saved, layers=(z3, DP2_Z1, z2, DP2_Z1))  # same kinds: loads
+    check_optimizer_layout(info, swapped, "ckpt")
+    other = dataclasses.replace(saved, layers=(DP2, z2, z3, DP2_Z1))  # stage 0: local first
+    with pytest.raises(PlanError, match=r"optimizers per pipeline stage .*--no-load-optim"):
+        check_optimizer_layout(info, other, "ckpt")

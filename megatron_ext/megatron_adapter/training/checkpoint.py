@@ -34,7 +34,7 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_ext.errors import PlanError
-from megatron_ext.megatron_adapter.ddp import vocab_zero
+from megatron_ext.megatron_adapter.ddp import chain_kinds, vocab_zero
 from megatron_ext.megatron_adapter.training.checkpoint_files import (
     TRACKER_FILE,
     LoadTarget,
@@ -146,7 +146,9 @@ def _state_dict(backend: Any, scheduler: Any, state: TrainState, plan: ParallelP
     sd["megatron_ext"] = {"plan": plan.to_json(), "fingerprint": _plan_fingerprint(plan),
                           "padded_vocab_size": backend.padded_vocab_size,
                           "optimizer_format": _optimizer_format(backend.optimizer),
-                          "model_format": backend.model_format, "layer_keys": LAYER_KEYS}
+                          "model_format": backend.model_format, "layer_keys": LAYER_KEYS,
+                          "optimizer_chain": [list(k) for k in chain_kinds(plan)]
+                          if backend.model_format == "layerwise" else None}
     if with_rng:
         rank, world = dist.get_rank(), dist.get_world_size()
         sd["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
@@ -201,6 +203,30 @@ def _commit(root: Path, tmp: Path, iteration: int) -> None:
                        TRACKER_FILE, root, iteration)
 
 
+@torch.no_grad()
+def _materialize_adam_state(optimizer: Any) -> None:
+    """Give torch Adam parameters that have never been stepped the state Adam's first step
+    creates (step 0, zero moments; torch/optim/adam.py `_init_group`), so a save before the
+    first successful step works: without apex/TE, megatron's DistributedOptimizer.state_dict
+    asserts one shared `step` (distrib_optimizer.py:642), and under fp16 every step before the
+    loss scale has come down is skipped. Adam then behaves exactly as with lazy state."""
+    for opt in _inner_optimizers(optimizer):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if inner.state[param]:
+                    continue
+                inner.state[param] = {
+                    "step": torch.tensor(0.0, dtype=torch.float32),
+                    "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format)}
+                if group.get("amsgrad"):
+                    inner.state[param]["max_exp_avg_sq"] = torch.zeros_like(
+                        param, memory_format=torch.preserve_format)
+
+
 def save_checkpoint(root: str | Path, backend: Any, scheduler: Any, state: TrainState,
                     plan: ParallelPlan, *, with_optimizer: bool = True) -> Path:
     """Write iteration `state.iteration` under `root`; returns the published directory.
@@ -212,6 +238,8 @@ def save_checkpoint(root: str | Path, backend: Any, scheduler: Any, state: Train
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     dist.barrier()
+    if with_optimizer:
+        _materialize_adam_state(backend.optimizer)
     sd = _state_dict(backend, scheduler, state, plan, is_loading=False,
                      with_optimizer=with_optimizer)
     dist_checkpointing.save(sd, str(tmp))
@@ -289,6 +317,16 @@ def check_optimizer_layout(info: dict[str, Any], plan: ParallelPlan, root: str |
             f"per pipeline stage, this plan has {list(now)}; megatron-core's chained optimizer "
             "cannot reshard between them: add --no-load-optim (weights still load) or resume "
             "under the saved plan")
+    kinds_was = [tuple(k) for k in info.get("optimizer_chain") or []]
+    kinds_now = [] if runs_stock else list(chain_kinds(plan))
+    if (len(set(kinds_was)) > 1 or len(set(kinds_now)) > 1) and kinds_was != kinds_now:
+        raise PlanError(
+            f"--load={root} holds optimizer state of a plan whose optimizers per pipeline stage "
+            f"are {[list(k) for k in kinds_was]}, this plan's are "
+            f"{[list(k) for k in kinds_now]}; stages chaining different kinds of optimizer "
+            "(ZeRO-1 distributed, ZeRO-2/3 sharded, local) are saved per stage and reload only "
+            "into the same chains: add --no-load-optim (weights still load) or keep each "
+            "stage's ZeRO levels")
 
 
 def check_layer_keys(info: dict[str, Any], plan: ParallelPlan, root: str | Path) -> None:
