@@ -4,7 +4,8 @@ Each plan trains 5 optimizer steps (AdamW, clip 1.0, weight decay) on one fixed 
 per-step losses equal the single-process run with the same initial weights, and every local
 gradient shard (experts included, by their global expert index) equals the reference's after
 step 1 (see moe_parity.py for the reference and how routing is kept deterministic). The router's
-load-balancing loss (aux_loss, coefficient 0.01) is on, so its gradients are compared too.
+load-balancing loss (aux_loss, coefficient 0.01; seq_aux_loss in one plan, a z-loss 1e-3 in
+another) is on, so its gradients are compared too.
 
 Tolerances (fp32), as the dense parity test: losses rtol 1e-5, gradients rtol 1e-4 / atol 1e-6.
 The runs sum the same terms in other orders (TP partial sums, all-to-all regrouping, DP
@@ -31,13 +32,14 @@ pytestmark = pytest.mark.dist
 TOLERANCES = {"loss_rtol": 1e-5, "grad_rtol": 1e-4, "grad_atol": 1e-6}
 
 
-def moe_model(layer_freq: int | tuple[int, ...] = 1):
+def moe_model(layer_freq: int | tuple[int, ...] = 1, **kw: object):
     """hidden 64, 4 layers, SwiGLU, GQA; 4 experts top-2 of width 96, aux loss 0.01."""
     from megatron_ext.presets import MODEL_PRESETS
     from megatron_ext.specs import MoESpec
 
-    moe = MoESpec(num_experts=4, router_topk=2, ffn_hidden_size=96, aux_loss_coeff=0.01,
-                  layer_freq=layer_freq)
+    fields = {"aux_loss_coeff": 0.01, **kw}
+    moe = MoESpec(num_experts=4, router_topk=2, ffn_hidden_size=96, layer_freq=layer_freq,
+                  **fields)  # type: ignore[arg-type]
     return dataclasses.replace(MODEL_PRESETS["tiny-llama"], name="tiny-moe", moe=moe)
 
 
@@ -49,17 +51,18 @@ def plans(world: int) -> dict:
     if world == 4:
         return {
             "uniform ep2 dp4 (alltoall)": (make_plan(uniform, [L(dp=4, ep=2)] * 4), "alltoall"),
-            "uniform ep2 etp2 tp2+sp (allgather)": (make_plan(
-                uniform, [L(tp=2, sp=True, dp=2, ep=2, etp=2)] * 4, vocab=V(tp=2)),
-                "allgather"),
+            "uniform ep2 etp2 tp2+sp (allgather), z-loss": (make_plan(
+                moe_model(z_loss_coeff=1e-3), [L(tp=2, sp=True, dp=2, ep=2, etp=2)] * 4,
+                vocab=V(tp=2)), "allgather"),
             "dense tp2 / moe ep4, ep2 etp1 tp2+sp, ep1 etp1 tp2+sp": (make_plan(mixed, [
                 L(tp=2, dp=2), L(tp=2, sp=True, dp=2, ep=2, etp=1),
                 L(dp=4), L(tp=2, sp=True, dp=2, ep=1, etp=1)]), "alltoall"),
         }
     return {
-        "uniform ep2 etp2 tp2+sp dp4 (alltoall)": (make_plan(
-            uniform, [L(tp=2, sp=True, dp=4, ep=2, etp=2)] * 4, world=8, vocab=V(tp=2)),
-            "alltoall"),
+        "uniform ep2 etp2 tp2+sp dp4 (alltoall), seq_aux_loss": (make_plan(
+            moe_model(router_load_balancing_type="seq_aux_loss"),
+            [L(tp=2, sp=True, dp=4, ep=2, etp=2)] * 4, world=8, mbs=8, vocab=V(tp=2)),
+            "alltoall"),  # mbs 8: 2 sequences per token block, so seq_aux_loss != aux_loss
         "pp2: dense cp2 / moe ep4 tp2+sp | dense tp2 / moe cp2 ep2 zero-1": (make_plan(mixed, [
             L(tp=2, cp=2), L(tp=2, sp=True, dp=2, ep=4, etp=1),
             L(tp=2, dp=2), L(cp=2, dp=2, ep=2, etp=1, zero=1)], world=8, pp=2,
