@@ -7,14 +7,20 @@ fp16 gradients accumulated over micro-batches and divided by the global token co
 runtime's `finalize_grads`), copied to fp32 master grads, unscaled and checked for inf/NaN,
 megatron-core's `DynamicGradScaler` updated, the step skipped on overflow, else clipped and
 AdamW-stepped on the fp32 masters. The initial scale is chosen so the first steps overflow in
-fp16 (the backward of the scaled loss exceeds 65504) and a short loss-scale window makes the
-scale grow back and overflow again.
+fp16 (the backward of the scaled loss exceeds 65504) and the scale comes down.
 
 Checked: the sequence of skip/no-skip decisions and of loss scales equals the reference's
 exactly, and the losses agree to rtol 2e-2 (fp16 with another summation order per TP/DP split:
-~1e-3 per step, compounded over 8 AdamW steps at lr 3e-3). A second run injects an inf into one
-gradient shard on one rank only (a ZeRO-2 layer's FSDP2 shard, held by no other rank) at step 5:
-every rank skips that step, as the reference with the same injection does.
+~1e-3 per step, compounded over 7 AdamW steps at lr 3e-3). The run also injects an inf into one
+gradient shard on one rank only (a ZeRO-2 layer's FSDP2 shard, held by no other rank) at the
+fifth step: every rank skips that step, as the reference with the same injection does (and the
+reference without it does not). One 4-rank run; the references run on rank 0 afterwards.
+
+Why the plan's ZeRO-2/3 layers have dp=1 and there is one micro-batch: FSDP2 reduces and
+accumulates their gradients in fp32 (the shards are fp32 master weights), so a sum over ranks
+or micro-batches that overflows fp16 in one process (and in DDP's fp16 buffers) stays finite
+there; with several partial sums the overflow thresholds of the two sides differ by up to the
+number of partials, and a decision within that band is not a parity question.
 """
 
 from __future__ import annotations
@@ -119,7 +125,6 @@ def reference(plan, batches, seed: int, inject_step: int | None) -> list[tuple]:
 
 def _run(rank: int, world_size: int) -> dict:
     warnings.filterwarnings("ignore")
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     from megatron_ext.megatron_adapter.build import build_model
@@ -130,44 +135,40 @@ def _run(rank: int, world_size: int) -> dict:
     _singleton_pgc()  # collective, for the reference rank 0 builds at the end
     plan = _plan()
     batches = make_batches(plan, STEPS)
-    results = {}
-    for inject in (None, INJECT_STEP):
-        chunks, groups = build_model(plan, seed=11)
-        optimizer = build_optimizer(chunks, _opt_config(plan))
-        chunks[0].module.config.grad_scale_func = optimizer.scale_loss
-        got = []
-        for step, micro in enumerate(batches):
-            chunks[0].zero_grad_buffer()
-            optimizer.zero_grad()
-            loss = forward_backward(chunks, iter(micro), groups)["loss"]
-            if step == inject and rank == 3:  # a ZeRO-2 shard that only rank 3 holds
-                grad = chunks[0].module.decoder.layers["2"].mlp.linear_fc1.weight.grad
-                assert isinstance(grad, DTensor)
-                grad.to_local().view(-1)[0] = float("inf")
-            ok, _, _ = optimizer.step()
-            got.append((loss, not ok, optimizer.get_loss_scale().item()))
-        results["plain" if inject is None else "injected"] = {"got": got}
-        dist.barrier()
-    if rank == 0:  # one process: the reference, once the other ranks are done
-        for name, inject in (("plain", None), ("injected", INJECT_STEP)):
-            results[name]["ref"] = reference(plan, batches, seed=11, inject_step=inject)
+    chunks, groups = build_model(plan, seed=11)
+    optimizer = build_optimizer(chunks, _opt_config(plan))
+    chunks[0].module.config.grad_scale_func = optimizer.scale_loss
+    got = []
+    for step, micro in enumerate(batches):
+        chunks[0].zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = forward_backward(chunks, iter(micro), groups)["loss"]
+        if step == INJECT_STEP and rank == 3:  # a ZeRO-2 shard that only rank 3 holds
+            grad = chunks[0].module.decoder.layers["2"].mlp.linear_fc1.weight.grad
+            assert isinstance(grad, DTensor)
+            grad.to_local().view(-1)[0] = float("inf")
+        ok, _, _ = optimizer.step()
+        got.append((loss, not ok, optimizer.get_loss_scale().item()))
+    results = {"got": got}
+    if rank == 0:  # one process: the references, once the other ranks are done
+        results["ref"] = reference(plan, batches, seed=11, inject_step=INJECT_STEP)
+        results["ref_plain"] = reference(plan, batches[:INJECT_STEP + 1], seed=11,
+                                         inject_step=None)
     return results
 
 
 def test_fp16_loss_scale_parity() -> None:
-    """Skip decisions and loss scales equal one process's, with and without an overflow
-    injected on one rank; losses close."""
+    """Skip decisions and loss scales equal one process's, with natural overflows and one
+    injected on a single rank; losses close."""
     results = run_distributed(_run, world_size=4, timeout_s=900)
-    for name in ("plain", "injected"):
-        per_rank = [r[name]["got"] for r in results]
-        ref = results[0][name]["ref"]
-        for got in per_rank:
-            assert [g[1:] for g in got] == [r[1:] for r in ref], (name, got, ref)
-            for (loss, _, _), (ref_loss, _, _) in zip(got, ref):
-                assert abs(loss - ref_loss) <= 2e-2 * ref_loss, (name, got, ref)
-        skipped = [g[1] for g in per_rank[0]]
-        assert any(skipped[:INJECT_STEP]) and not all(skipped), (name, skipped)
-        if name == "injected":
-            assert skipped[INJECT_STEP], skipped
-            plain = [g[1] for g in results[0]["plain"]["got"]]
-            assert not plain[INJECT_STEP], plain
+    ref = results[0]["ref"]
+    for rank_results in results:
+        got = rank_results["got"]
+        assert [g[1:] for g in got] == [r[1:] for r in ref], (got, ref)
+        for (loss, _, _), (ref_loss, _, _) in zip(got, ref):
+            assert abs(loss - ref_loss) <= 2e-2 * ref_loss, (got, ref)
+    skipped = [g[1] for g in results[0]["got"]]
+    assert any(skipped[:INJECT_STEP]) and not all(skipped), skipped  # natural overflows
+    assert skipped[INJECT_STEP], skipped  # the injected one, on every rank
+    plain = [r[1] for r in results[0]["ref_plain"]]
+    assert plain[:INJECT_STEP] == skipped[:INJECT_STEP] and not plain[INJECT_STEP], plain
