@@ -12,6 +12,9 @@ Speedup = plan tokens/s / best uniform tokens/s, both predicted by the same cost
 search prunes with): no layout in the cost model can beat the uniform one by more than that.
 `vs +fsdp` = speedup over a wider uniform baseline that may also use Megatron-LM's FSDP2
 (ZeRO-3 on every layer, pp=1 only), which the issue's baseline leaves out.
+The uniform baseline includes Megatron-LM's interleaved schedule (--num-layers-per-virtual-
+pipeline-stage); `vs 1F1B unif` = speedup over the old baseline without it.
+`--no-interleaving` searches without interleaving too (the space before it ran).
 Search time is wall-clock (and CPU time) of one `search` call in this process; on a shared
 machine the CPU time is the fairer number.
 """
@@ -19,6 +22,7 @@ machine the CPU time is the fairer number.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import math
@@ -247,10 +251,10 @@ def run_published(run: Published, imbalance: float) -> dict:
             "source": run.source}
 
 
-def run_case(case: Case, sharded_zero: bool = True) -> dict:
+def run_case(case: Case, sharded_zero: bool = True, interleaving: bool = True) -> dict:
     cluster = cluster_preset(case.cluster, num_nodes=case.nodes, memory_gib=case.memory_gib)
     training = TrainingSpec(global_batch_size=case.global_batch_size, seq_length=case.seq_length,
-                            allow_zero3=sharded_zero)
+                            allow_zero3=sharded_zero, allow_interleaving=interleaving)
     cm = CostModel(model_preset(case.model), cluster, training)
     wall, cpu = time.perf_counter(), time.process_time()
     result = search(cm)
@@ -260,6 +264,9 @@ def run_case(case: Case, sharded_zero: bool = True) -> dict:
     uniform_s = result.uniform_evaluation.iteration_s if uni else math.inf
     fsdp = search_uniform(cm, fsdp=True)
     fsdp_s = fsdp[1].iteration_s if fsdp else math.inf
+    plain = CostModel(cm.model, cluster, dataclasses.replace(training, allow_interleaving=False))
+    old = search_uniform(plain)  # the uniform baseline before interleaving was in it
+    old_s = old[1].iteration_s if old else math.inf
     return {
         "case": case.key,
         "model": case.model,
@@ -277,6 +284,9 @@ def run_case(case: Case, sharded_zero: bool = True) -> dict:
         "speedup": round(uniform_s / result.evaluation.iteration_s, 4),
         "bound_speedup": round(uniform_s / bound, 4),
         "speedup_vs_uniform_fsdp": round(fsdp_s / result.evaluation.iteration_s, 4),
+        "speedup_vs_uniform_1f1b": round(old_s / result.evaluation.iteration_s, 4),
+        "uniform_virtual_stages": uni.virtual_stages if uni else 0,
+        "plan_virtual_stages": plan.virtual_stages,
         "plan_mfu": round(plan.prediction.mfu, 4),
         "uniform_mfu": round(uni.prediction.mfu, 4) if uni else 0.0,
         "plan": _describe(plan),
@@ -289,7 +299,8 @@ def _describe(plan) -> str:
     runs = sorted({s.describe() for s in plan.layers})
     stages = ",".join(str(e - s) for s, e in plan.stages)
     vocab = f"{plan.vocab.mode}:{plan.vocab.tp}"
-    return f"pp{plan.pp} [{stages}] B{plan.micro_batch_size} vocab {vocab}; " + " | ".join(runs)
+    pp = f"pp{plan.pp}" + (f"x{plan.virtual_stages}v" if plan.virtual_stages > 1 else "")
+    return f"{pp} [{stages}] B{plan.micro_batch_size} vocab {vocab}; " + " | ".join(runs)
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -315,6 +326,7 @@ def print_table(rows: list[dict]) -> None:
         "speedup",
         "bound",
         "vs +fsdp",
+        "vs 1F1B unif",
     )
     lines = [head]
     for r in rows:
@@ -328,6 +340,7 @@ def print_table(rows: list[dict]) -> None:
                 f"{r['speedup']:.3f}",
                 f"{r['bound_speedup']:.3f}",
                 f"{r['speedup_vs_uniform_fsdp']:.3f}",
+                f"{r['speedup_vs_uniform_1f1b']:.3f}",
             )
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
@@ -352,12 +365,15 @@ def main() -> int:
                         help="the MoE suite (search vs the best uniform Megatron MoE layout) and "
                         "the published MoE runs scored by the cost model, instead of the dense "
                         "suite")
+    parser.add_argument("--no-interleaving", action="store_true",
+                        help="no interleaved schedule in the search or the uniform baseline")
     args = parser.parse_args()
     suite = MOE_SUITE if args.moe else SUITE
     cases = [c for c in suite if args.cases is None or c.key in args.cases]
     rows = []
     for case in cases:
-        rows.append(run_case(case, sharded_zero=not args.no_sharded_zero))
+        rows.append(run_case(case, sharded_zero=not args.no_sharded_zero,
+                             interleaving=not args.no_interleaving))
         print(f"done {case.key}: {rows[-1]['search_s']:.2f} s", file=sys.stderr)
     print_table(rows)
     published = []

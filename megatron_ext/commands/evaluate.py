@@ -296,7 +296,9 @@ def report_text(plan: ParallelPlan, b, *, cluster: str = "custom") -> str:
     lines = _table(mem_rows) + _table(time_rows)
     strategies = sorted({s.describe() for s in plan.layers})
     lines.append(
-        f"layout: pp={plan.pp}, micro-batch {plan.micro_batch_size} x "
+        f"layout: pp={plan.pp}"
+        + (f" x {plan.virtual_stages} virtual stages" if plan.virtual_stages > 1 else "")
+        + f", micro-batch {plan.micro_batch_size} x "
         f"{plan.global_batch_size // plan.micro_batch_size}, vocabulary "
         f"{'parallel ' if plan.vocab.mode == 'vocab_parallel' else ''}tp={plan.vocab.tp}; "
         f"layers: {' | '.join(strategies)}"

@@ -102,6 +102,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="keep the vocabulary layers on the first/last stage",
     )
     p.add_argument(
+        "--no-interleaving",
+        dest="interleaving",
+        action="store_false",
+        help="leave Megatron's interleaved pipeline schedule (virtual stages) out of the search "
+        "and the uniform baseline",
+    )
+    p.add_argument(
         "--uniform",
         action="store_true",
         help="search only what stock Megatron-LM expresses (same strategy every layer)",
@@ -164,6 +171,7 @@ def _cost_model(args: argparse.Namespace, model: ModelSpec):
         precision=args.precision,
         allow_vocab_parallel=args.vocab_parallel,
         **({} if args.moe_imbalance is None else {"moe_imbalance": args.moe_imbalance}),
+        allow_interleaving=args.interleaving,
     )
     if not args.cluster_profile and not args.model_profile:
         cluster = cluster_preset(

@@ -61,7 +61,7 @@ from megatron_ext.planner.space import (
 from megatron_ext.planner.uniform import (
     Layout,
     interleave_bound,
-    score_uniform,
+    score_uniform_each,
     search_uniform,
     virtual_stage_options,
 )
@@ -184,10 +184,8 @@ def _near_candidates(
     near = max(bound, _upper(plan) * overlap_relax())
     for pp in [p for p in divisors(cm.cluster.num_gpus) if p <= cm.model.num_layers]:
         for mbs in divisors(cm.training.global_batch_size):
-            for v in [1, *virtual_stage_options(cm, pp, mbs, even_only=True)]:
-                found = score_uniform(cm, pp, mbs, near, virtual_stages=v)
-                if found is not None:
-                    seen.append((found[1], found[1].evaluate(cm)))
+            for _, layout in score_uniform_each(cm, pp, mbs, near):  # one per chunk count
+                seen.append((layout, layout.evaluate(cm)))
     if options.objective == "p90" and not options.uniform_only:
         _layerwise(cm, options, bound, stats, None, seen)
 
@@ -551,8 +549,11 @@ def _solve_combo(
     scored.sort(key=lambda item: item[0])
     exact = _ExactStage(cm, table, costs, objective, valid, mbs, m, kinds.kinds)
     out = []
+    virtual = virtual_stage_options(cm, pp, mbs, even_only=False)
+    # its interleaved variants (scored by the caller) may be faster than the 1F1B estimate
+    factor = interleave_bound(pp, m, max(virtual)) if virtual else 1.0
     for estimate, vocab, v, which, counts in scored[: options.finalists]:
-        if estimate > best_s * (1 + options.finalist_slack):
+        if estimate * factor > best_s * (1 + options.finalist_slack):
             break
         picks = _backtrack(levels, unit, extras[v], v, which, counts, kinds)
         out.append(exact.layout(picks, vocab, extras[v]))

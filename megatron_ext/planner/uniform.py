@@ -24,7 +24,7 @@ from megatron_ext.planner.cost.evaluate import Evaluation, evaluate
 from megatron_ext.planner.cost.model import CostModel
 from megatron_ext.planner.cost.moe import MOE, kind_costs, layer_kinds, valid_for
 from megatron_ext.planner.cost.pipeline import (
-    interleaved_inflight,
+    interleaved_peak_units,
     one_f_one_b,
     pipeline_lower_bound_s,
 )
@@ -98,16 +98,24 @@ def _partitions(num_layers: int, pp: int) -> np.ndarray:
 
 def score_uniform(
     cm, pp: int, micro_batch_size: int, bound_s: float = np.inf, *, fsdp: bool = False,
-    virtual_stages: int = 1,
 ) -> tuple[float, Layout] | None:
     """Best uniform layout at this (pp, micro-batch size) faster than bound_s, or None.
     fsdp=True also tries ZeRO-3 everywhere (FSDP2), which Megatron-LM allows with pp=1 and
-    untied embeddings only. virtual_stages v > 1 scores the interleaved schedule with v equal
-    chunks per rank (the caller passes a v from `virtual_stage_options`). MoE models: one
+    untied embeddings only. Every allowed chunk count (`virtual_stage_options`, even chunks) is
+    scored too: v > 1 is the interleaved schedule with v equal chunks per rank. MoE models: one
     strategy for every layer, its expert degrees (--expert-model-parallel-size,
     --expert-tensor-parallel-size) on the MoE layers only, each stage priced by its own count
     of dense and MoE layers."""
-    v = virtual_stages
+    found = score_uniform_each(cm, pp, micro_batch_size, bound_s, fsdp=fsdp, prune=True)
+    return min(found, key=lambda f: f[0]) if found else None
+
+
+def score_uniform_each(
+    cm, pp: int, micro_batch_size: int, bound_s: float = np.inf, *, fsdp: bool = False,
+    prune: bool = False,
+) -> list[tuple[float, Layout]]:
+    """`score_uniform`'s best layout for each chunk count v that has one faster than bound_s
+    (prune: only those faster than every v scored before them)."""
     model, cluster = cm.model, cm.cluster
     width = cluster.num_gpus // pp
     table = layer_strategies(
@@ -120,8 +128,20 @@ def score_uniform(
         uniform_fsdp=fsdp and pp == 1 and not model.tied_embeddings,
     )
     if len(table) == 0:
-        return None
+        return []
     per_kind = kind_costs(cm, table, micro_batch_size)
+    out: list[tuple[float, Layout]] = []
+    for v in [1, *virtual_stage_options(cm, pp, micro_batch_size, even_only=True)]:
+        bound = min([bound_s, *(f[0] for f in out)]) if prune else bound_s
+        found = _score_uniform_v(cm, table, per_kind, pp, micro_batch_size, bound, v)
+        if found is not None:
+            out.append(found)
+    return out
+
+
+def _score_uniform_v(cm, table, per_kind, pp: int, micro_batch_size: int, bound_s: float,
+                     v: int) -> tuple[float, Layout] | None:
+    model = cm.model
     usable = valid_for(model, table)[-1]  # the MoE layers' rules (dense models: all)
     kinds = layer_kinds(model)
     m = cm.training.global_batch_size // micro_batch_size
@@ -203,7 +223,7 @@ def _best_of(
     if v == 1:
         inflight = ex.inflight
     else:  # in-flight chunk micro-batches at the peak, in units of a whole rank's layers
-        inflight = interleaved_inflight(len(ex.inflight), m, v).sum(axis=-1).max(axis=0) / v
+        inflight = interleaved_peak_units(len(ex.inflight), m, v) / v
     mem = ex.fixed_bytes
     transient = 0.0
     for n, costs in zip(counts, per_kind):
@@ -250,11 +270,9 @@ def search_uniform(
     best: tuple[float, Layout] | None = None
     for pp in [p for p in divisors(cluster.num_gpus) if p <= model.num_layers]:
         for mbs in divisors(cm.training.global_batch_size):
-            for v in [1, *virtual_stage_options(cm, pp, mbs, even_only=True)]:
-                found = score_uniform(cm, pp, mbs, best[0] if best else np.inf, fsdp=fsdp,
-                                      virtual_stages=v)
-                if found is not None and (best is None or found[0] < best[0]):
-                    best = found
+            found = score_uniform(cm, pp, mbs, best[0] if best else np.inf, fsdp=fsdp)
+            if found is not None and (best is None or found[0] < best[0]):
+                best = found
         if progress is not None:
             progress(f"uniform: pp={pp} done" + (f", best {best[0]:.3f} s" if best else ""))
     if best is None:

@@ -49,6 +49,7 @@ def check_emitted(result, cm: CostModel) -> None:
         layers=plan.layers,
         vocab=plan.vocab,
         micro_batch_size=plan.micro_batch_size,
+        virtual_stages=plan.virtual_stages,
     )
     assert ev.feasible
     assert ev.iteration_s == pytest.approx(plan.prediction.iteration_time_s, rel=1e-12)
@@ -256,3 +257,18 @@ def test_cli_uses_a_cluster_profile(tmp_path, capsys):
     capsys.readouterr()
     plan = ParallelPlan.load(out)
     assert plan.world_size == 16 and plan.cluster.memory_gib == 60
+
+
+def test_default_space_holds_interleaving():
+    """llama2-7b on 8 GPUs with 24 GiB: the best uniform layout is interleaved
+    (--num-layers-per-virtual-pipeline-stage), the search's plan is never slower than it, and
+    leaving interleaving out never gives a faster plan (the space only grows)."""
+    cm = cost_model(24)
+    result = search(cm)
+    assert result.uniform_plan.virtual_stages > 1
+    assert result.evaluation.iteration_s <= result.uniform_evaluation.iteration_s
+    assert any(p.virtual_stages > 1 for p in result.candidates)
+    check_emitted(result, cm)
+    without = search(cost_model(24, allow_interleaving=False))
+    assert all(p.virtual_stages == 1 for p in without.candidates)
+    assert result.evaluation.iteration_s <= without.evaluation.iteration_s * (1 + 1e-12)

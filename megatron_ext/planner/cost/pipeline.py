@@ -23,6 +23,7 @@ thousands of layouts in one call.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,6 +96,7 @@ def interleaved_warmup(stage: int, num_stages: int, num_microbatches: int,
     return min(2 * (p - stage - 1) + (v - 1) * p, num_microbatches * v)
 
 
+@functools.lru_cache(maxsize=256)
 def interleaved_inflight(num_stages: int, num_microbatches: int,
                          virtual_stages: int) -> np.ndarray:  # [T, p, v]
     """Micro-batches whose activations each model chunk holds, right after every forward of
@@ -114,6 +116,17 @@ def interleaved_inflight(num_stages: int, num_microbatches: int,
         warm = interleaved_warmup(k, p, m, v)
         done = np.clip(units - warm, 0, total)  # backwards finished before forward j
         out[:, k, :] = fwd_done - bwd_cum[done]
+    out.flags.writeable = False  # cached: shared by every caller
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def interleaved_peak_units(num_stages: int, num_microbatches: int,
+                           virtual_stages: int) -> np.ndarray:  # [p]
+    """Most chunk micro-batches in flight at once per stage (all chunks together)."""
+    out = interleaved_inflight(num_stages, num_microbatches, virtual_stages).sum(axis=-1)
+    out = out.max(axis=0)
+    out.flags.writeable = False
     return out
 
 
