@@ -288,3 +288,25 @@ def test_infeasibility_bound_counts_the_experts() -> None:
     moe = min_allocated_bytes(CostModel(model, cluster, training))
     dense = min_allocated_bytes(CostModel(dataclasses.replace(model, moe=None), cluster, training))
     assert moe > 46.7e9 * 16 / 8 > 80 * 2**30 > dense
+
+
+def test_uniform_moe_baseline_gives_exact_megatron_flags() -> None:
+    """The baseline the search compares against is a layout stock Megatron-LM runs: its plan
+    prints plain flags (no --strategy-config) with the expert degrees, and reading them back
+    gives the same plan."""
+    from megatron_ext.flags.emit import plan_to_megatron_args
+    from megatron_ext.flags.parser import parse_megatron_args
+    from megatron_ext.flags.to_plan import plan_from_megatron_args
+    from megatron_ext.planner.search import layout_to_plan
+
+    cm = _wide_cm(40.0)
+    layout, ev = search_uniform(cm)
+    plan = layout_to_plan(cm, layout, ev)
+    args = plan_to_megatron_args(plan)
+    assert not args.uses_strategy_config, args.needs_megatron_ext
+    argv = list(args.argv)
+    moe = next(s for i, s in enumerate(plan.layers) if BIG_EXPERTS.is_moe_layer(i))
+    assert argv[argv.index("--expert-model-parallel-size") + 1] == str(moe.ep)
+    again = plan_from_megatron_args(parse_megatron_args(argv, world_size=8), 8)
+    assert (again.layers, again.stages, again.virtual_stages, again.micro_batch_size) == (
+        plan.layers, plan.stages, plan.virtual_stages, plan.micro_batch_size)
