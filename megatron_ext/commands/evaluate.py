@@ -96,6 +96,12 @@ def evaluate_plan(plan: ParallelPlan, args: argparse.Namespace, *, label: str) -
         f"({c.num_nodes} node{'s' if c.num_nodes > 1 else ''}, {c.memory_gib:g} GiB), "
         f"global batch {plan.global_batch_size}, seq {plan.seq_length}, {plan.precision}\n"
     )
+    if plan.model.moe is not None:  # MFU counts the parameters a token uses
+        from megatron_ext.planner.cost.moe import moe_model_parameters
+
+        total, active = (moe_model_parameters(plan.model, active=a) for a in (False, True))
+        sys.stderr.write(f"model: {total / 1e9:.2f}B parameters, {active / 1e9:.2f}B active per "
+                         "token (MFU counts the active ones)\n")
     mine = _breakdown(cm, plan)
     sys.stderr.write(report_text(plan, mine, cluster=c.name))
     out: dict[str, Any] = {

@@ -275,6 +275,9 @@ def test_cli_moe_imbalance(tmp_path, capsys) -> None:
     assert main([*argv, "--moe-imbalance", "1.5", "--out", str(tmp_path / "p.json")]) == 0
     out = capsys.readouterr().err
     assert "active per token" in out
+    assert main(["evaluate", str(tmp_path / "p.json"), "--moe-imbalance", "1.5"]) == 0
+    out = capsys.readouterr().err
+    assert "model: 0.00B parameters, 0.00B active per token (MFU counts the active ones)" in out
 
 
 def test_infeasibility_bound_counts_the_experts() -> None:
