@@ -521,7 +521,8 @@ def _solve_combo(
         width=cm.cluster.num_gpus // pp,
         pp=pp,
         gpus_per_node=cm.cluster.gpus_per_node,
-        training=t,
+        # the layerwise runtime does not run MoE models with vocabulary parallelism
+        training=t if model.moe is None else dataclasses.replace(t, allow_vocab_parallel=False),
         micro_batch_size=mbs,
     )
     extras = [stage_extras(cm, v, pp, mbs, m, vocab_zero=1) for v in vocabs]

@@ -157,8 +157,9 @@ def expert_variants(model: ModelSpec, base: list[LayerStrategy], width: int
     """R7, MoE models: each strategy again with every expert layout an MoE layer may take:
     ep > 1 dividing num_experts with ep * etp dividing the stage width, etp in {tp, 1} (the
     dense strategy itself is ep = 1, etp = tp). ep = 1 with etp != tp is left out (megatron-core
-    0.16.1 then skips the experts' gradient reduction, reference M1.6), and so is tp > 1
-    without sp (MoE needs SP with TP). Only MoE layers take these (cost/moe.py valid_for)."""
+    0.16.1 then skips the experts' gradient reduction, reference M1.6), and so are tp > 1
+    without sp (MoE needs SP with TP) and ZeRO-2/3 (the layerwise runtime runs MoE layers with
+    ZeRO 0/1 only). Only MoE layers take these (cost/moe.py valid_for)."""
     if model.moe is None:
         return []
     return list(_expert_variants(model.moe.num_experts, model.moe.expert_ffn_hidden_size(model),
@@ -171,7 +172,7 @@ def _expert_variants(num_experts: int, f: int, base: tuple[LayerStrategy, ...], 
     """expert_variants, cached: every micro-batch size of a pipeline degree asks again."""
     out = []
     for s in base:
-        if s.tp > 1 and not s.sp:
+        if (s.tp > 1 and not s.sp) or s.zero >= 2:  # MoE layers: SP with TP, ZeRO 0/1
             continue
         for ep in divisors(math.gcd(num_experts, width)):
             for etp in dict.fromkeys([None, 1] if s.tp > 1 else [None]):

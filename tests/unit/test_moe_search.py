@@ -201,6 +201,8 @@ def test_search_picks_expert_parallelism_when_experts_do_not_fit_replicated() ->
     assert all(s.ep * s.expert_tp > 1 for s in moe), [s.describe() for s in moe]
     assert all(s.ep == 1 and s.etp is None for s in dense)
     assert set(moe).isdisjoint(dense)  # dense and MoE layers on different strategies
+    # what the layerwise runtime runs for MoE models: ZeRO 0/1 on MoE layers, vocabulary tp
+    assert all(s.zero <= 1 for s in moe) and plan.vocab.mode == "tp"
     # ... and the same plan without expert parallelism is slower or does not fit
     plain = tuple(dataclasses.replace(x, ep=1, etp=None) for x in plan.layers)
     without = evaluate(cm, pp=plan.pp, stages=plan.stages, layers=plain, vocab=plan.vocab,
@@ -261,6 +263,7 @@ def test_space_offers_expert_layouts_to_moe_layers_only() -> None:
     moe_ok = [s for s, ok in zip(table.strategies, valid[1]) if ok]
     assert all(s.tp == 1 or s.sp for s in moe_ok)  # MoE with TP needs SP
     assert not any(s.ep == 1 and s.expert_tp != s.tp for s in moe_ok)
+    assert all(s.zero <= 1 for s in moe_ok)  # the runtime refuses ZeRO-2/3 on MoE layers
 
 
 def test_cli_moe_imbalance(tmp_path, capsys) -> None:

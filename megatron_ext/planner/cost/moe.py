@@ -230,8 +230,9 @@ def moe_layer_costs(cm, table, micro_batch_size: int):
 def valid_for(model: ModelSpec, table) -> np.ndarray:  # [K, S] bool
     """Which strategies each layer kind may use: dense layers only ep = 1 without etp; MoE
     layers the plan's rules (plan_checks._check_experts: ep | E, ep etp | width, etp | f, sp
-    with tp > 1) and not ep = 1 with etp != tp (megatron-core 0.16.1 then never reduces the
-    expert gradients over expert-DP: reference M1.6)."""
+    with tp > 1), not ep = 1 with etp != tp (megatron-core 0.16.1 then never reduces the
+    expert gradients over expert-DP: reference M1.6), and ZeRO 0/1 only (the layerwise runtime
+    refuses ZeRO-2/3 on MoE layers)."""
     ep, et = table.ep, table.etp
     has_etp = np.array([s.etp is not None for s in table.strategies], dtype=bool)
     dense = (ep == 1) & ~has_etp
@@ -240,7 +241,8 @@ def valid_for(model: ModelSpec, table) -> np.ndarray:  # [K, S] bool
     f = model.moe.expert_ffn_hidden_size(model)
     width = table.tp * table.shard_ranks
     moe = ((model.moe.num_experts % ep == 0) & (width % (ep * et) == 0) & (f % et == 0)
-           & ((table.tp == 1) | table.sp) & ~((ep == 1) & (et != table.tp)))
+           & ((table.tp == 1) | table.sp) & ~((ep == 1) & (et != table.tp))
+           & (table.zero <= 1))
     return np.stack([dense, moe])
 
 
