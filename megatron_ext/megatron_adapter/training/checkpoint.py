@@ -421,7 +421,12 @@ def load_checkpoint(target: LoadTarget, backend: Any, scheduler: Any, plan: Para
     global_layer_keys = common["megatron_ext"].get("layer_keys") == LAYER_KEYS
     same_plan = common["megatron_ext"]["fingerprint"] == _plan_fingerprint(plan)
     with_rng = load_rng and same_plan
-    saved_format = common["megatron_ext"]["optimizer_format"]
+    saved_format = common["megatron_ext"]["optimizer_format"]  # rank 0's (the common part)
+    chain = common["megatron_ext"].get("optimizer_chain")
+    if chain and backend.model_format == "layerwise" and len(chain) == plan.pp:
+        # this rank's stage as saved: stages may chain different kinds (check_optimizer_layout
+        # compared the chains stage by stage)
+        saved_format = "+".join(sorted(set(chain[dist.get_rank() // plan.stage_width])))
     if load_optimizer and saved_format != _optimizer_format(backend.optimizer):
         raise PlanError(
             f"--load={root} holds {saved_format} optimizer state but this plan uses the "
