@@ -20,7 +20,6 @@ import json
 import sys
 from typing import Any
 
-from megatron_ext.commands.moe_support import require_priced_experts
 from megatron_ext.errors import PlanError
 from megatron_ext.plan import ParallelPlan
 from megatron_ext.presets import CLUSTER_PRESETS, cluster_preset
@@ -177,7 +176,6 @@ def _cost_model(plan: ParallelPlan, args: argparse.Namespace):
     from megatron_ext.planner.cost.model import CostModel
     from megatron_ext.planner.training import TrainingSpec
 
-    require_priced_experts(plan.model, "evaluate")
     cluster, profile = _cluster(plan, args)
     training = TrainingSpec(
         global_batch_size=plan.global_batch_size,

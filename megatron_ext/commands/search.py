@@ -16,7 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_ext.commands.moe_support import require_priced_experts
 from megatron_ext.errors import PlanError
 from megatron_ext.flags.emit import plan_to_megatron_args
 from megatron_ext.planner.cost.compute import model_parameters
@@ -164,7 +163,6 @@ def _cost_model(args: argparse.Namespace, model: ModelSpec):
     from megatron_ext.planner.training import TrainingSpec
 
     check_sequence(args.seq_length, model.max_position_embeddings, seq_name="--seq-length")
-    require_priced_experts(model, "search")
     training = TrainingSpec(
         global_batch_size=args.global_batch_size,
         seq_length=args.seq_length,
