@@ -39,13 +39,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
-    """The cluster and output flags `evaluate` and `plan-from-args --evaluate` share."""
+def add_cluster_arguments(p: argparse.ArgumentParser, *, default_cluster: str,
+                          default_nodes: str) -> None:
+    """What search and evaluate price with: the cluster (preset or profile), a measured model
+    profile, nodes, memory per GPU and the MoE load imbalance."""
     cluster = p.add_mutually_exclusive_group()
     cluster.add_argument(
         "--cluster",
         metavar="PRESET",
-        help=f"cluster preset: {', '.join(CLUSTER_PRESETS)} (default: the plan's cluster)",
+        help=f"cluster preset: {', '.join(CLUSTER_PRESETS)} (default {default_cluster})",
     )
     cluster.add_argument(
         "--cluster-profile", help="cluster profile JSON (megatron-ext profile hardware)"
@@ -55,16 +57,19 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
         help="model profile JSON (megatron-ext profile model): measured layer times replace "
         "the analytic compute",
     )
-    p.add_argument(
-        "--nodes", type=int, default=None,
-        help="nodes (default: the plan's world size / GPUs per node)",
-    )
+    p.add_argument("--nodes", type=int, default=None, help=f"nodes (default {default_nodes})")
     p.add_argument("--memory-gib", type=float, default=None, help="usable memory per GPU")
     p.add_argument(
         "--moe-imbalance", type=float, default=None, metavar="RHO",
         help="MoE models: routed tokens on the busiest rank over the mean (default 1.2, "
         "Switch Transformer's capacity factor; 1 = balanced)",
     )
+
+
+def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
+    """The cluster and output flags `evaluate` and `plan-from-args --evaluate` share."""
+    add_cluster_arguments(p, default_cluster="the plan's cluster",
+                          default_nodes="the plan's world size / GPUs per node")
     p.add_argument(
         "--against-search",
         action="store_true",

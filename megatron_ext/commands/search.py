@@ -16,12 +16,12 @@ import sys
 import time
 from pathlib import Path
 
+from megatron_ext.commands.evaluate import add_cluster_arguments
 from megatron_ext.errors import PlanError
 from megatron_ext.flags.emit import plan_to_megatron_args
 from megatron_ext.planner.cost.compute import model_parameters
 from megatron_ext.planner.cost.moe import moe_model_parameters
 from megatron_ext.presets import (
-    CLUSTER_PRESETS,
     MODEL_PRESETS,
     cluster_preset,
     model_file_with_notes,
@@ -47,27 +47,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--model-config",
         help="HuggingFace config.json, ModelSpec JSON, or a file of Megatron-LM model flags",
     )
-    cluster = p.add_mutually_exclusive_group()
-    cluster.add_argument(
-        "--cluster",
-        metavar="PRESET",
-        help=f"cluster preset: {', '.join(CLUSTER_PRESETS)} (default {DEFAULT_CLUSTER})",
-    )
-    cluster.add_argument(
-        "--cluster-profile", help="cluster profile JSON (megatron-ext profile hardware)"
-    )
-    p.add_argument(
-        "--model-profile",
-        help="model profile JSON (megatron-ext profile model): measured layer times replace "
-        "the analytic compute",
-    )
-    p.add_argument("--nodes", type=int, default=None, help="nodes (default 1, or the profile's)")
-    p.add_argument("--memory-gib", type=float, default=None, help="usable memory per GPU")
-    p.add_argument(
-        "--moe-imbalance", type=float, default=None, metavar="RHO",
-        help="MoE models: routed tokens on the busiest rank over the mean (default 1.2, "
-        "Switch Transformer's capacity factor; 1 = balanced)",
-    )
+    add_cluster_arguments(p, default_cluster=DEFAULT_CLUSTER,
+                          default_nodes="1, or the profile's")
     p.add_argument(
         "--global-batch-size",
         type=int,
