@@ -376,7 +376,7 @@ class SharingProbe:
     layer stack (`ProfileGrid` as profiled, first tp must be 1), so its time per step is
     comparable with the profile's `sharing_alone_s` and the ratio shared / alone with its
     `sharing_slowdown` (planner/profile/load.py). `single` is a process group holding only this
-    rank (`torch.distributed.new_subgroups(1)`); call `step_s` alone or on every rank at once."""
+    rank (`torch.distributed.new_subgroups(1)`); call `steps_s` alone or on every rank at once."""
 
     def __init__(self, model: ModelSpec, *, precision: str, grid: ProfileGrid, single: Any,
                  device: str = "cpu") -> None:
