@@ -11,8 +11,8 @@ With `concurrency` > 1 (ranks that will share this device, e.g. the 4 ranks of a
 that many processes then run a stack of the model's layers (up to 8, one shape) back to back at
 once, and the ratio of their time per step to the solo time is the profile's `sharing_slowdown`
 (time-slicing, caches and memory bandwidth included; alone and shared loops alternate and each
-side keeps its median, robust to a burst of other work); on GPUs use 1. One step of the same
-stack is also timed alone in every round of the shape measurements; its fastest is kept
+side keeps its median, robust to a burst of other work); on GPUs use 1. A few steps of the same
+stack are also timed alone in every round of the shape measurements; the fastest is kept
 (`sharing_alone_s`): `SharingProbe` re-runs the stack later inside training ranks, so a
 benchmark can see how the machine changed between profiling and a timed run. GPU memory comes
 from the CUDA allocator; on CPU only time is measured and the cost model keeps its analytic
@@ -197,13 +197,20 @@ class _LayerShape:
         )
 
 
+STACK_REFERENCE_STEPS = 3
+"""Steps of the sharing stack timed alone per round of shape measurements (`sharing_alone_s` is
+the fastest): with one, a burst of other work during that one step (~0.3 s on the benchmark's
+model) scaled every later prediction of the calibration benchmark's --quick run 9x; a
+`SharingProbe` reading's fastest is likewise of the 2-3 steps of its 0.75 s loop."""
+
+
 def _layer_samples(w: _Worker, grid: ProfileGrid, stack: list[_LayerShape]
                    ) -> tuple[list[LayerSample], float]:
     """Every shape, round-robin over `repeats + 1` rounds (the first warms up), so a change in
     the machine's load during profiling hits all shapes alike; the fastest run is kept. Each
-    round also times one step of the sharing `stack`: its fastest step is the reference a later
-    `SharingProbe` compares the machine's solo speed with (same rounds, same statistic as the
-    samples it will scale)."""
+    round also times STACK_REFERENCE_STEPS steps of the sharing `stack`: the fastest is the
+    reference a later `SharingProbe` compares the machine's solo speed with (same rounds, same
+    statistic as the samples it will scale)."""
     shapes = []
     for tp in grid.tps:
         for sp in (False, True) if tp > 1 else (False,):
@@ -215,11 +222,12 @@ def _layer_samples(w: _Worker, grid: ProfileGrid, stack: list[_LayerShape]
         for shape in shapes:
             for kind in _KINDS:
                 shape.measure(kind, keep=round_idx > 0)
-        t0 = w.now()
-        for layer in stack:
-            layer.step()
-        if round_idx > 0:
-            stack_s.append(w.now() - t0)
+        for _ in range(STACK_REFERENCE_STEPS):
+            t0 = w.now()
+            for layer in stack:
+                layer.step()
+            if round_idx > 0:
+                stack_s.append(w.now() - t0)
     return [shape.sample() for shape in shapes], min(stack_s)
 
 
