@@ -21,6 +21,7 @@ import re
 from typing import Any
 
 from megatron_ext.errors import PlanError
+from megatron_ext.flags.types import positive_int
 from megatron_ext.specs import MOE_BALANCING, MoESpec
 
 DISPATCHERS = ("allgather", "alltoall", "flex")
@@ -109,9 +110,9 @@ def add_moe_args(parser: argparse.ArgumentParser) -> None:
                    help="tokens kept per expert relative to an even split; absent: dropless")
     g.add_argument("--moe-token-drop-policy", type=str, default="probs",
                    choices=["probs", "position"])
-    g.add_argument("--expert-model-parallel-size", type=_positive, default=1,
+    g.add_argument("--expert-model-parallel-size", type=positive_int, default=1,
                    help="ep of every MoE layer")
-    g.add_argument("--expert-tensor-parallel-size", type=_positive, default=None,
+    g.add_argument("--expert-tensor-parallel-size", type=positive_int, default=None,
                    help="etp of every MoE layer; default --tensor-model-parallel-size")
 
 
@@ -129,16 +130,6 @@ def add_moe_training_args(parser: argparse.ArgumentParser) -> None:
                    help="multiplicative uniform noise on the router input in training")
     g.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
                    help="pad every expert to its capacity (needs --moe-expert-capacity-factor)")
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
 
 
 def _single(ns: argparse.Namespace, dest: str, flag: str) -> Any:

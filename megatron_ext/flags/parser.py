@@ -31,6 +31,7 @@ from megatron_ext.flags.to_plan import (
     plan_from_megatron_args,
 )
 from megatron_ext.flags.training import add_training_groups
+from megatron_ext.flags.types import positive_int
 
 __all__ = ["build_megatron_parser", "parse_megatron_args", "plan_from_megatron_args"]
 
@@ -40,16 +41,6 @@ class MegatronArgumentParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> None:  # type: ignore[override]
         raise PlanError(message)
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
 
 
 def build_megatron_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
