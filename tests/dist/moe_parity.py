@@ -127,34 +127,13 @@ def run_plan(plan: ParallelPlan, *, ref: tuple[list[float], dict], steps: int = 
              grad_atol: float) -> dict[str, Any]:
     """Train `plan` for `steps` steps with the given token dispatcher; assert losses and step-1
     grads match the reference."""
-    from megatron.core.distributed import DistributedDataParallelConfig
-
-    from megatron_ext.megatron_adapter.build import build_model
-    from megatron_ext.megatron_adapter.optimizer import build_optimizer
-    from megatron_ext.megatron_adapter.train_step import forward_backward
     from megatron_ext.megatron_adapter.transformer_config import (
         ModelOptions,
         transformer_config,
     )
-    from tests.dist.runtime_parity import compare_grads, make_batches, opt_config
+    from tests.dist import runtime_parity
 
-    batches = make_batches(plan, steps)
-    ref_losses, ref_grads = ref
     config = transformer_config(plan.model, precision="fp32",
                                 options=ModelOptions(moe_token_dispatcher_type=dispatcher))
-    chunks, groups = build_model(plan, config, seed=seed,
-                                 ddp_config=DistributedDataParallelConfig())
-    optimizer = build_optimizer(chunks, opt_config(plan))
-    losses = []
-    for step, micro in enumerate(batches):
-        chunks[0].zero_grad_buffer()
-        optimizer.zero_grad()
-        out = forward_backward(chunks, iter(micro), groups)
-        if step == 0:
-            n = compare_grads(chunks, optimizer, ref_grads, rtol=grad_rtol, atol=grad_atol)
-        optimizer.step()
-        losses.append(out["loss"])
-    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
-                               torch.tensor(ref_losses, dtype=torch.float64), rtol=loss_rtol,
-                               atol=0.0)
-    return {"losses": losses, "ref": ref_losses, "grads_compared": n}
+    return runtime_parity.run_plan(plan, steps=steps, seed=seed, ref=ref, loss_rtol=loss_rtol,
+                                   grad_rtol=grad_rtol, grad_atol=grad_atol, config=config)

@@ -172,9 +172,10 @@ def compare_grads(chunks, optimizer, ref_grads: dict[str, torch.Tensor], *, rtol
 
 def run_plan(plan: ParallelPlan, *, steps: int = 5, seed: int = 11,
              ref: tuple[list[float], dict] | None = None, loss_rtol: float, grad_rtol: float,
-             grad_atol: float, overlap: bool = False) -> dict[str, Any]:
+             grad_atol: float, overlap: bool = False, config: Any = None) -> dict[str, Any]:
     """Train `plan` for `steps` steps; assert losses and step-1 grads match the reference.
-    `overlap`: bucketed, overlapped gradient reduction and parameter all-gather."""
+    `overlap`: bucketed, overlapped gradient reduction and parameter all-gather; `config`: the
+    TransformerConfig to build with (default: the plan's model in fp32)."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from megatron_ext.megatron_adapter.build import build_model
@@ -186,7 +187,7 @@ def run_plan(plan: ParallelPlan, *, steps: int = 5, seed: int = 11,
     ddp_config = DistributedDataParallelConfig(
         overlap_grad_reduce=overlap, overlap_param_gather=overlap, bucket_size=4000 if overlap
         else None)
-    chunks, groups = build_model(plan, seed=seed, ddp_config=ddp_config)
+    chunks, groups = build_model(plan, config, seed=seed, ddp_config=ddp_config)
     optimizer = build_optimizer(chunks, opt_config(plan))
     losses = []
     for step, micro in enumerate(batches):

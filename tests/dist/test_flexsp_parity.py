@@ -17,7 +17,8 @@ megatron-core `DistributedDataParallel` over the world, against a stock `GPTMode
 weights run one sequence at a time (positions 0..s-1 each, so per-sequence RoPE is checked).
 Case "ddp": planner plan on long-tailed lengths; every gradient in DDP's buffers. Case "zero1" (tied
 embedding and output weights, so one parameter gets two gradient contributions):
-distributed optimizer (megatron Adam; ZeRO-1 supports only Adam) + overlapped, bucketed grad reduction on a hand plan where
+distributed optimizer (megatron Adam; ZeRO-1 supports only Adam) + overlapped, bucketed grad reduction
+on a hand plan where
 ranks go idle at different micro-batches and rank 3 idles the whole step; every updated weight.
 """
 
