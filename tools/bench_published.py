@@ -37,12 +37,24 @@ What the rows do not state is filled in by fixed rules (no per-row choice):
     from the cluster's published spec) is priced on the GPU preset with that inter-node
     bandwidth, and forms its own cluster (`cluster_label`) in sweeps and intervals; a row's
     `run_date` splits a sweep where the source says the cluster changed between days.
+
+The vTrain validation measurements (tools/data/vtrain/, README.md there: 1,440 single-node and
+109 multi-node Megatron-DeepSpeed runs, the upstream CSVs byte for byte) are read by
+vtrain_rows() into rows of the same schema, one rule for every row: vocabulary 50257, ffn 4h,
+fp16, no flash attention, no sequence parallelism, 1F1B, full recompute (the configs'
+use_checkpoint), DeepSpeed engine without ZeRO (gradients reduced after the last backward, as
+vTrain's own simulator schedules them), A100 80GB with the dgx-a100 network, cluster
+`vtrain-a100`; a layout the CSV measured twice is one run at the mean. Their sources are
+"vTrain single node" and "vTrain multi node" (two held-out sources). They are summarised per
+model on stdout (every sweep in --json); --no-vtrain leaves them out.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
+import hashlib
 import json
 import math
 import statistics
@@ -50,6 +62,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from megatron_ext.errors import PlanError
 from megatron_ext.flags.parser import parse_megatron_args
 from megatron_ext.flags.to_plan import plan_from_megatron_args
 from megatron_ext.plan import ParallelPlan
@@ -81,13 +94,14 @@ def is_zero1(row: dict[str, Any]) -> bool:
 
 
 def is_deepspeed_pipeline(row: dict[str, Any]) -> bool:
-    """Megatron-DeepSpeed with DeepSpeed's pipeline engine (ZeRO-1 rows): its schedule reduces
-    the gradients (ReduceGrads, ReduceTiedGrads) after the last micro-batch's backward and
-    ZeRO-1 gathers the updated weights after the step, neither overlapped with compute, where
-    Megatron-LM overlaps both (--overlap-grad-reduce, --overlap-param-gather). Its pipeline
-    messages are split over the tensor-parallel ranks (is_pipe_partitioned) as Megatron's
-    scatter-gather splits them, so they are priced the same."""
-    return is_zero1(row) and "DeepSpeed" in str(row.get("dp_sharding"))
+    """Megatron-DeepSpeed with DeepSpeed's engine and ZeRO stage 0 or 1 (BLOOM's ZeRO-1 rows,
+    vTrain's rows): its pipeline schedule reduces the gradients (ReduceGrads, ReduceTiedGrads)
+    after the last micro-batch's backward and ZeRO-1 gathers the updated weights after the step,
+    neither overlapped with compute, where Megatron-LM overlaps both (--overlap-grad-reduce,
+    --overlap-param-gather). Its pipeline messages are split over the tensor-parallel ranks
+    (is_pipe_partitioned) as Megatron's scatter-gather splits them, so they are priced the
+    same."""
+    return "DeepSpeed" in str(row.get("dp_sharding")) and not is_zero3(row)
 
 
 def is_mosaic(row: dict[str, Any]) -> bool:
@@ -183,6 +197,146 @@ def build_plan(row: dict[str, Any]) -> ParallelPlan:
             plan, layers=tuple(dataclasses.replace(s, zero=3) for s in plan.layers)
         )
     return plan
+
+
+# ---- vTrain's measured layout sweeps (CSV) -> rows ------------------------------------------
+
+VTRAIN_DIR = Path(__file__).resolve().parent / "data" / "vtrain"
+VTRAIN_REPO = "github:VIA-Research/vTrain"
+VTRAIN_COMMIT = "f8dda8473a48b373b1d25f51f52d685bff5150c5"
+VTRAIN_FILES = {  # file -> (source name, git blob id upstream: the copy is the same bytes)
+    "ground_truth_single.csv": ("vTrain single node", "44880f27d5e7801b0b9db896283919fd057162ad"),
+    "ground_truth_multi.csv": ("vTrain multi node", "978b10fbfb72dda67a6b7f261402a3d80dfed79b"),
+}
+VTRAIN_SOURCES = frozenset(source for source, _ in VTRAIN_FILES.values())
+VTRAIN_COLUMNS = (  # the CSV header (ground_truth_multi.csv starts with "Parameters (billion)")
+    "# GPUs", "global batch", "micro batch", "hidden size", "attention heads", "# layers",
+    "sequence length", "tensor parallelism", "data parallelism", "pipeline parallelism",
+    "iteration time (ms)",
+)
+VTRAIN_VOCAB = 50257
+"""Not in the CSVs: vTrain's model default (GPT-2's BPE vocabulary, which Megatron-DeepSpeed's
+GPT examples use); plan-from-args pads it to a multiple of 128 x tp as Megatron does."""
+VTRAIN_RULES = {
+    "gpu_type": "A100 80GB (size not stated: 80 GB by the rule in tools/data/vtrain/README.md)",
+    "gpus_per_node": 8,
+    "cluster_label": "vtrain-a100",
+    "vocab_size": VTRAIN_VOCAB,
+    "vp": None,
+    "sequence_parallel": False,
+    "dp_sharding": "none (DeepSpeed engine, ZeRO stage 0: not stated, see README.md)",
+    "recompute": "full (configs: use_checkpoint=true)",
+    "precision": "mixed fp16 (not stated)",
+    "measured_unit": "iteration time (ms), CSV column 'iteration time (ms)'",
+    "flops_convention": "none (time only)",
+}
+"""What every vTrain row gets that its CSV line does not say (tools/data/vtrain/README.md)."""
+
+
+def git_blob_id(data: bytes) -> str:
+    """The id git gives a file's bytes (`git hash-object`): equal ids, equal files."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def _vtrain_fields(path: Path, lineno: int, header: list[str], line: list[str]
+                   ) -> dict[str, float]:
+    """One CSV line as numbers; a one-line PlanError naming the file, line and field."""
+    if len(line) != len(header):
+        raise PlanError(f"{path.name} line {lineno}: {len(line)} fields, the header has "
+                        f"{len(header)}; fix: one value per column {header}")
+    out = {}
+    for name, text in zip(header, line):
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        integral = name not in ("iteration time (ms)", "Parameters (billion)")
+        if not (value > 0 and math.isfinite(value)) or (integral and value != int(value)):
+            kind = "a positive number" if not integral else "a positive integer"
+            raise PlanError(f"{path.name} line {lineno}: field {name!r} = {text!r} is not "
+                            f"{kind}; fix: restore the upstream file ({VTRAIN_REPO} "
+                            f"data/{path.name} @ {VTRAIN_COMMIT[:12]})")
+        out[name] = value if not integral else int(value)
+    return out
+
+
+def read_vtrain_csv(path: Path) -> list[dict[str, Any]]:
+    """The measured runs of one vTrain CSV, validated, with their line numbers."""
+    text = Path(path).read_text(encoding="utf-8-sig")
+    lines = list(csv.reader(text.splitlines()))
+    if not lines:
+        raise PlanError(f"{path.name}: empty; fix: restore the upstream file")
+    header = [h.strip() for h in lines[0]]
+    expected = list(VTRAIN_COLUMNS)
+    if header[:1] == ["Parameters (billion)"]:
+        expected = ["Parameters (billion)", *expected]
+    if header != expected:
+        raise PlanError(f"{path.name} line 1: header {header} is not vTrain's {expected}; fix: "
+                        "restore the upstream file")
+    runs = []
+    for lineno, line in enumerate(lines[1:], start=2):
+        if not line:
+            continue
+        f = _vtrain_fields(path, lineno, header, line)
+        if f["tensor parallelism"] * f["data parallelism"] * f["pipeline parallelism"] != f[
+                "# GPUs"]:
+            raise PlanError(f"{path.name} line {lineno}: field '# GPUs' = {f['# GPUs']} is not "
+                            "tensor x data x pipeline parallelism "
+                            f"({f['tensor parallelism']} x {f['data parallelism']} x "
+                            f"{f['pipeline parallelism']}); fix: restore the upstream file")
+        if f["global batch"] % (f["micro batch"] * f["data parallelism"]):
+            raise PlanError(f"{path.name} line {lineno}: field 'global batch' = "
+                            f"{f['global batch']} is not a multiple of micro batch x data "
+                            "parallelism; fix: restore the upstream file")
+        runs.append({"line": lineno, **f})
+    return runs
+
+
+def vtrain_rows(directory: Path | None = None) -> list[dict[str, Any]]:
+    """vTrain's measured runs as rows of the published-runs schema: the CSV's own values plus
+    VTRAIN_RULES, the same for every row. A layout measured twice in one file (the multi-node
+    CSV has one) is one run at the mean of its measurements."""
+    rows: list[dict[str, Any]] = []
+    for name, (source, _) in VTRAIN_FILES.items():
+        path = Path(directory or VTRAIN_DIR) / name
+        by_layout: dict[tuple, list[dict[str, Any]]] = {}
+        for run in read_vtrain_csv(path):
+            key = tuple(v for k, v in run.items() if k not in ("line", "iteration time (ms)"))
+            by_layout.setdefault(key, []).append(run)
+        for runs in by_layout.values():
+            r = runs[0]
+            layers, hidden, seq = r["# layers"], r["hidden size"], r["sequence length"]
+            tp, pp, dp = (r["tensor parallelism"], r["pipeline parallelism"],
+                          r["data parallelism"])
+            params = r.get("Parameters (billion)")
+            if params is None:  # GPT weights with tied embeddings and learned positions
+                params = (layers * (12 * hidden * hidden + 13 * hidden)
+                          + (VTRAIN_VOCAB + seq + 2) * hidden) / 1e9
+            size = f"{params:.2f}".rstrip("0").rstrip(".")
+            lines = ", ".join(str(x["line"]) for x in runs)
+            rows.append({
+                **VTRAIN_RULES,
+                "id": (f"vtrain-{name.split('_')[-1][:-4]}-{r['line']}-{layers}x{hidden}-"
+                       f"g{r['# GPUs']}-gbs{r['global batch']}-tp{tp}pp{pp}dp{dp}-"
+                       f"mb{r['micro batch']}"),
+                "source": source,
+                "source_ref": f"{VTRAIN_REPO} data/{name} @ {VTRAIN_COMMIT[:12]}, line {lines}",
+                "num_gpus": r["# GPUs"],
+                "model_name": f"GPT {size}B ({layers} x {hidden})",
+                "num_layers": layers, "hidden_size": hidden, "num_heads": r["attention heads"],
+                "ffn_hidden_size": 4 * hidden, "seq_len": seq,
+                "tp": tp, "pp": pp, "dp": dp,
+                "global_batch_size": r["global batch"], "micro_batch_size": r["micro batch"],
+                "iter_time_s": statistics.fmean(x["iteration time (ms)"] for x in runs) / 1e3,
+                "repeats": len(runs),
+            })
+    return rows
+
+
+def check_vtrain_files(directory: Path | None = None) -> list[str]:
+    """Files whose bytes differ from the upstream blobs recorded in VTRAIN_FILES."""
+    return [name for name, (_, blob) in VTRAIN_FILES.items()
+            if git_blob_id((Path(directory or VTRAIN_DIR) / name).read_bytes()) != blob]
 
 
 # ---- measured figure -> seconds per iteration ---------------------------------------------
@@ -321,24 +475,60 @@ def ranking(pred: list[float], meas: list[float]) -> dict[str, float]:
     }
 
 
-def sweeps(results: list[dict[str, Any]], key: str = "predicted_gpu_s_per_token"
-           ) -> list[dict[str, Any]]:
+def baseline_steps(num_microbatches: int, pp: int, num_layers: int) -> float:
+    """Issue 19's reference predictor: micro-batch steps of the 1F1B schedule (m + pp - 1) x
+    layers per stage, i.e. a fixed cost per layer per micro-batch whatever the layer's size."""
+    return float((num_microbatches + pp - 1) * math.ceil(num_layers / pp))
+
+
+def sweeps(results: list[dict[str, Any]], key: str = "predicted_gpu_s_per_token",
+           per_gpu_count: bool = False) -> list[dict[str, Any]]:
     """Ranking within every sweep of >= 2 layouts, on GPU-seconds per token (iteration time x
     GPUs / tokens: at one GPU count the same order as iteration time, across GPU counts the cost
-    of a token)."""
+    of a token); `baseline`: the same metrics for baseline_steps(). per_gpu_count: a sweep is
+    also one GPU count (the layouts a user could pick for the GPUs they have)."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in results:
-        groups.setdefault(sweep_key(r), []).append(r)
+        groups.setdefault((*sweep_key(r), r["gpus"] if per_gpu_count else None), []).append(r)
     out = []
-    for (model, cluster, gbs, seq), members in groups.items():
+    for (model, cluster, gbs, seq, gpus), members in groups.items():
         if len({(m["layout"], m["gpus"]) for m in members}) < 2:
             continue
+        meas = [m["measured_gpu_s_per_token"] for m in members]
         out.append({
             "model": model, "cluster": cluster, "global_batch_size": gbs, "seq_len": seq,
-            "layouts": len(members),
-            **ranking([m[key] for m in members], [m["measured_gpu_s_per_token"] for m in members]),
+            **({"gpus": gpus} if per_gpu_count else {}),
+            "source": members[0]["source"], "layouts": len(members),
+            **ranking([m[key] for m in members], meas),
+            "baseline": ranking([m["baseline_gpu_s_per_token"] for m in members], meas),
         })
     return out
+
+
+def meets_targets(sweep: dict[str, Any]) -> bool:
+    """Issue 19's ranking targets for a sweep of >= BIG_SWEEP layouts."""
+    return sweep["spearman"] >= 0.8 and sweep["top1_regret"] <= 0.05
+
+
+def sweep_summary(sw: list[dict[str, Any]]) -> dict[str, Any]:
+    """The sweeps of >= BIG_SWEEP layouts: how many, median / min Spearman, how many meet the
+    targets, and the same for the reference predictor."""
+    big = [g for g in sw if g["layouts"] >= BIG_SWEEP]
+    if not big:
+        return {"sweeps": len(sw), "big_sweeps": 0}
+    rho = [g["spearman"] for g in big]
+    base = [g["baseline"]["spearman"] for g in big]
+    return {
+        "sweeps": len(sw), "big_sweeps": len(big),
+        "median_spearman": statistics.median(rho), "min_spearman": min(rho),
+        "median_top1_regret": statistics.median(g["top1_regret"] for g in big),
+        "max_top1_regret": max(g["top1_regret"] for g in big),
+        "median_pairs_ordered": statistics.median(g["pairs_ordered"] for g in big),
+        "meeting_targets": sum(meets_targets(g) for g in big),
+        "baseline_median_spearman": statistics.median(base),
+        "baseline_min_spearman": min(base),
+        "baseline_meeting_targets": sum(meets_targets(g["baseline"]) for g in big),
+    }
 
 
 def leave_one_source_out(results: list[dict[str, Any]], grid_pred: list[list[float]]
@@ -382,15 +572,16 @@ def leave_one_source_out(results: list[dict[str, Any]], grid_pred: list[list[flo
         r["loso_log_residual"] = residuals[i][1]
         r["loso_interval_hit"] = bool(inside[i])
     errors = [abs(loso_pred[i] / meas[i] - 1) for i in range(len(results))]
+    held = [{**r, "predicted_gpu_s_per_token": r["loso_predicted_s"]
+             * r["measured_gpu_s_per_token"] / r["measured_s"]} for r in results]
     return {
         "sources": per_source,
         "median_abs_error": statistics.median(errors),
         "mean_abs_error": statistics.fmean(errors),
         "interval_coverage": statistics.fmean(inside),
         "interval_median_width": statistics.median(widths),
-        "sweeps": sweeps([{**r, "predicted_gpu_s_per_token":
-                           r["loso_predicted_s"] * r["measured_gpu_s_per_token"] / r["measured_s"]}
-                          for r in results]),
+        "sweeps": sweeps(held),
+        "sweeps_one_gpu_count": sweeps(held, per_gpu_count=True),
     }
 
 
@@ -410,13 +601,49 @@ def residual_file(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def model_summaries(results: list[dict[str, Any]], sw: list[dict[str, Any]],
+                    held_sw: list[dict[str, Any]], sw_gpus: list[dict[str, Any]]
+                    ) -> list[dict[str, Any]]:
+    """One line per model of the sources summarised rather than listed (VTRAIN_SOURCES): its
+    rows' error and its sweeps' ranking, with the reference predictor's and held out."""
+    out = []
+    keys = sorted({(r["source"], r["model"]) for r in results if r["source"] in VTRAIN_SOURCES},
+                  key=lambda k: (k[0], float(k[1].split()[1].rstrip("B"))))
+    for source, model in keys:
+        members = [r for r in results if (r["source"], r["model"]) == (source, model)]
+        ratios = [r["ratio"] for r in members]
+        entry = {"source": source, "model": model, "rows": len(members),
+                 "median_abs_error": statistics.median(abs(x - 1) for x in ratios),
+                 "median_ratio": statistics.median(ratios),
+                 "min_ratio": min(ratios), "max_ratio": max(ratios),
+                 "memory_false_negatives": sum(not r["fits"] for r in members),
+                 **sweep_summary([g for g in sw if (g["source"], g["model"]) == (source, model)])}
+        entry["one_gpu_count"] = sweep_summary(
+            [g for g in sw_gpus if (g["source"], g["model"]) == (source, model)])
+        held = sweep_summary([g for g in held_sw if (g["source"], g["model"]) == (source, model)])
+        if held.get("big_sweeps"):
+            entry["held_out_median_spearman"] = held["median_spearman"]
+            entry["held_out_meeting_targets"] = held["meeting_targets"]
+        out.append(entry)
+    return out
+
+
 def run(rows: list[dict[str, Any]], *, loso: bool = True) -> dict[str, Any]:
-    results, plans = [], []
+    """Every row predicted once per gemm_efficiency of the grid (the shipped value's prediction
+    is the grid's, not a second one); the held-out refits reuse these predictions."""
+    default = ComputeProfile()
+    profiles = ([dataclasses.replace(default, gemm_efficiency=g) for g in GEMM_EFFICIENCY_GRID]
+                if loso and len({r["source"] for r in rows}) > 1 else [])
+    shipped = profiles.index(default) if default in profiles else None
+    results: list[dict[str, Any]] = []
+    grid_pred: list[list[float]] = [[] for _ in profiles]
     for row in rows:
         plan = build_plan(row)
-        plans.append(plan)
         measured, how = measured_iteration_s(row)
-        pred = predict(row, plan)
+        preds = [predict(row, plan, c) for c in profiles]
+        for k, p in enumerate(preds):
+            grid_pred[k].append(p["predicted_s"])
+        pred = preds[shipped] if shipped is not None else predict(row, plan)
         gpu_token = row["num_gpus"] / (row["global_batch_size"] * row["seq_len"])
         results.append({
             "id": row["id"], "source": row["source"], "model": row["model_name"],
@@ -431,6 +658,9 @@ def run(rows: list[dict[str, Any]], *, loso: bool = True) -> dict[str, Any]:
             "ratio": pred["predicted_s"] / measured,
             "measured_gpu_s_per_token": measured * gpu_token,
             "predicted_gpu_s_per_token": pred["predicted_s"] * gpu_token,
+            "baseline_gpu_s_per_token": gpu_token * baseline_steps(
+                pred["num_microbatches"], plan.pp, plan.model.num_layers),
+            "grid_predicted_s": [p["predicted_s"] for p in preds],
         })
     errors = [abs(r["ratio"] - 1) for r in results]
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
@@ -446,13 +676,23 @@ def run(rows: list[dict[str, Any]], *, loso: bool = True) -> dict[str, Any]:
                                  [m["measured_gpu_s_per_token"] for m in members]),
         })
     held_out: dict[str, Any] = {}
-    if loso and len({r["source"] for r in results}) > 1:
-        grid_pred = [[predict(row, plan, ComputeProfile(gemm_efficiency=g))["predicted_s"]
-                      for row, plan in zip(rows, plans)] for g in GEMM_EFFICIENCY_GRID]
+    if profiles:
         held_out = leave_one_source_out(results, grid_pred)
-    sw = sweeps(results)
+    sw, sw_gpus = sweeps(results), sweeps(results, per_gpu_count=True)
+    held_sw = held_out.get("sweeps", [])
+    by_source = {src: sweep_summary([g for g in sw if g["source"] == src])
+                 for src in sorted({g["source"] for g in sw})}
+    by_source_gpus = {src: sweep_summary([g for g in sw_gpus if g["source"] == src])
+                      for src in sorted({g["source"] for g in sw_gpus})}
     return {
         "rows": results,
+        "sweep_summary": {
+            "all": sweep_summary(sw), "held_out": sweep_summary(held_sw), "by_source": by_source,
+            "one_gpu_count": sweep_summary(sw_gpus),
+            "one_gpu_count_held_out": sweep_summary(held_out.get("sweeps_one_gpu_count", [])),
+            "one_gpu_count_by_source": by_source_gpus,
+        },
+        "model_summaries": model_summaries(results, sw, held_sw, sw_gpus),
         "summary": {
             "rows": len(results),
             "median_abs_error": statistics.median(errors) if errors else float("nan"),
@@ -474,19 +714,32 @@ def run(rows: list[dict[str, Any]], *, loso: bool = True) -> dict[str, Any]:
         },
         "rank_groups": rank,
         "sweeps": sw,
+        "sweeps_one_gpu_count": sw_gpus,
         "leave_one_source_out": held_out,
     }
+
+
+def _sweep_cols(m: dict[str, Any]) -> str:
+    """n, median rho, meeting, reference median rho, reference meeting (27 characters)."""
+    if not m.get("big_sweeps"):
+        return f"{0:3d} {'-':>5} {'-':>4} {'-':>5} {'-':>4}"
+    return (f"{m['big_sweeps']:3d} {m['median_spearman']:5.2f} {m['meeting_targets']:4d} "
+            f"{m['baseline_median_spearman']:5.2f} {m['baseline_meeting_targets']:4d}")
 
 
 def print_report(out: dict[str, Any]) -> None:
     print(f"{'run':32} {'layout':34} {'meas s':>8} {'pred s':>8} {'pred/meas':>9} "
           f"{'mem GiB':>8} {'fits':>4}")
     for r in out["rows"]:
+        if r["source"] in VTRAIN_SOURCES:
+            continue
         print(f"{r['id']:32} {r['layout']:34} {r['measured_s']:8.2f} {r['predicted_s']:8.2f} "
               f"{r['ratio']:9.3f} {r['peak_gib']:8.1f} {'yes' if r['fits'] else 'NO':>4}")
     print()
     print(f"{'source':54} {'model':24} {'rows':>4} {'spearman':>8}")
     for g in out["rank_groups"]:
+        if g["source"] in VTRAIN_SOURCES:
+            continue
         print(f"{g['source'][:54]:54} {g['model'][:24]:24} {g['rows']:4d} {g['spearman']:8.3f}")
     print()
     held_sweeps = {(g["model"], g["cluster"], g["global_batch_size"], g["seq_len"]): g
@@ -494,11 +747,47 @@ def print_report(out: dict[str, Any]) -> None:
     print(f"{'sweep (model, cluster [date], global batch, seq)':66} {'n':>3} {'spearman':>8} "
           f"{'top1 regret':>11} {'pairs ok':>8} {'held out: rho / regret':>22}")
     for g in out["sweeps"]:
+        if g["source"] in VTRAIN_SOURCES:
+            continue
         name = f"{g['model']}, {g['cluster']}, {g['global_batch_size']}, {g['seq_len']}"
         h = held_sweeps.get((g["model"], g["cluster"], g["global_batch_size"], g["seq_len"]))
         held = f"{h['spearman']:.3f} / {100 * h['top1_regret']:.1f}%" if h else "-"
         print(f"{name[:66]:66} {g['layouts']:3d} {g['spearman']:8.3f} "
               f"{100 * g['top1_regret']:10.1f}% {100 * g['pairs_ordered']:7.0f}% {held:>22}")
+    if out["model_summaries"]:
+        print()
+        print(f"per model (every sweep in --json): sweeps of >= {BIG_SWEEP} layouts (n), median "
+              "Spearman, how many meet rho >= 0.8 and top-1 regret <= 5%, and the same for the "
+              "reference predictor (micro-batch steps x layers per stage); sweeps as above "
+              "(GPU counts together, per token) and at one GPU count")
+        print(f"{'':63} | {'sweeps':^23} {'held':>5} | {'at one GPU count':^23}")
+        cols = f"{'n':>3} {'rho':>5} {'meet':>4} {'ref':>5} {'meet':>4}"
+        print(f"{'source':18} {'model':22} {'rows':>4} {'|err|':>5} {'pred/meas':>10} | "
+              f"{cols} {'rho':>5} | {cols}")
+        for m in out["model_summaries"]:
+            held = m.get("held_out_median_spearman")
+            print(f"{m['source'][:18]:18} {m['model'][:22]:22} {m['rows']:4d} "
+                  f"{100 * m['median_abs_error']:4.0f}% "
+                  f"{m['min_ratio']:4.2f}-{m['max_ratio']:<5.2f} | {_sweep_cols(m)} "
+                  f"{'-' if held is None else f'{held:.2f}':>5} | "
+                  f"{_sweep_cols(m['one_gpu_count'])}")
+    print()
+    print(f"sweeps of >= {BIG_SWEEP} layouts: n, median / min Spearman, meeting both targets; the "
+          "reference predictor (micro-batch steps x layers per stage): median / min, meeting")
+    summ = out["sweep_summary"]
+    for label, (every, held_out, by_source) in (
+            ("", ("all", "held_out", "by_source")),
+            (" (at one GPU count)", ("one_gpu_count", "one_gpu_count_held_out",
+                                     "one_gpu_count_by_source"))):
+        groups = [(f"all sources{label}", summ[every]), (f"all, held out{label}", summ[held_out]),
+                  *((f"{k}{label}", v) for k, v in summ[by_source].items())]
+        for name, g in groups:
+            if not g.get("big_sweeps"):
+                continue
+            print(f"  {name[:66]:66} {g['big_sweeps']:3d}  rho {g['median_spearman']:6.3f} / "
+                  f"{g['min_spearman']:6.3f}  meet {g['meeting_targets']:3d}   reference "
+                  f"{g['baseline_median_spearman']:6.3f} / {g['baseline_min_spearman']:6.3f}  "
+                  f"meet {g['baseline_meeting_targets']:3d}")
     held = out["leave_one_source_out"]
     if held:
         print()
@@ -546,18 +835,32 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write-residuals", default=None, metavar="PATH",
                    help="write the intervals' residual table here (all rows, with the "
                    "leave-one-source-out refit): megatron_ext/planner/cost/residuals_a100.json")
+    p.add_argument("--vtrain-dir", default=str(VTRAIN_DIR),
+                   help="vTrain's measured CSVs (ground_truth_single.csv, ground_truth_multi.csv)")
+    p.add_argument("--no-vtrain", action="store_true",
+                   help="leave out the vTrain rows (only the --data file's)")
     args = p.parse_args(argv)
     data = json.loads(Path(args.data).read_text())
     rows = data["rows"]
+    if not args.no_vtrain:
+        try:
+            if Path(args.vtrain_dir).resolve() == VTRAIN_DIR and check_vtrain_files():
+                raise PlanError(f"{VTRAIN_DIR}: {', '.join(check_vtrain_files())} differ from "
+                                f"the upstream files ({VTRAIN_REPO} @ {VTRAIN_COMMIT[:12]}); fix: "
+                                "restore them (README.md there)")
+            rows = rows + vtrain_rows(Path(args.vtrain_dir))
+        except (PlanError, OSError) as err:
+            print(f"bench_published: {err}", file=sys.stderr)
+            return 2
     if args.rows:
         unknown = set(args.rows) - {r["id"] for r in rows}
         if unknown:
             print(f"--rows: unknown id(s) {sorted(unknown)}", file=sys.stderr)
             return 2
         rows = [r for r in rows if r["id"] in args.rows]
-    if args.write_residuals and (args.rows or args.no_loso):
-        print("--write-residuals needs every row and the refit: drop --rows / --no-loso",
-              file=sys.stderr)
+    if args.write_residuals and (args.rows or args.no_loso or args.no_vtrain):
+        print("--write-residuals needs every row and the refit: drop --rows / --no-loso / "
+              "--no-vtrain", file=sys.stderr)
         return 2
     out = run(rows, loso=not args.no_loso)
     print_report(out)
