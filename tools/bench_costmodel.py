@@ -36,7 +36,8 @@ than --max-load-swing (default 1.5x) the benchmark prints the plan table marked 
 comparable, writes `summary: null`, and exits 4 (--report-anyway reports regardless): the
 probes follow the compute side of a load change, not the collective curves profiled before it.
 
---quick: one round and one profiler repeat instead of two of each (same plans, grid and steps):
+--quick: one round and one model-profiler repeat instead of two of each (same plans, grid and
+steps; the hardware profiler keeps at least HARDWARE_REPEATS samples per collective):
 about 4 minutes on the 2-core machine with nothing else running.
 """
 
@@ -80,6 +81,12 @@ from megatron_ext.planner.training import TrainingSpec
 from megatron_ext.runtime.testing import run_distributed
 
 
+HARDWARE_REPEATS = 5
+"""At least this many samples per collective size (the fastest is kept), whatever --repeats:
+4 ranks on 2 cores wait for the scheduler, so one sample of a 4 KiB all-reduce reads 1-9 ms
+where the fastest of 5 reads ~1 ms; collectives are cheap to repeat, the model profile is not."""
+
+
 def profile_grid(args: argparse.Namespace) -> ProfileGrid:
     """Every per-replica micro-batch the plans run (1 .. 32): interpolated, not extrapolated.
     The run-time probes rebuild the sharing stack from this grid, so a reused --model-profile
@@ -97,7 +104,7 @@ def run_round(args: argparse.Namespace, timings: dict, load: LoadLog, index: int
     if not args.cluster_profile:
         out = run_distributed(profile_hardware_rank, world_size=args.world_size, timeout_s=1800,
                               collective_timeout_s=600, min_bytes=2**12, max_bytes=2**24,
-                              repeats=args.repeats)
+                              repeats=max(args.repeats, HARDWARE_REPEATS))
         cluster = ClusterProfile.from_dict(out[0])
         load.checkpoint(f"round {index} after hardware profile")
     t1 = time.perf_counter()

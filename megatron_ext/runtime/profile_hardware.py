@@ -11,10 +11,12 @@ spread over the nodes), all W/g disjoint groups run the collective at once, as d
 tensor-parallel groups do in training; one sample is the slowest rank's time. Timing: CUDA events
 on GPU, wall clock after a barrier on CPU; the fastest of `repeats` samples after `warmup`
 (the one least disturbed by other work on a shared machine). The peak is one rank's matmul rate
-alone; compute slots say how many ranks of a node compute at that rate at once. When ranks share
-compute (slots < ranks per node: CPU cores), every collective is timed right after a burst of
-compute on every rank, minus the burst, so the curves include what training pays: waiting for
-the ranks the scheduler has not run yet.
+alone; compute slots say how many ranks of a node compute at that rate at once. Collectives are
+timed alone also when ranks share compute (CPU cores): a rank waiting in a collective for one the
+scheduler has not run yet leaves its core to that rank, so the wait is compute the shared-compute
+model (planner/profile/pipeline.py) already counts, not communication. (Timing each collective
+after a burst of compute, minus the burst, counted it twice: tensor-parallel plans came out
+25-94% slow in tools/bench_costmodel.py, see docs/benchmarks.md.)
 Groups are passed explicitly and the device is taken from the tensors.
 """
 
@@ -39,10 +41,8 @@ __all__ = ["measure_seconds", "message_sizes", "placement", "profile_collective"
            "profile_hardware", "profile_overlap", "profile_peak_flops"]
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-BURST_S = 0.01
-"""Compute each rank runs before a timed collective when ranks share compute (seconds alone)."""
 _MIN_SECONDS = 1e-7
-"""Floor of a collective's time after subtracting the burst (noise can make it negative)."""
+"""Floor of a collective's time (a timer can read 0 for the smallest messages)."""
 
 
 def measure_seconds(fn: Callable[[], object], *, world: dist.ProcessGroup, device: torch.device,
@@ -122,14 +122,9 @@ def _ping_pong_fn(members: list[int], num_bytes: int, group: dist.ProcessGroup,
 
 def profile_collective(op: str, groups: list[list[int]], handles: list[dist.ProcessGroup], *,
                        sizes: list[int], local_world_size: int, world: dist.ProcessGroup,
-                       device: torch.device, dtype: torch.dtype, repeats: int,
-                       burst: Callable[[], object] | None = None) -> CollectiveCurve:
-    """One curve: every group of the placement runs `op` at once, for each size. With `burst`
-    (ranks sharing compute), every rank first runs it and the collective's time is the pair's
-    minus the burst alone: as in training, the collective then also waits for the ranks the
-    scheduler left behind. The burst is re-timed beside every size (load drifting during the
-    profile would otherwise bias every difference), and the result is never below the collective
-    timed without a burst (a difference of two noisy times can fall to zero)."""
+                       device: torch.device, dtype: torch.dtype, repeats: int
+                       ) -> CollectiveCurve:
+    """One curve: every group of the placement runs `op` at once, for each size."""
     rank = dist.get_rank()
     mine = next(i for i, members in enumerate(groups) if rank in members)
     seconds = []
@@ -138,13 +133,7 @@ def profile_collective(op: str, groups: list[list[int]], handles: list[dist.Proc
             fn = _ping_pong_fn(groups[mine], num_bytes, handles[mine], device, dtype)
         else:
             fn = _collective_fn(op, num_bytes, handles[mine], device, dtype)
-        t = measure_seconds(fn, world=world, device=device, repeats=repeats)
-        if burst is not None:
-            paired = measure_seconds(lambda f=fn: (burst(), f()), world=world, device=device,
-                                     repeats=repeats)
-            alone = measure_seconds(burst, world=world, device=device, repeats=repeats)
-            t = max(t, paired - alone)
-        t = max(t, _MIN_SECONDS)
+        t = max(measure_seconds(fn, world=world, device=device, repeats=repeats), _MIN_SECONDS)
         seconds.append(t / 2 if op == "p2p" else t)
     g = len(groups[0])
     stride = groups[0][1] - groups[0][0]
@@ -256,13 +245,8 @@ def profile_hardware(*, world: dist.ProcessGroup, device: torch.device,
     mm_dim = 4096 if gpu else 256
     peak, slots = profile_peak_flops(world=world, device=device, dtype=dtype, dim=mm_dim,
                                      repeats=repeats, local_world_size=local)
-    burst, burst_s = None, 0.0
-    if slots < local:  # ranks share compute: time collectives as training meets them
-        count = max(1, math.ceil(BURST_S * peak / (2.0 * mm_dim**3)))
-        burst = _matmul_fn(mm_dim, count, device, dtype)
-        burst_s = measure_seconds(burst, world=world, device=device, repeats=repeats)
     curves = _all_curves(sizes, world_size, local, world=world, device=device, dtype=dtype,
-                         repeats=repeats, progress=progress, burst=burst)
+                         repeats=repeats, progress=progress)
     slowdown, _ = profile_overlap(world=world, device=device, dtype=dtype, num_bytes=sizes[-1],
                                   dim=mm_dim, repeats=repeats)
     ar = [c for c in curves if c.collective == "all_reduce"]
@@ -274,14 +258,13 @@ def profile_hardware(*, world: dist.ProcessGroup, device: torch.device,
                                               if intra is not None else {}))
     return ClusterProfile(cluster=cluster, backend=str(dist.get_backend(world)),
                           device=_device_name(device), overlap_slowdown=slowdown,
-                          compute_slots_per_node=round(slots, 3), compute_burst_s=burst_s,
+                          compute_slots_per_node=round(slots, 3),
                           collectives=tuple(curves))
 
 
 def _all_curves(sizes: list[int], world_size: int, local: int, *, world: dist.ProcessGroup,
                 device: torch.device, dtype: torch.dtype, repeats: int,
-                progress: Callable[[str], None] | None, burst: Callable[[], object] | None
-                ) -> list[CollectiveCurve]:
+                progress: Callable[[str], None] | None) -> list[CollectiveCurve]:
     curves = []
     g = 2
     while g <= world_size:
@@ -298,7 +281,7 @@ def _all_curves(sizes: list[int], world_size: int, local: int, *, world: dist.Pr
                     progress(f"{op} g={g} {'strided' if strided else 'adjacent'}")
                 curves.append(profile_collective(op, groups, handles, sizes=sizes,
                                                  local_world_size=local, world=world,
-                                                 device=device, dtype=dtype, repeats=repeats,
-                                                 burst=burst))
+                                                 device=device, dtype=dtype,
+                                                 repeats=repeats))
         g *= 2
     return curves

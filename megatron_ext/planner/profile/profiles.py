@@ -159,8 +159,10 @@ class ClusterProfile:
     rank, fewer when ranks share CPU cores (None: not measured, a device per rank)."""
     compute_burst_s: float = 0.0
     """Seconds of compute every rank ran right before each timed collective (subtracted from the
-    times): > 0 when ranks share compute, so the curves include waiting for ranks the scheduler
-    left behind, as in training; 0 = collectives timed alone."""
+    times). 0: collectives timed alone, as the profiler does now; > 0 only in profiles of older
+    versions, which timed them after a burst on shared CPU cores and so priced the waits of
+    ranks the scheduler left behind as communication (the shared-compute model counts them as
+    compute already); re-profile to drop that double count."""
     collectives: tuple[CollectiveCurve, ...] = ()
     """Measured curves."""
     _index: dict = field(init=False, repr=False, compare=False)
