@@ -41,6 +41,9 @@ __all__ = ["measure_seconds", "message_sizes", "placement", "profile_collective"
            "profile_hardware", "profile_overlap", "profile_peak_flops"]
 
 COLLECTIVE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+# torch >= 2.13 renamed the tensor collectives (the old names warn); same arguments
+_ALL_GATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 _MIN_SECONDS = 1e-7
 """Floor of a collective's time (a timer can read 0 for the smallest messages)."""
 
@@ -95,9 +98,9 @@ def _collective_fn(op: str, num_bytes: int, group: dist.ProcessGroup, device: to
     if op == "all_reduce":
         return lambda: dist.all_reduce(full, group=group)
     if op == "all_gather":
-        return lambda: dist.all_gather_into_tensor(full, shard, group=group)  # [n/g] -> [n]
+        return lambda: _ALL_GATHER(full, shard, group=group)  # [n/g] -> [n]
     if op == "reduce_scatter":
-        return lambda: dist.reduce_scatter_tensor(shard, full, group=group)  # [n] -> [n/g]
+        return lambda: _REDUCE_SCATTER(shard, full, group=group)  # [n] -> [n/g]
     if op == "all_to_all":
         return lambda: dist.all_to_all_single(other, full, group=group)  # [n] -> [n]
     raise ValueError(f"unknown collective {op!r}")
