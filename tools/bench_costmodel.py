@@ -80,7 +80,6 @@ from megatron_ext.planner.profile.profiles import ClusterProfile, ModelProfile
 from megatron_ext.planner.training import TrainingSpec
 from megatron_ext.runtime.testing import run_distributed
 
-
 HARDWARE_REPEATS = 5
 """At least this many samples per collective size (the fastest is kept), whatever --repeats:
 4 ranks on 2 cores wait for the scheduler, so one sample of a 4 KiB all-reduce reads 1-9 ms
