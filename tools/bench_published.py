@@ -59,6 +59,7 @@ import json
 import math
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -792,9 +793,9 @@ def print_report(out: dict[str, Any]) -> None:
     if out["model_summaries"]:
         print()
         print(f"per model (every sweep in --json): sweeps of >= {BIG_SWEEP} layouts (n), median "
-              "Spearman, how many meet rho >= 0.8 and top-1 regret <= 5%, and the same for the "
-              "reference predictor (micro-batch steps x layers per stage); sweeps as above "
-              "(GPU counts together, per token) and at one GPU count")
+              "Spearman, how many meet rho >= 0.8 and top-1 regret <= 5%,")
+        print("and the same for the reference predictor (micro-batch steps x layers per stage); "
+              "sweeps as above (GPU counts together, per token) and at one GPU count")
         print(f"{'':63} | {'sweeps':^23} {'held':>5} | {'at one GPU count':^23}")
         cols = f"{'n':>3} {'rho':>5} {'meet':>4} {'ref':>5} {'meet':>4}"
         print(f"{'source':18} {'model':22} {'rows':>4} {'|err|':>5} {'pred/meas':>10} | "
@@ -901,8 +902,13 @@ def main(argv: list[str] | None = None) -> int:
         print("--write-residuals needs every row and the refit: drop --rows / --no-loso / "
               "--no-vtrain", file=sys.stderr)
         return 2
+    wall, cpu = time.perf_counter(), time.process_time()
     out = run(rows, loso=not args.no_loso)
+    out["timing"] = {"rows": len(rows), "wall_s": time.perf_counter() - wall,
+                     "cpu_s": time.process_time() - cpu}
     print_report(out)
+    print(f"{len(rows)} rows in {out['timing']['wall_s']:.1f} s wall, "
+          f"{out['timing']['cpu_s']:.1f} s CPU")
     if args.write_residuals:
         Path(args.write_residuals).write_text(residual_text(residual_file(out["rows"])))
         print(f"wrote {args.write_residuals}")
