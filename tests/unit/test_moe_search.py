@@ -234,18 +234,19 @@ def test_stages_are_priced_by_their_layer_kinds() -> None:
     layers on stage 1 (layer_freq 1,1,0,0), stage 0 is the busier one, by the per-layer rows."""
     model = dataclasses.replace(BIG_EXPERTS, moe=dataclasses.replace(BIG_EXPERTS.moe,
                                                                      layer_freq=(1, 1, 0, 0)))
+    # 4 samples per replica and micro-batch: compute-bound, above the host floor of a pass
     cm = CostModel(model, ClusterSpec(name="dgx-h100", num_nodes=1, gpus_per_node=8),
-                   TrainingSpec(global_batch_size=16, seq_length=1024))
+                   TrainingSpec(global_batch_size=64, seq_length=1024))
     s = LayerStrategy(tp=1, dp=4, zero=1)
     moe_s = dataclasses.replace(s, ep=4)
     layers = (moe_s, moe_s, s, s)
     ev = evaluate(cm, pp=2, stages=((0, 2), (2, 4)), layers=layers,
-                  vocab=VocabStrategy(mode="tp", tp=1), micro_batch_size=4)
-    rows = M.per_layer_costs(cm, StrategyTable.of([s, moe_s]), 4, np.array([1, 1, 0, 0]))
+                  vocab=VocabStrategy(mode="tp", tp=1), micro_batch_size=16)
+    rows = M.per_layer_costs(cm, StrategyTable.of([s, moe_s]), 16, np.array([1, 1, 0, 0]))
     assert rows.forward_s[0] > 1.5 * rows.forward_s[2]  # top-2 of 8192-wide experts vs 8192 MLP
     assert ev.stage_busy_s[0] > ev.stage_busy_s[1]
     # the search's partition sees the same: slot of stage 0 with the 2 MoE layers is dearer
-    m = 16 // 4
+    m = 64 // 16
     work = [m * float((rows.forward_s[a:b] + rows.backward_s[a:b]).sum()) for a, b in
             ((0, 2), (2, 4))]
     assert work[0] > work[1]

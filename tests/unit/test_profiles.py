@@ -13,6 +13,7 @@ import pytest
 from megatron_ext.errors import PlanError
 from megatron_ext.plan import LayerStrategy, VocabStrategy
 from megatron_ext.planner.cost.comm import GroupLayout
+from megatron_ext.planner.cost.compute import HostConstants
 from megatron_ext.planner.cost.evaluate import evaluate
 from megatron_ext.planner.cost.model import CostModel
 from megatron_ext.planner.profile.cost import (
@@ -32,7 +33,7 @@ from megatron_ext.planner.profile.profiles import (
 )
 from megatron_ext.planner.space import StrategyTable
 from megatron_ext.planner.training import TrainingSpec
-from megatron_ext.presets import model_preset
+from megatron_ext.presets import cluster_preset, model_preset
 from megatron_ext.specs import ClusterSpec, LinkSpec
 
 MODEL = model_preset("tiny-gpt")
@@ -260,6 +261,8 @@ def test_fitted_compute_profile_reproduces_measured_rates():
     # output GEMM: 4e-11 s per n*h*V_t = 2e-11 s per FLOP at a peak of 1e11 FLOP/s: 50%
     assert prof.gemm_efficiency == pytest.approx(0.5, rel=1e-6)
     assert prof.hbm_bytes_per_s == pytest.approx(30.0 / 5e-9, rel=1e-6)
+    # the measured layer and step times already hold the host side: no host floor on top
+    assert prof.host_for(cluster_preset("dgx-a100-80g")) == HostConstants()
     with pytest.raises(PlanError, match="measured on model 'tiny-gpt'"):
         ProfiledCostModel(dataclasses.replace(MODEL, hidden_size=128), cp.cluster,
                           TrainingSpec(global_batch_size=8, seq_length=64), model_profile=mp)

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron_ext.errors import PlanError
 from megatron_ext.schema import expect_object, get_float, reject_unknown
 from megatron_ext.specs import ClusterSpec, ModelSpec
 
@@ -35,6 +36,52 @@ _HBM_BYTES_PER_S = {
     "dgx-h100": 3.35e12,
     "dgx-h200": 4.8e12,
 }
+
+
+# ---- fixed host-side costs (fitted: tools/fit_gpu_constants.py, docs/benchmarks.md) --------
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HostConstants:
+    """Fixed host-side costs of one GPU preset's software stack (see `host_bound_s`)."""
+
+    kernel_s: float = 0.0
+    """Host seconds to issue one kernel of a transformer layer pass (eager dispatch, autograd,
+    launch)."""
+    collective_step_s: float = 0.0
+    """Host-side seconds per ring step of a tensor-parallel collective: each collective waits
+    for the slowest of its t ranks, (t - 1) steps per reduce or gather phase."""
+    microbatch_s: float = 0.0
+    """Fixed seconds per micro-batch on every pipeline stage (schedule step, data, loss)."""
+
+
+A100_HOST = HostConstants(kernel_s=52.5e-6, collective_step_s=5e-6, microbatch_s=0.5e-3)
+"""Fitted on vTrain's 1,440 single-node runs (github:VIA-Research/vTrain
+data/ground_truth_single.csv @ f8dda8473a48; Bang et al., MICRO-57 2024): 8 GPT models of
+0.2-1.3B (h 1024 / 2048, 12-24 layers, seq 1024) on 2, 4 and 8 A100 of one node,
+Megatron-DeepSpeed, fp16, full recomputation, every TP x PP x DP x micro-batch. There a layer
+costs 3.0-3.5 ms per micro-batch at micro-batch 1 whatever the hidden size (slope of the
+iteration time over layers x micro-batches, TP 1-4), ~5 ms at TP 8, and the time grows with the
+micro-batch only once compute passes that floor. Least squares on log(predicted / measured)
+over the 1,440 runs (tools/fit_gpu_constants.py): 52.5 us per kernel (15 forward, 30 backward,
+15 recomputed kernels of a GPT layer: ~3.1 ms per layer-micro-batch), 5 us per tensor-parallel
+ring step, 0.5 ms per micro-batch and stage, soft-maximum power 3.5. Checked on the runs it was
+not fitted on: vTrain's 108 multi-node runs (3.6-175B on 64-512 A100), NVIDIA's Megatron-LM
+runs (SC'21, Korthikanti et al., NeMo, Megatron-LM 2020) and BLOOM's (docs/benchmarks.md)."""
+
+HOST_CONSTANTS: dict[str, HostConstants] = {
+    "dgx-a100-40g": A100_HOST,
+    "dgx-a100-80g": A100_HOST,
+    # No public sweep of small layouts on H100/H200 was found: the A100 node's host constants
+    # (same software stack, a host CPU of the same class) until one is.
+    "dgx-h100": A100_HOST,
+    "dgx-h200": A100_HOST,
+}
+"""Per GPU preset; other clusters (custom specs, measured CPU clusters) have none unless the
+compute profile sets them."""
+
+HOST_OVERLAP_POWER = 3.5
+"""k of the soft maximum (gpu^k + host^k)^(1/k) of a pass (fitted with A100_HOST)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -58,23 +105,43 @@ class ComputeProfile:
     """Achievable HBM bandwidth for elementwise kernels; 0 means a guess from the cluster."""
     fp32_flops_ratio: float = 0.5
     """Peak of fp32 (TF32) GEMMs relative to bf16 peak."""
+    host_kernel_s: float = -1.0
+    """Host seconds per kernel of a layer pass (HostConstants.kernel_s); -1: the cluster
+    preset's (HOST_CONSTANTS), 0: no host floor (measured model profiles already contain it)."""
+    host_collective_step_s: float = -1.0
+    """Host seconds per tensor-parallel ring step (HostConstants.collective_step_s); -1: the
+    preset's."""
+    host_microbatch_s: float = -1.0
+    """Fixed seconds per micro-batch and stage (HostConstants.microbatch_s); -1: the preset's."""
+    host_overlap_power: float = HOST_OVERLAP_POWER
+    """k of the soft maximum (gpu^k + host^k)^(1/k) of a pass's GPU and host time."""
 
     @classmethod
     def from_dict(cls, data: Any, path: str = "compute") -> ComputeProfile:
         data = expect_object(data, path)
         reject_unknown(data, set(cls.__dataclass_fields__), path)
         defaults = cls()
-        return cls(
-            **{
-                name: get_float(
-                    data,
-                    name,
-                    path,
-                    default=getattr(defaults, name),
-                    positive=name != "hbm_bytes_per_s",
-                )
-                for name in cls.__dataclass_fields__
-            }
+        values = {}
+        for name in cls.__dataclass_fields__:
+            host = name.startswith("host_") and name != "host_overlap_power"
+            value = get_float(data, name, path, default=getattr(defaults, name),
+                              positive=not host and name != "hbm_bytes_per_s")
+            if host and name in data and value < 0:
+                raise PlanError(f"{path}.{name}={value} must be >= 0 seconds (0 turns it off; "
+                                "leave it out for the cluster preset's value)")
+            values[name] = value
+        return cls(**values)
+
+    def host_for(self, cluster: ClusterSpec) -> HostConstants:
+        """The host constants on `cluster`: this profile's where set (>= 0), else the preset's
+        (none for clusters that are not GPU presets)."""
+        preset = HOST_CONSTANTS.get(cluster.name, HostConstants())
+        return HostConstants(
+            kernel_s=self.host_kernel_s if self.host_kernel_s >= 0 else preset.kernel_s,
+            collective_step_s=(self.host_collective_step_s if self.host_collective_step_s >= 0
+                               else preset.collective_step_s),
+            microbatch_s=(self.host_microbatch_s if self.host_microbatch_s >= 0
+                          else preset.microbatch_s),
         )
 
     def hbm_for(self, cluster: ClusterSpec) -> float:
@@ -353,6 +420,64 @@ def layer_compute(
         backward_s=2.0 * gemm_s + attn_bwd_s + 2.0 * elem_s,
         attention_forward_s=attn_s,
     )
+
+
+# ---- host-side floor of a layer pass ---------------------------------------------------------
+
+
+def layer_forward_kernels(model: ModelSpec, *, flash_attention: bool, dropout: bool) -> int:
+    """Kernels one GPU launches in a transformer layer's forward, collectives not counted, with
+    Megatron's fused ops (fused layer norm, bias-GeLU / SwiGLU, bias-dropout-add, scale-mask-
+    softmax): 2 norms, 4 weight GEMMs (QKV, projection, MLP in and out; biases ride in the
+    GEMM), 2 bias-dropout-residual adds, 1 activation, core attention (flash: 1 kernel; unfused:
+    QK^T batched GEMM, softmax, dropout, AV batched GEMM and 2 layout copies), rotary embedding
+    of q and k (2), q/k norms (2)."""
+    attention = 1 if flash_attention else 5 + (1 if dropout else 0)
+    rope = 2 if model.position_embedding == "rope" else 0
+    qk_norm = 2 if model.qk_layernorm else 0
+    return 2 + 4 + 2 + 1 + attention + rope + qk_norm
+
+
+def core_attention_kernels(*, flash_attention: bool, dropout: bool) -> int:
+    """Kernels of core attention alone (what selective recomputation replays)."""
+    return 1 if flash_attention else 5 + (1 if dropout else 0)
+
+
+BACKWARD_KERNELS_PER_FORWARD = 2
+"""A backward pass launches about two kernels per forward kernel (input gradient and weight /
+bias gradient of each GEMM; the backward of each fused elementwise op and norm)."""
+
+
+def layer_host_s(
+    model: ModelSpec, host: HostConstants, *, tp: ArrayLike, flash_attention: bool,
+    dropout: bool,
+) -> tuple[ArrayLike, ArrayLike, float]:
+    """(forward, backward, core-attention forward) host seconds of one layer pass on one GPU:
+    kernels x host.kernel_s, plus per tensor-parallel collective one more kernel and
+    host.collective_step_s per ring step (two blocks per pass, each an all-reduce or, under
+    sequence parallelism, an all-gather plus a reduce-scatter: 2 (t - 1) steps per block)."""
+    kernels = layer_forward_kernels(model, flash_attention=flash_attention, dropout=dropout)
+    tp = np.asarray(tp, dtype=float)
+    steps = 2 * 2.0 * (tp - 1.0)  # two blocks, two phases of t-1 steps each
+    collectives = np.where(tp > 1, 2.0, 0.0)
+    coll = collectives * host.kernel_s + steps * host.collective_step_s
+    fwd = kernels * host.kernel_s + coll
+    bwd = BACKWARD_KERNELS_PER_FORWARD * kernels * host.kernel_s + coll
+    attn = core_attention_kernels(flash_attention=flash_attention, dropout=dropout)
+    return fwd, bwd, attn * host.kernel_s
+
+
+def host_bound_s(gpu_s: ArrayLike, host_s: ArrayLike, power: float) -> ArrayLike:
+    """Time of a pass whose kernels take gpu_s on the GPU and host_s to issue: the soft maximum
+    (gpu^k + host^k)^(1/k). Each kernel waits for the slower of its launch and its predecessor,
+    so the pass is never faster than either sum and slower than their maximum when the two are
+    close; host_s = 0 gives gpu_s exactly."""
+    gpu = np.asarray(gpu_s, dtype=float)
+    host = np.asarray(host_s, dtype=float)
+    if not np.any(host > 0):
+        return gpu_s
+    big = np.maximum(np.maximum(gpu, host), 1e-30)
+    return big * ((gpu / big) ** power + (host / big) ** power) ** (1.0 / power)
 
 
 # ---- vocabulary layers ----------------------------------------------------------------------

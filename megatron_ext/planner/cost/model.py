@@ -203,13 +203,26 @@ class CostModel:
         uly_one_way = self.collective_s("all_to_all", uly_bytes, table.ulysses, table.tp * table.cp)
         cp_fwd, cp_bwd = self._cp_exposed_s(table, rows, comp)
         rc_full = table.recompute == 2
-        recompute = np.where(rc_full, comp.forward_s + tp_one_way + uly_one_way + cp_fwd, 0.0)
-        recompute = recompute + np.where(table.recompute == 1, comp.attention_forward_s, 0.0)
+        # Each pass (forward, recomputed forward, backward) takes at least the host time to
+        # issue its kernels (compute.host_bound_s): small layers and micro-batches are
+        # host-bound.
+        host_f, host_b, host_attn = C.layer_host_s(
+            m, self.compute.host_for(self.cluster), tp=table.tp,
+            flash_attention=t.flash_attention, dropout=t.dropout)
+        k = self.compute.host_overlap_power
+        recompute = np.where(
+            rc_full,
+            C.host_bound_s(comp.forward_s + tp_one_way + uly_one_way + cp_fwd, host_f, k),
+            0.0)
+        recompute = recompute + np.where(
+            table.recompute == 1, C.host_bound_s(comp.attention_forward_s, host_attn, k), 0.0)
         z3_fwd, z3_bwd, sync, gather = self._data_parallel_s(
             table, comp.forward_s, comp.backward_s + recompute
         )
-        fwd = comp.forward_s + tp_one_way + uly_one_way + cp_fwd + z3_fwd
-        bwd = comp.backward_s + tp_one_way + uly_one_way + cp_bwd + z3_bwd + recompute
+        fwd = C.host_bound_s(comp.forward_s + tp_one_way + uly_one_way + cp_fwd + z3_fwd,
+                             host_f, k)
+        bwd = C.host_bound_s(comp.backward_s + tp_one_way + uly_one_way + cp_bwd + z3_bwd,
+                             host_b, k) + recompute
         comm = 2 * (tp_one_way + uly_one_way) + cp_fwd + cp_bwd + z3_fwd + z3_bwd
         comm = comm + np.where(rc_full, tp_one_way + uly_one_way + cp_fwd, 0.0)
         return LayerCosts(

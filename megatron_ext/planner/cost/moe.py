@@ -168,8 +168,16 @@ def moe_layer_costs(cm, table, micro_batch_size: int):
     cp_fwd, cp_bwd = cm._cp_exposed_s(table, rows, comp)
     one_way = tp_one_way + uly_one_way + expert_comm
     rc_full = table.recompute == 2
-    recompute = np.where(rc_full, attn_f + moe_f + one_way + cp_fwd, 0.0)
-    recompute = recompute + np.where(table.recompute == 1, comp.attention_forward_s, 0.0)
+    # Host floor of each pass (compute.host_bound_s) with the dense layer's kernel count: a
+    # lower bound, the router and token dispatch launch more.
+    host_f, host_b, host_attn = C.layer_host_s(
+        m, prof.host_for(cm.cluster), tp=tp, flash_attention=t.flash_attention,
+        dropout=t.dropout)
+    k_host = prof.host_overlap_power
+    recompute = np.where(
+        rc_full, C.host_bound_s(attn_f + moe_f + one_way + cp_fwd, host_f, k_host), 0.0)
+    recompute = recompute + np.where(
+        table.recompute == 1, C.host_bound_s(comp.attention_forward_s, host_attn, k_host), 0.0)
     # Parameters per GPU: the dense part over d (stride tp), the experts over expert-DP.
     dense_params = ((C.layer_params(m) - dense_mlp_params(m) + shared_expert_params(m)) / tp
                     + router_params(m))
@@ -181,8 +189,9 @@ def moe_layer_costs(cm, table, micro_batch_size: int):
     z3f_e, z3b_e, sync_e, gather_e = cm._data_parallel_s(
         table, fwd_c, bwd_c, params=exp_params, shard_ranks=edp, stride=ep * et)
     z3_fwd, z3_bwd = z3f_d + z3f_e, z3b_d + z3b_e
-    fwd = attn_f + moe_f + one_way + cp_fwd + z3_fwd
-    bwd = attn_b + 2.0 * moe_f + one_way + cp_bwd + z3_bwd + recompute
+    fwd = C.host_bound_s(attn_f + moe_f + one_way + cp_fwd + z3_fwd, host_f, k_host)
+    bwd = C.host_bound_s(attn_b + 2.0 * moe_f + one_way + cp_bwd + z3_bwd, host_b,
+                         k_host) + recompute
     comm = 2 * one_way + cp_fwd + cp_bwd + z3_fwd + z3_bwd + np.where(rc_full,
                                                                       one_way + cp_fwd, 0.0)
     sharded = np.where(table.zero >= 1, 1, 0)

@@ -84,6 +84,7 @@ def stage_extras(
         inflight = peak[:, -1].copy()
         inflight[0] = peak[0, 0]
     params, fwd, bwd, fixed, overlap = _place(cm, vocab, pp, width, tokens, inflight)
+    fwd = fwd + cm.compute.host_for(cm.cluster).microbatch_s  # every stage: schedule, data
     per_param = state_bytes_per_param(
         min(vocab_zero, 1),
         dpv,

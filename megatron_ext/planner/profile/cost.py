@@ -49,7 +49,10 @@ def fitted_compute_profile(profile: ModelProfile, cluster: ClusterSpec) -> C.Com
     (peak = cluster.peak_flops, taken as the peak of the profile's precision)."""
     base = C.ComputeProfile()
     peak = cluster.peak_flops
-    fields: dict[str, float] = {"fp32_flops_ratio": 1.0, "gemm_half_dim": 1e-6}
+    # The profile's measured layer and step times already contain the host side.
+    fields: dict[str, float] = {"fp32_flops_ratio": 1.0, "gemm_half_dim": 1e-6,
+                                "host_kernel_s": 0.0, "host_collective_step_s": 0.0,
+                                "host_microbatch_s": 0.0}
     out_fit = profile.fits.get("output_forward_s")
     if out_fit is not None:  # seconds per output-GEMM FLOP (feature 1 = n h V_t = FLOPs / 2)
         per_flop = out_fit.coef[1] / out_fit.scale[1] / 2.0

@@ -1,0 +1,276 @@
+"""Fit the GPU cost model's fixed host-side constants on measured layout sweeps, check them on
+the other published runs.
+
+    python tools/fit_gpu_constants.py [--data PATH] [--json OUT.json]
+
+The constants (megatron_ext/planner/cost/compute.py, ComputeProfile):
+  host_kernel_s           host seconds per kernel of a layer pass (compute.layer_host_s counts
+                          the kernels of the layer's forward, backward and recomputed forward);
+  host_collective_step_s  host-side seconds per ring step of a tensor-parallel collective;
+  host_overlap_power      k of the soft maximum (gpu^k + host^k)^(1/k) of a pass;
+  host_microbatch_s       fixed seconds per micro-batch on every pipeline stage.
+
+Fit set: the rows whose source starts with --fit (default: vTrain's single-node validation runs,
+1,440 layouts of 8 GPT models of 0.2-1.3B on 2/4/8 A100, Megatron-DeepSpeed). Objective: least
+squares on log(predicted / measured) over the fit rows, by coordinate descent on log-spaced
+grids. Check sets: every other source (vTrain multi-node, NVIDIA's Megatron-LM runs, BLOOM),
+scored by tools/bench_published.py's own prediction with the fitted constants.
+
+Speed: every fit row is a uniform plan (one strategy on every layer, 1F1B without interleaving),
+so its iteration time is the tool's prediction with the constants off (host_* = 0), with each
+layer pass replaced by its host-bound time and the per-micro-batch term added to every stage;
+`fast_predict` does that in numpy and `check_fast_path` asserts it equals bench_published's
+prediction on a sample of rows (the fast path is the model, not an approximation of it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_published as bp  # noqa: E402
+
+from megatron_ext.planner.cost import compute as C  # noqa: E402
+from megatron_ext.planner.cost.evaluate import stage_sums  # noqa: E402
+from megatron_ext.planner.cost.model import CostModel  # noqa: E402
+from megatron_ext.planner.cost.pipeline import one_f_one_b  # noqa: E402
+from megatron_ext.planner.space import StrategyTable  # noqa: E402
+from megatron_ext.planner.training import TrainingSpec  # noqa: E402
+
+FIT_SOURCE = "vTrain (MICRO'24) measured validation data, single node"
+HOST_FIELDS = ("host_kernel_s", "host_collective_step_s", "host_overlap_power",
+               "host_microbatch_s")
+GRIDS = {
+    "host_kernel_s": [x * 1e-6 for x in (0, 10, 20, 30, 35, 40, 42.5, 45, 47.5, 50, 52.5, 55,
+                                         57.5, 60, 65, 70, 80)],
+    "host_collective_step_s": [x * 1e-6 for x in (0, 2.5, 5, 7.5, 10, 12.5, 15, 20, 25, 30, 40,
+                                                  60, 100)],
+    "host_overlap_power": [1.5, 2.0, 2.25, 2.5, 2.75, 3.0, 3.25, 3.5, 4.0, 5.0, 6.0],
+    "host_microbatch_s": [x * 1e-3 for x in (0, 0.25, 0.5, 0.75, 1, 1.25, 1.5, 2, 3, 4)],
+}
+
+
+def off_profile(base: C.ComputeProfile) -> C.ComputeProfile:
+    return dataclasses.replace(base, host_kernel_s=0.0, host_collective_step_s=0.0,
+                               host_microbatch_s=0.0)
+
+
+@dataclasses.dataclass
+class FastRow:
+    """The parts of one uniform row's prediction that do not depend on the host constants."""
+
+    measured_s: float
+    f0: np.ndarray  # [pp] stage forward sums with the host constants off
+    b0: np.ndarray
+    p2p: np.ndarray
+    sync: np.ndarray
+    gather: np.ndarray
+    opt: np.ndarray
+    m: int
+    layers: np.ndarray  # [pp] layers per stage
+    gpu_f: float  # one layer's forward (compute + exposed comm), host off
+    gpu_b: float  # its backward without recomputation
+    gpu_rc: float  # its recomputed forward (full recompute)
+    kern_f: float  # host_kernel_s multiplier of the forward host time
+    kern_b: float
+    step: float  # host_collective_step_s multiplier (forward = backward)
+    overlap_slowdown: float
+    deepspeed_tail: bool
+
+
+def fast_row(row: dict[str, Any], plan, compute: C.ComputeProfile) -> FastRow:
+    assert len(set(plan.layers)) == 1 and bp.virtual_stages_of(row) == 1, row["id"]
+    s = plan.layers[0]
+    assert s.recompute == "full", row["id"]
+    cluster = bp.cluster_of(row)
+    training = TrainingSpec(
+        global_batch_size=plan.global_batch_size, seq_length=plan.seq_length,
+        precision=plan.precision, flash_attention=bp.is_mosaic(row),
+        dropout=not bp.is_mosaic(row), allow_zero3=True)
+    cm = CostModel(plan.model, cluster, training, compute=off_profile(compute))
+    sums = stage_sums(cm, pp=plan.pp, stages=plan.stages, layers=plan.layers, vocab=plan.vocab,
+                      micro_batch_size=plan.micro_batch_size)
+    arr = sums.arr
+    table = StrategyTable.of([s])
+    lc = cm.layer_costs(table, plan.micro_batch_size)
+    unit_k = C.HostConstants(kernel_s=1.0)
+    unit_s = C.HostConstants(collective_step_s=1.0)
+    kw = {"tp": table.tp, "flash_attention": training.flash_attention,
+          "dropout": training.dropout}
+    kf, kb, _ = C.layer_host_s(plan.model, unit_k, **kw)
+    sf, sb, _ = C.layer_host_s(plan.model, unit_s, **kw)
+    assert float(sf[0]) == float(sb[0])
+    rc = float(lc.recompute_s[0])
+    return FastRow(
+        measured_s=bp.measured_iteration_s(row)[0],
+        f0=arr["f"].copy(), b0=arr["b"].copy(), p2p=np.asarray(sums.extras.p2p_s, dtype=float),
+        sync=arr["sync"].copy(), gather=arr["gather"].copy(), opt=arr["opt"].copy(),
+        m=sums.num_microbatches,
+        layers=np.array([e - b for b, e in plan.stages], dtype=float),
+        gpu_f=float(lc.forward_s[0]), gpu_b=float(lc.backward_s[0]) - rc, gpu_rc=rc,
+        kern_f=float(kf[0]), kern_b=float(kb[0]), step=float(sf[0]),
+        overlap_slowdown=cm.overlap_slowdown, deepspeed_tail=bp.is_deepspeed_pipeline(row))
+
+
+def fast_predict(r: FastRow, c: dict[str, float]) -> float:
+    """bench_published.predict of the row with the host constants `c` (see module doc)."""
+    k = c["host_overlap_power"]
+    hf = r.kern_f * c["host_kernel_s"] + r.step * c["host_collective_step_s"]
+    hb = r.kern_b * c["host_kernel_s"] + r.step * c["host_collective_step_s"]
+    f1 = float(C.host_bound_s(r.gpu_f, hf, k))
+    b1 = float(C.host_bound_s(r.gpu_b, hb, k)) + float(C.host_bound_s(r.gpu_rc, hf, k))
+    f = r.f0 + r.layers * (f1 - r.gpu_f) + c["host_microbatch_s"]
+    b = r.b0 + r.layers * (b1 - r.gpu_b - r.gpu_rc)
+    sync, gather, opt = r.sync, r.gather, r.opt
+    if r.deepspeed_tail:
+        sync, gather, opt = 0.0 * sync, 0.0 * gather, opt + sync + gather
+    pipe = one_f_one_b(f, b, r.p2p, sync, gather, opt, r.m, overlap_slowdown=r.overlap_slowdown)
+    return float(pipe.iteration_s)
+
+
+def shipped(profile: C.ComputeProfile) -> dict[str, float]:
+    """The A100 presets' host constants as ComputeProfile fields."""
+    host = profile.host_for(bp.cluster_of({"gpu_type": "A100 80GB", "num_gpus": 8,
+                                           "gpus_per_node": 8}))
+    return {"host_kernel_s": host.kernel_s, "host_collective_step_s": host.collective_step_s,
+            "host_overlap_power": profile.host_overlap_power,
+            "host_microbatch_s": host.microbatch_s}
+
+
+def profile_with(base: C.ComputeProfile, c: dict[str, float]) -> C.ComputeProfile:
+    return dataclasses.replace(base, **c)
+
+
+def check_fast_path(rows, plans, fast, base: C.ComputeProfile, c: dict[str, float],
+                    sample: int = 12) -> float:
+    """Largest relative difference between fast_predict and bench_published.predict."""
+    step = max(1, len(rows) // sample)
+    worst = 0.0
+    for i in range(0, len(rows), step):
+        slow = bp.predict(rows[i], plans[i], profile_with(base, c))["predicted_s"]
+        worst = max(worst, abs(fast_predict(fast[i], c) / slow - 1))
+    return worst
+
+
+def loss(fast: list[FastRow], c: dict[str, float]) -> float:
+    return statistics.fmean(math.log(fast_predict(r, c) / r.measured_s) ** 2 for r in fast)
+
+
+def fit(fast: list[FastRow], start: dict[str, float], rounds: int = 3
+        ) -> tuple[dict[str, float], float]:
+    """Coordinate descent over GRIDS (each constant in turn, the others held)."""
+    best = dict(start)
+    best_loss = loss(fast, best)
+    for _ in range(rounds):
+        moved = False
+        for name in HOST_FIELDS:
+            for value in GRIDS[name]:
+                trial = {**best, name: value}
+                score = loss(fast, trial)
+                if score < best_loss - 1e-12:
+                    best, best_loss, moved = trial, score, True
+        if not moved:
+            break
+    return best, best_loss
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+    errs = [abs(r["ratio"] - 1) for r in results]
+    return {"rows": len(results), "median_abs_error": statistics.median(errs),
+            "mean_abs_error": statistics.fmean(errs),
+            "median_ratio": statistics.median(r["ratio"] for r in results)}
+
+
+def check(rows, plans, profile: C.ComputeProfile) -> dict[str, Any]:
+    """bench_published's prediction of `rows` under `profile`: median |error| by source group."""
+    out: dict[str, list[float]] = {}
+    for row, plan in zip(rows, plans):
+        ratio = bp.predict(row, plan, profile)["predicted_s"] / bp.measured_iteration_s(row)[0]
+        out.setdefault(check_group(row), []).append(abs(ratio - 1))
+    return {k: {"rows": len(v), "median_abs_error": statistics.median(v)}
+            for k, v in sorted(out.items())}
+
+
+def check_group(row: dict[str, Any]) -> str:
+    src = str(row["source"])
+    if src.startswith("vTrain"):
+        return "vTrain multi-node"
+    if row.get("cluster_label") == "jean-zay-a100-80g":
+        return "BLOOM (Jean Zay)"
+    return "NVIDIA / MosaicML"
+
+
+def parse_outer(text: str) -> list[dict[str, float]]:
+    """'gemm_efficiency=0.72,0.76 gemm_half_dim=64,128' -> every combination."""
+    combos: list[dict[str, float]] = [{}]
+    for part in text.split():
+        name, values = part.split("=")
+        combos = [{**c, name: float(v)} for c in combos for v in values.split(",")]
+    return combos
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", default=bp.DEFAULT_DATA)
+    p.add_argument("--fit", default=FIT_SOURCE, help="source-name prefix of the fit rows")
+    p.add_argument("--json", default=None)
+    p.add_argument("--every", type=int, default=1, help="fit on every n-th fit row (speed)")
+    p.add_argument("--outer", default="", help="also try these kernel constants, e.g. "
+                   "'gemm_efficiency=0.72,0.76 gemm_half_dim=64,128' (each combination: host "
+                   "constants refitted, check sets scored)")
+    args = p.parse_args(argv)
+    rows = json.loads(Path(args.data).read_text())["rows"]
+    fit_rows = [r for r in rows if str(r["source"]).startswith(args.fit)][::args.every]
+    if not fit_rows:
+        print(f"--fit {args.fit!r}: no rows of that source", file=sys.stderr)
+        return 2
+    plans = [bp.build_plan(r) for r in fit_rows]
+    others = [r for r in rows if not str(r["source"]).startswith(args.fit)]
+    other_plans = [bp.build_plan(r) for r in others]
+    if args.outer:
+        for combo in parse_outer(args.outer):
+            base = C.ComputeProfile(**combo)
+            fast = [fast_row(r, pl, base) for r, pl in zip(fit_rows, plans)]
+            start = shipped(base)
+            fitted, fitted_loss = fit(fast, start)
+            ratios = [fast_predict(r, fitted) / r.measured_s for r in fast]
+            med = statistics.median(abs(x - 1) for x in ratios)
+            checks = check(others, other_plans, profile_with(base, fitted))
+            print(f"{combo}: fit loss {fitted_loss:.4f} median {100 * med:.1f}% host "
+                  + " ".join(f"{n[5:]}={fitted[n]:.3g}" for n in HOST_FIELDS) + " | "
+                  + "; ".join(f"{k} {100 * v['median_abs_error']:.1f}%"
+                              for k, v in checks.items()), flush=True)
+        return 0
+    base = C.ComputeProfile()
+    fast = [fast_row(r, pl, base) for r, pl in zip(fit_rows, plans)]
+    start = shipped(base)
+    off = {**start, "host_kernel_s": 0.0, "host_collective_step_s": 0.0,
+           "host_microbatch_s": 0.0}
+    fitted, fitted_loss = fit(fast, start)
+    drift = check_fast_path(fit_rows, plans, fast, base, fitted)
+    print(f"fit rows {len(fast)}: mean squared log error off {loss(fast, off):.4f}, shipped "
+          f"{loss(fast, start):.4f}, fitted {fitted_loss:.4f} (fast path vs tool: "
+          f"{drift:.1e})")
+    for name in HOST_FIELDS:
+        print(f"  {name} = {fitted[name]:.3g} (shipped {start[name]:.3g})")
+    ratios = [fast_predict(r, fitted) / r.measured_s for r in fast]
+    print(f"  fit rows median |error| {100 * statistics.median(abs(x - 1) for x in ratios):.1f}%"
+          f", median pred/meas {statistics.median(ratios):.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"fitted": fitted, "shipped": start,
+                                               "loss": fitted_loss, "fast_path_drift": drift},
+                                              indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
