@@ -46,7 +46,7 @@ from megatron_ext.planner.cost.pipeline import one_f_one_b  # noqa: E402
 from megatron_ext.planner.space import StrategyTable  # noqa: E402
 from megatron_ext.planner.training import TrainingSpec  # noqa: E402
 
-FIT_SOURCE = "vTrain (MICRO'24) measured validation data, single node"
+FIT_SOURCE = "vTrain single node"
 HOST_FIELDS = ("host_kernel_s", "host_collective_step_s", "host_overlap_power",
                "host_microbatch_s")
 GRIDS = {
@@ -224,11 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fit", default=FIT_SOURCE, help="source-name prefix of the fit rows")
     p.add_argument("--json", default=None)
     p.add_argument("--every", type=int, default=1, help="fit on every n-th fit row (speed)")
+    p.add_argument("--ablate", action="store_true", help="also refit with each host term off")
     p.add_argument("--outer", default="", help="also try these kernel constants, e.g. "
                    "'gemm_efficiency=0.72,0.76 gemm_half_dim=64,128' (each combination: host "
                    "constants refitted, check sets scored)")
     args = p.parse_args(argv)
-    rows = json.loads(Path(args.data).read_text())["rows"]
+    rows = json.loads(Path(args.data).read_text())["rows"] + bp.vtrain_rows()
     fit_rows = [r for r in rows if str(r["source"]).startswith(args.fit)][::args.every]
     if not fit_rows:
         print(f"--fit {args.fit!r}: no rows of that source", file=sys.stderr)
@@ -262,12 +263,22 @@ def main(argv: list[str] | None = None) -> int:
           f"{drift:.1e})")
     for name in HOST_FIELDS:
         print(f"  {name} = {fitted[name]:.3g} (shipped {start[name]:.3g})")
+    ablation = {}
+    if args.ablate:
+        for name in ("host_kernel_s", "host_collective_step_s", "host_microbatch_s"):
+            saved = GRIDS[name]
+            GRIDS[name] = [0.0]
+            _, ablation[name] = fit(fast, {**fitted, name: 0.0})
+            GRIDS[name] = saved
+            print(f"  without {name} (the others refitted): mean squared log error "
+                  f"{ablation[name]:.4f}")
     ratios = [fast_predict(r, fitted) / r.measured_s for r in fast]
     print(f"  fit rows median |error| {100 * statistics.median(abs(x - 1) for x in ratios):.1f}%"
           f", median pred/meas {statistics.median(ratios):.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"fitted": fitted, "shipped": start,
-                                               "loss": fitted_loss, "fast_path_drift": drift},
+                                               "loss": fitted_loss, "fast_path_drift": drift,
+                                               "loss_without": ablation},
                                               indent=1))
     return 0
 

@@ -6,7 +6,12 @@ kv = query_groups * head_dim, f = ffn hidden, V = padded vocabulary, t = tp.
 Functions are vectorised: degrees and token counts may be numpy arrays of strategies.
 
 Time = GEMM FLOPs / (peak * gemm efficiency) + attention FLOPs / (peak * attention efficiency)
-+ elementwise bytes / HBM bandwidth. Each weight GEMM's efficiency saturates with its own
++ elementwise bytes / HBM bandwidth, per layer pass (forward, recomputed forward, backward) no
+less than the host time to issue its kernels: the soft maximum (gpu^k + host^k)^(1/k) with
+host = kernels x HostConstants.kernel_s + tensor-parallel ring steps x collective_step_s (a
+GPU preset's constants, HOST_CONSTANTS; `host_bound_s`). Small models and micro-batches are
+host-bound: vTrain's single-node sweeps cost ~3 ms per layer and micro-batch at micro-batch 1
+whatever the hidden size. Each weight GEMM's efficiency saturates with its own
 smallest dimension (small TP shards and few tokens run below peak). Backward GEMMs cost 2x
 forward FLOPs; flash attention backward costs 2.5x its forward (it recomputes the scores);
 unfused attention computes the whole s x s score matrix and moves it through HBM. A model
@@ -17,6 +22,7 @@ checked against 55 published A100 runs (tools/bench_published.py, docs/benchmark
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -55,19 +61,20 @@ class HostConstants:
     """Fixed seconds per micro-batch on every pipeline stage (schedule step, data, loss)."""
 
 
-A100_HOST = HostConstants(kernel_s=52.5e-6, collective_step_s=5e-6, microbatch_s=0.5e-3)
+A100_HOST = HostConstants(kernel_s=52.5e-6, collective_step_s=5e-6, microbatch_s=0.25e-3)
 """Fitted on vTrain's 1,440 single-node runs (github:VIA-Research/vTrain
 data/ground_truth_single.csv @ f8dda8473a48; Bang et al., MICRO-57 2024): 8 GPT models of
 0.2-1.3B (h 1024 / 2048, 12-24 layers, seq 1024) on 2, 4 and 8 A100 of one node,
 Megatron-DeepSpeed, fp16, full recomputation, every TP x PP x DP x micro-batch. There a layer
 costs 3.0-3.5 ms per micro-batch at micro-batch 1 whatever the hidden size (slope of the
 iteration time over layers x micro-batches, TP 1-4), ~5 ms at TP 8, and the time grows with the
-micro-batch only once compute passes that floor. Least squares on log(predicted / measured)
-over the 1,440 runs (tools/fit_gpu_constants.py): 52.5 us per kernel (15 forward, 30 backward,
-15 recomputed kernels of a GPT layer: ~3.1 ms per layer-micro-batch), 5 us per tensor-parallel
-ring step, 0.5 ms per micro-batch and stage, soft-maximum power 3.5. Checked on the runs it was
-not fitted on: vTrain's 108 multi-node runs (3.6-175B on 64-512 A100), NVIDIA's Megatron-LM
-runs (SC'21, Korthikanti et al., NeMo, Megatron-LM 2020) and BLOOM's (docs/benchmarks.md)."""
+micro-batch only once compute passes that floor. Least squares on log(predicted / measured) over
+the 1,440 runs (tools/fit_gpu_constants.py, coordinate descent on grids): 52.5 us per kernel (15
+forward, 30 backward and 15 recomputed kernels of an unfused GPT layer: 3.15 ms per layer and
+micro-batch), 5 us per tensor-parallel ring step, 0.25 ms per micro- batch and stage,
+soft-maximum power 3.25 (HOST_OVERLAP_POWER). Checked on the runs it was not fitted on: vTrain's
+108 multi-node runs (3.6-175B on 64-512 A100), NVIDIA's Megatron-LM runs (SC'21, Korthikanti et
+al., NeMo, Megatron-LM 2020) and BLOOM's (docs/benchmarks.md)."""
 
 HOST_CONSTANTS: dict[str, HostConstants] = {
     "dgx-a100-40g": A100_HOST,
@@ -80,7 +87,7 @@ HOST_CONSTANTS: dict[str, HostConstants] = {
 """Per GPU preset; other clusters (custom specs, measured CPU clusters) have none unless the
 compute profile sets them."""
 
-HOST_OVERLAP_POWER = 3.5
+HOST_OVERLAP_POWER = 3.25
 """k of the soft maximum (gpu^k + host^k)^(1/k) of a pass (fitted with A100_HOST)."""
 
 
@@ -135,19 +142,24 @@ class ComputeProfile:
     def host_for(self, cluster: ClusterSpec) -> HostConstants:
         """The host constants on `cluster`: this profile's where set (>= 0), else the preset's
         (none for clusters that are not GPU presets)."""
-        preset = HOST_CONSTANTS.get(cluster.name, HostConstants())
-        return HostConstants(
-            kernel_s=self.host_kernel_s if self.host_kernel_s >= 0 else preset.kernel_s,
-            collective_step_s=(self.host_collective_step_s if self.host_collective_step_s >= 0
-                               else preset.collective_step_s),
-            microbatch_s=(self.host_microbatch_s if self.host_microbatch_s >= 0
-                          else preset.microbatch_s),
-        )
+        return _host_for(self, cluster.name)
 
     def hbm_for(self, cluster: ClusterSpec) -> float:
         if self.hbm_bytes_per_s > 0:
             return self.hbm_bytes_per_s
         return _HBM_BYTES_PER_S.get(cluster.name, cluster.peak_flops / 300.0)
+
+
+@functools.lru_cache(maxsize=64)
+def _host_for(profile: ComputeProfile, cluster_name: str) -> HostConstants:
+    preset = HOST_CONSTANTS.get(cluster_name, HostConstants())
+    return HostConstants(
+        kernel_s=profile.host_kernel_s if profile.host_kernel_s >= 0 else preset.kernel_s,
+        collective_step_s=(profile.host_collective_step_s
+                           if profile.host_collective_step_s >= 0 else preset.collective_step_s),
+        microbatch_s=(profile.host_microbatch_s if profile.host_microbatch_s >= 0
+                      else preset.microbatch_s),
+    )
 
 
 # ---- model shape ----------------------------------------------------------------------------
