@@ -225,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     p.add_argument("--every", type=int, default=1, help="fit on every n-th fit row (speed)")
     p.add_argument("--ablate", action="store_true", help="also refit with each host term off")
+    p.add_argument("--split-hidden", action="store_true",
+                   help="also fit on the fit rows of one hidden size and score the others")
     p.add_argument("--outer", default="", help="also try these kernel constants, e.g. "
                    "'gemm_efficiency=0.72,0.76 gemm_half_dim=64,128' (each combination: host "
                    "constants refitted, check sets scored)")
@@ -272,13 +274,26 @@ def main(argv: list[str] | None = None) -> int:
             GRIDS[name] = saved
             print(f"  without {name} (the others refitted): mean squared log error "
                   f"{ablation[name]:.4f}")
+    split = {}
+    if args.split_hidden:
+        hidden = [int(r["hidden_size"]) for r in fit_rows]
+        for h in sorted(set(hidden)):
+            train = [f for f, x in zip(fast, hidden) if x == h]
+            test = [f for f, x in zip(fast, hidden) if x != h]
+            c, _ = fit(train, start)
+            err = statistics.median(abs(fast_predict(r, c) / r.measured_s - 1) for r in test)
+            split[h] = {"fitted": c, "others_median_abs_error": err}
+            print(f"  fitted on hidden {h} only ({len(train)} rows): "
+                  + " ".join(f"{n[5:]}={c[n]:.3g}" for n in HOST_FIELDS)
+                  + f"; the other {len(test)} rows: median |error| {100 * err:.1f}%")
     ratios = [fast_predict(r, fitted) / r.measured_s for r in fast]
     print(f"  fit rows median |error| {100 * statistics.median(abs(x - 1) for x in ratios):.1f}%"
           f", median pred/meas {statistics.median(ratios):.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"fitted": fitted, "shipped": start,
                                                "loss": fitted_loss, "fast_path_drift": drift,
-                                               "loss_without": ablation},
+                                               "loss_without": ablation,
+                                               "split_hidden": split},
                                               indent=1))
     return 0
 
