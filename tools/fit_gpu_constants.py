@@ -1,7 +1,8 @@
 """Fit the GPU cost model's fixed host-side constants on measured layout sweeps, check them on
 the other published runs.
 
-    python tools/fit_gpu_constants.py [--data PATH] [--json OUT.json]
+    python tools/fit_gpu_constants.py [--data PATH] [--json OUT.json] [--ablate]
+        [--split-hidden] [--every N] [--outer 'gemm_half_dim=32,128 ...']
 
 The constants (megatron_ext/planner/cost/compute.py, ComputeProfile):
   host_kernel_s           host seconds per kernel of a layer pass (compute.layer_host_s counts
@@ -15,6 +16,11 @@ Fit set: the rows whose source starts with --fit (default: vTrain's single-node 
 squares on log(predicted / measured) over the fit rows, by coordinate descent on log-spaced
 grids. Check sets: every other source (vTrain multi-node, NVIDIA's Megatron-LM runs, BLOOM),
 scored by tools/bench_published.py's own prediction with the fitted constants.
+
+--ablate refits with each host term off (what each one is worth); --split-hidden fits on the
+runs of one hidden size and scores the others; --outer tries other kernel constants
+(gemm_efficiency, gemm_half_dim, attention_efficiency), refits the host terms for each and
+scores the check sets with them.
 
 Speed: every fit row is a uniform plan (one strategy on every layer, 1F1B without interleaving),
 so its iteration time is the tool's prediction with the constants off (host_* = 0), with each

@@ -140,3 +140,21 @@ def test_host_constants_per_preset_and_profile():
         C.ComputeProfile.from_dict({"host_collective_step_s": -1})
     with pytest.raises(PlanError, match="host_overlap_power"):
         C.ComputeProfile.from_dict({"host_overlap_power": 0})
+
+
+def test_moe_layers_get_the_host_floor_too():
+    """MoE layers are priced with at least the dense layer's host floor (a lower bound: the
+    router and dispatch launch more kernels)."""
+    from megatron_ext.planner.cost import moe as M
+
+    model = model_preset("mixtral-8x7b")
+    cluster = cluster_preset("dgx-h100", num_nodes=1)
+    training = TrainingSpec(global_batch_size=8, seq_length=128)
+    s = LayerStrategy(tp=1, dp=8, zero=1, ep=8)
+    table = StrategyTable.of([s])
+    moe = M.moe_layer_costs(CostModel(model, cluster, training), table, 8)
+    off = M.moe_layer_costs(CostModel(model, cluster, training, compute=OFF), table, 8)
+    f, b, _ = C.layer_host_s(model, C.ComputeProfile().host_for(cluster), tp=1,
+                             flash_attention=training.flash_attention, dropout=training.dropout)
+    assert moe.forward_s[0] >= float(f) > off.forward_s[0]
+    assert moe.backward_s[0] >= float(b) > off.backward_s[0]
