@@ -5,12 +5,13 @@ DeepSpeed ZeRO-3."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 from pathlib import Path
 
 import pytest
+
+from tests.tool_modules import load_tool
 
 ROWS = [
     {
@@ -79,11 +80,7 @@ ROWS = [
 
 
 def _tool():
-    path = Path(__file__).resolve().parents[2] / "tools" / "bench_published.py"
-    spec = importlib.util.spec_from_file_location("bench_published", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("bench_published.py")
 
 
 def test_bench_published_two_rows(tmp_path, capsys):

@@ -5,20 +5,16 @@ noise. The what-if results themselves are recorded in docs/benchmarks.md."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
+
+from tests.tool_modules import load_tool
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
 
 def _tool():
-    sys.path.insert(0, str(TOOLS))
-    spec = importlib.util.spec_from_file_location("bench_tp_gap", TOOLS / "bench_tp_gap.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_tool("bench_tp_gap.py")
 
 
 def test_single_node_rows_reproduce_the_printed_tflops():

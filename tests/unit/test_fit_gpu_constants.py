@@ -5,28 +5,18 @@ trade against each other)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
 from megatron_ext.planner.cost import compute as C
+from tests.tool_modules import load_tool
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
 
 def _tool():
-    sys.path.insert(0, str(TOOLS))  # the tool imports bench_published beside it
-    try:
-        spec = importlib.util.spec_from_file_location("fit_gpu_constants",
-                                                      TOOLS / "fit_gpu_constants.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # its dataclass looks its module up
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(TOOLS))
-    return module
+    return load_tool("fit_gpu_constants.py")  # it imports bench_published beside it
 
 
 @pytest.fixture(scope="module")

@@ -6,16 +6,14 @@ reference loop under a busy child process and only requires that it is measured 
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
+from tests.tool_modules import load_tool
+
 REPO = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("load_check", REPO / "tools" / "load_check.py")
-load_check = importlib.util.module_from_spec(_spec)
-sys.modules["load_check"] = load_check  # dataclasses resolve their module by name
-_spec.loader.exec_module(load_check)
+load_check = load_tool("load_check.py")
 
 
 def _log(refs_ms: list[float], loads: list[float], max_swing: float = 1.5):

@@ -4,7 +4,6 @@ against the files), and a damaged file stops it with one line naming the field."
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import sys
 from pathlib import Path
@@ -12,14 +11,11 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.errors import PlanError
+from tests.tool_modules import load_tool
 
 
 def _tool():
-    path = Path(__file__).resolve().parents[2] / "tools" / "bench_published.py"
-    spec = importlib.util.spec_from_file_location("bench_published_vtrain", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("bench_published.py", "bench_published_vtrain")
 
 
 def test_copies_are_the_upstream_blobs():
