@@ -41,6 +41,17 @@ def _llama(
     )
 
 
+def _qwen_moe(base: ModelSpec, *, experts: int, topk: int, expert_ffn: int,
+              shared_ffn: int) -> ModelSpec:
+    """A Qwen-MoE (Qwen1.5-MoE, Qwen2-MoE) on `base`: q/k/v biases, RoPE base 1e6, RMSNorm eps
+    1e-6, a gated shared expert, aux-loss 0.001, pre-softmax routing (norm_topk_prob=false)."""
+    return dataclasses.replace(
+        base, add_qkv_bias=True, rotary_base=1000000, norm_epsilon=1e-6,
+        moe=MoESpec(num_experts=experts, router_topk=topk, ffn_hidden_size=expert_ffn,
+                    shared_expert_intermediate_size=shared_ffn, shared_expert_gate=True,
+                    aux_loss_coeff=0.001, router_pre_softmax=True))
+
+
 MODEL_PRESETS: dict[str, ModelSpec] = {
     m.name: m
     for m in (
@@ -68,19 +79,11 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
             _llama("mixtral-8x7b", 32, 4096, 32, 8, 14336, 32000, 32768), rotary_base=1000000,
             moe=MoESpec(num_experts=8, router_topk=2, aux_loss_coeff=0.02)),
         # Qwen1.5-MoE-A2.7B: 60 experts top-4 (width 1408) + a 5632-wide gated shared expert.
-        dataclasses.replace(
-            _llama("qwen1.5-moe-a2.7b", 24, 2048, 16, 16, 5632, 151936, 8192),
-            add_qkv_bias=True, rotary_base=1000000, norm_epsilon=1e-6,
-            moe=MoESpec(num_experts=60, router_topk=4, ffn_hidden_size=1408,
-                        shared_expert_intermediate_size=5632, shared_expert_gate=True,
-                        aux_loss_coeff=0.001, router_pre_softmax=True)),
+        _qwen_moe(_llama("qwen1.5-moe-a2.7b", 24, 2048, 16, 16, 5632, 151936, 8192),
+                  experts=60, topk=4, expert_ffn=1408, shared_ffn=5632),
         # Qwen2-57B-A14B: 64 experts top-8 (width 2560) + a 20480-wide shared expert, GQA 28/4.
-        dataclasses.replace(
-            _llama("qwen2-57b-a14b", 28, 3584, 28, 4, 18944, 151936, 32768),
-            add_qkv_bias=True, rotary_base=1000000, norm_epsilon=1e-6,
-            moe=MoESpec(num_experts=64, router_topk=8, ffn_hidden_size=2560,
-                        shared_expert_intermediate_size=20480, shared_expert_gate=True,
-                        aux_loss_coeff=0.001, router_pre_softmax=True)),
+        _qwen_moe(_llama("qwen2-57b-a14b", 28, 3584, 28, 4, 18944, 151936, 32768),
+                  experts=64, topk=8, expert_ffn=2560, shared_ffn=20480),
         # DeepSeekMoE-16B: first layer dense (width 10944), then 64 fine-grained experts top-6
         # (width 1408) + 2 shared experts (2 x 1408); multi-head attention (no MLA).
         dataclasses.replace(

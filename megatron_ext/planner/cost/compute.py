@@ -300,7 +300,6 @@ def moe_flops_per_token(model: ModelSpec, seq_length: int) -> float:
     return dense + _num_moe_layers(model) * 6.0 * (active - dense_mlp_params(model))
 
 
-
 # ---- transformer layer ----------------------------------------------------------------------
 
 
@@ -446,7 +445,7 @@ def layer_forward_kernels(model: ModelSpec, *, flash_attention: bool, dropout: b
     GEMM), 2 bias-dropout-residual adds, 1 activation, core attention (flash: 1 kernel; unfused:
     QK^T batched GEMM, softmax, dropout, AV batched GEMM and 2 layout copies), rotary embedding
     of q and k (2), q/k norms (2)."""
-    attention = 1 if flash_attention else 5 + (1 if dropout else 0)
+    attention = core_attention_kernels(flash_attention=flash_attention, dropout=dropout)
     rope = 2 if model.position_embedding == "rope" else 0
     qk_norm = 2 if model.qk_layernorm else 0
     return 2 + 4 + 2 + 1 + attention + rope + qk_norm
