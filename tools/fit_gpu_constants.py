@@ -113,7 +113,8 @@ def fast_row(row: dict[str, Any], plan, compute: C.ComputeProfile) -> FastRow:
     unit_k = C.HostConstants(kernel_s=1.0)
     unit_s = C.HostConstants(collective_step_s=1.0)
     kw = {"tp": table.tp, "flash_attention": training.flash_attention,
-          "dropout": training.dropout}
+          "dropout": training.dropout,
+          "fused_softmax": cm.fused_softmax(table, plan.micro_batch_size / table.dp)}
     kf, kb, _ = C.layer_host_s(plan.model, unit_k, **kw)
     sf, sb, _ = C.layer_host_s(plan.model, unit_s, **kw)
     assert float(sf[0]) == float(sb[0])

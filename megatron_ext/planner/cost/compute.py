@@ -331,15 +331,47 @@ through dropout (5) and softmax (6, it also reads the probabilities), read twice
 backward (4), the AV backward re-reads the probabilities (2); rounded up for the mask."""
 
 
+TORCH_SOFTMAX_BYTES_FORWARD = 33.0
+"""Extra HBM bytes per score element forward when Megatron's fused scale-mask-softmax kernel
+cannot take the shape and FusedScaleMaskSoftmax.forward_torch_softmax runs instead (half inputs,
+softmax in fp32): cast to fp32 (2 + 4), scale (4 + 4), masked fill (4 + 4 + 1 for the mask),
+softmax (4 + 4), cast back (4 + 2) = 37, less the fused kernel's 4."""
+TORCH_SOFTMAX_BYTES_BACKWARD = 35.0
+"""The same backward: autograd through the five ops (6 + 12 + 9 + 8 + 6 = 41) less the fused
+backward's 6."""
+TORCH_SOFTMAX_EXTRA_KERNELS = 4
+"""The torch fallback launches five kernels where the fused softmax launches one."""
+
+
+def fused_softmax_available(
+    model: ModelSpec, *, b: ArrayLike, seq_length: int, heads_shards: ArrayLike,
+    element_bytes: int,
+) -> np.ndarray:
+    """Whether Megatron's fused causal scale-mask-softmax kernel takes the [b, a/shards, s, s]
+    scores (FusedScaleMaskSoftmax.is_kernel_available, Megatron-Core 0.16.1): half-precision
+    input, 16 < s <= 4096, s divisible by 4, and b * a / shards divisible by the kernel's batches
+    per block (4 for s > 128, 8 below). `heads_shards` = tp * ulysses (heads per rank); micro-
+    batches of one sample under TP 8 with 16 heads (2 per rank) fall back to torch softmax."""
+    attn_batches = np.asarray(b * model.num_attention_heads / heads_shards, dtype=float)
+    per_block = 4 if seq_length > 128 else 8
+    shape_ok = element_bytes == 2 and 16 < seq_length <= 4096 and seq_length % 4 == 0
+    whole = np.isclose(attn_batches, np.round(attn_batches))
+    return shape_ok & whole & (np.round(attn_batches) % per_block == 0)
+
+
 def attention_score_bytes(
-    model: ModelSpec, b: ArrayLike, seq_length: int, shards: ArrayLike, flash: bool
+    model: ModelSpec, b: ArrayLike, seq_length: int, shards: ArrayLike, flash: bool,
+    fused_softmax: ArrayLike = True,
 ) -> tuple[ArrayLike, ArrayLike]:
     """(forward, backward) HBM bytes of the [b, a, s, s] score matrix on one GPU: zero with flash
-    attention (scores stay in SRAM); otherwise SCORE_BYTES_* per element of its 1/shards part."""
+    attention (scores stay in SRAM); otherwise SCORE_BYTES_* per element of its 1/shards part,
+    plus TORCH_SOFTMAX_BYTES_* where the fused softmax cannot take the shape."""
     if flash:
         return 0.0, 0.0
     elements = b * model.num_attention_heads * seq_length**2 / shards
-    return SCORE_BYTES_FORWARD * elements, SCORE_BYTES_BACKWARD * elements
+    torch_softmax = np.where(fused_softmax, 0.0, 1.0)
+    return ((SCORE_BYTES_FORWARD + torch_softmax * TORCH_SOFTMAX_BYTES_FORWARD) * elements,
+            (SCORE_BYTES_BACKWARD + torch_softmax * TORCH_SOFTMAX_BYTES_BACKWARD) * elements)
 
 
 def layer_elementwise_bytes(
@@ -409,16 +441,17 @@ def layer_compute(
     seq_shards: ArrayLike,
     element_bytes: int,
     flash_attention: bool = True,
+    fused_softmax: ArrayLike = True,
 ) -> LayerCompute:
     """Per-GPU compute time of one transformer layer; `seq_shards` = cp * ulysses. Without
     flash attention the score matrix is computed in full and goes through HBM
-    (attention_score_bytes)."""
+    (attention_score_bytes; `fused_softmax` from fused_softmax_available)."""
     peak = cluster.peak_flops * (1.0 if element_bytes == 2 else profile.fp32_flops_ratio)
     tokens = b * seq_length / seq_shards
     gemm_s = layer_gemm_forward_s(model, profile, tokens=tokens, tp=tp, peak=peak)
     attn_flops = attention_forward_flops(model, b, seq_length, tp * seq_shards, flash_attention)
     score_f, score_b = attention_score_bytes(
-        model, b, seq_length, tp * seq_shards, flash_attention
+        model, b, seq_length, tp * seq_shards, flash_attention, fused_softmax
     )
     hbm = profile.hbm_for(cluster)
     if flash_attention:  # the fused kernel recomputes the scores in backward
@@ -438,22 +471,30 @@ def layer_compute(
 # ---- host-side floor of a layer pass ---------------------------------------------------------
 
 
-def layer_forward_kernels(model: ModelSpec, *, flash_attention: bool, dropout: bool) -> int:
+def layer_forward_kernels(
+    model: ModelSpec, *, flash_attention: bool, dropout: bool, fused_softmax: ArrayLike = True
+) -> ArrayLike:
     """Kernels one GPU launches in a transformer layer's forward, collectives not counted, with
     Megatron's fused ops (fused layer norm, bias-GeLU / SwiGLU, bias-dropout-add, scale-mask-
     softmax): 2 norms, 4 weight GEMMs (QKV, projection, MLP in and out; biases ride in the
     GEMM), 2 bias-dropout-residual adds, 1 activation, core attention (flash: 1 kernel; unfused:
     QK^T batched GEMM, softmax, dropout, AV batched GEMM and 2 layout copies), rotary embedding
-    of q and k (2), q/k norms (2)."""
-    attention = core_attention_kernels(flash_attention=flash_attention, dropout=dropout)
+    of q and k (2), q/k norms (2); TORCH_SOFTMAX_EXTRA_KERNELS more where the fused softmax
+    cannot take the shape."""
+    attention = core_attention_kernels(flash_attention=flash_attention, dropout=dropout,
+                                       fused_softmax=fused_softmax)
     rope = 2 if model.position_embedding == "rope" else 0
     qk_norm = 2 if model.qk_layernorm else 0
     return 2 + 4 + 2 + 1 + attention + rope + qk_norm
 
 
-def core_attention_kernels(*, flash_attention: bool, dropout: bool) -> int:
+def core_attention_kernels(
+    *, flash_attention: bool, dropout: bool, fused_softmax: ArrayLike = True
+) -> ArrayLike:
     """Kernels of core attention alone (what selective recomputation replays)."""
-    return 1 if flash_attention else 5 + (1 if dropout else 0)
+    if flash_attention:
+        return 1
+    return 5 + (1 if dropout else 0) + np.where(fused_softmax, 0, TORCH_SOFTMAX_EXTRA_KERNELS)
 
 
 BACKWARD_KERNELS_PER_FORWARD = 2
@@ -463,20 +504,22 @@ bias gradient of each GEMM; the backward of each fused elementwise op and norm).
 
 def layer_host_s(
     model: ModelSpec, host: HostConstants, *, tp: ArrayLike, flash_attention: bool,
-    dropout: bool,
-) -> tuple[ArrayLike, ArrayLike, float]:
+    dropout: bool, fused_softmax: ArrayLike = True,
+) -> tuple[ArrayLike, ArrayLike, ArrayLike]:
     """(forward, backward, core-attention forward) host seconds of one layer pass on one GPU:
     kernels x host.kernel_s, plus per tensor-parallel collective one more kernel and
     host.collective_step_s per ring step (two blocks per pass, each an all-reduce or, under
     sequence parallelism, an all-gather plus a reduce-scatter: 2 (t - 1) steps per block)."""
-    kernels = layer_forward_kernels(model, flash_attention=flash_attention, dropout=dropout)
+    kernels = layer_forward_kernels(model, flash_attention=flash_attention, dropout=dropout,
+                                    fused_softmax=fused_softmax)
     tp = np.asarray(tp, dtype=float)
     steps = 2 * 2.0 * (tp - 1.0)  # two blocks, two phases of t-1 steps each
     collectives = np.where(tp > 1, 2.0, 0.0)
     coll = collectives * host.kernel_s + steps * host.collective_step_s
     fwd = kernels * host.kernel_s + coll
     bwd = BACKWARD_KERNELS_PER_FORWARD * kernels * host.kernel_s + coll
-    attn = core_attention_kernels(flash_attention=flash_attention, dropout=dropout)
+    attn = core_attention_kernels(flash_attention=flash_attention, dropout=dropout,
+                                  fused_softmax=fused_softmax)
     return fwd, bwd, attn * host.kernel_s
 
 

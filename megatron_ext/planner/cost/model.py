@@ -181,6 +181,7 @@ class CostModel:
         b = micro_batch_size / table.dp
         shards = table.cp * table.ulysses
         rows = b * t.seq_length / shards  # tokens per rank in the linear layers
+        fused = self.fused_softmax(table, b)
         comp = C.layer_compute(
             m,
             self.cluster,
@@ -192,6 +193,7 @@ class CostModel:
             seq_shards=shards,
             element_bytes=e,
             flash_attention=t.flash_attention,
+            fused_softmax=fused,
         )
         # TP: 2 all-reduces (or all-gather + reduce-scatter under SP) of [rows, h] each way.
         hidden_bytes = rows * m.hidden_size * e
@@ -208,7 +210,7 @@ class CostModel:
         # host-bound.
         host_f, host_b, host_attn = C.layer_host_s(
             m, self.compute.host_for(self.cluster), tp=table.tp,
-            flash_attention=t.flash_attention, dropout=t.dropout)
+            flash_attention=t.flash_attention, dropout=t.dropout, fused_softmax=fused)
         k = self.compute.host_overlap_power
         recompute = np.where(
             rc_full,
@@ -239,6 +241,13 @@ class CostModel:
             ),
             **self._layer_memory(table, b),
         )
+
+    def fused_softmax(self, table: StrategyTable, b: np.ndarray | float) -> np.ndarray:
+        """Where the unfused attention path gets Megatron's fused softmax kernel (per strategy,
+        at b samples per replica; compute.fused_softmax_available)."""
+        return C.fused_softmax_available(
+            self.model, b=b, seq_length=self.training.seq_length,
+            heads_shards=table.tp * table.ulysses, element_bytes=self.element_bytes)
 
     def _params_per_gpu(self, table: StrategyTable) -> np.ndarray:
         return self.layer_params / table.tp

@@ -134,9 +134,10 @@ def moe_layer_costs(cm, table, micro_batch_size: int):
     peak = cm.cluster.peak_flops * (1.0 if e_b == 2 else cm.compute.fp32_flops_ratio)
     hbm = cm.compute.hbm_for(cm.cluster)
     prof = cm.compute
+    fused = cm.fused_softmax(table, b)
     comp = C.layer_compute(m, cm.cluster, prof, b=b, seq_length=t.seq_length, tp=tp,
                            sp=table.sp, seq_shards=shards, element_bytes=e_b,
-                           flash_attention=t.flash_attention)
+                           flash_attention=t.flash_attention, fused_softmax=fused)
     passes = 3.0 if u == 2 else 2.0
     # The dense MLP this layer does not have (layer_gemms' MLP GEMMs and its activation pass).
     dense_mlp = (_gemm_s(prof, rows, h, u * f_d / tp, peak) + _gemm_s(prof, rows, f_d / tp, h, peak)
@@ -172,7 +173,7 @@ def moe_layer_costs(cm, table, micro_batch_size: int):
     # lower bound, the router and token dispatch launch more.
     host_f, host_b, host_attn = C.layer_host_s(
         m, prof.host_for(cm.cluster), tp=tp, flash_attention=t.flash_attention,
-        dropout=t.dropout)
+        dropout=t.dropout, fused_softmax=fused)
     k_host = prof.host_overlap_power
     recompute = np.where(
         rc_full, C.host_bound_s(attn_f + moe_f + one_way + cp_fwd, host_f, k_host), 0.0)

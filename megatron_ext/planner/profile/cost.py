@@ -101,7 +101,9 @@ class ProfiledCostModel(CostModel):
         shards = table.cp * table.ulysses
         analytic = C.layer_compute(self.model, self.cluster, self.compute, b=b,
                                    seq_length=t.seq_length, tp=table.tp, sp=table.sp,
-                                   seq_shards=shards, element_bytes=self.element_bytes)
+                                   seq_shards=shards, element_bytes=self.element_bytes,
+                                   flash_attention=t.flash_attention,
+                                   fused_softmax=self.fused_softmax(table, b))
         kw = {"tp": table.tp, "sp": table.sp, "micro_batch_size": b,
               "seq_length": t.seq_length, "seq_shards": shards}
         fwd, bwd = prof.layer_time_s("forward_s", **kw), prof.layer_time_s("backward_s", **kw)
