@@ -24,9 +24,9 @@ What the rows do not state is filled in by fixed rules (no per-row choice):
   - interleaving "degree not stated" -> the largest divisor of layers-per-stage <= 3
     (Korthikanti et al. state 3 for the same authors' 175B/530B runs);
   - recompute not stated (NeMo 5B) -> none (NeMo's default when the recipe omits it);
-  - flash attention only where the source says so (MosaicML); sources from 2020-2022 without
-    it keep the attention scores unless recomputed;
-  - dropout on (Megatron's 0.1) except MosaicML MPT (dropout 0);
+  - flash attention only where the source says so (MosaicML, or a row's `flash_attention`);
+    sources from 2020-2022 without it keep the attention scores unless recomputed;
+  - dropout on (Megatron's 0.1) except MosaicML MPT (dropout 0) or a row's `dropout: false`;
   - DeepSpeed ZeRO-3 rows hold at most DeepSpeed's default 1e9 gathered parameters
     (stage3_max_live_parameters), FSDP rows two whole layers;
   - Megatron rows keep plain DDP (zero=0, the 2020-2022 code had no distributed optimizer in
@@ -109,6 +109,23 @@ def is_mosaic(row: dict[str, Any]) -> bool:
     return str(row["source"]).startswith("MosaicML")
 
 
+def flash_attention_of(row: dict[str, Any]) -> bool:
+    """The row's `flash_attention` where it states one, else on only for MosaicML (the only
+    JSON source that says so; the 2020-2022 Megatron runs kept the attention scores)."""
+    value = row.get("flash_attention")
+    return is_mosaic(row) if value is None else bool(value)
+
+
+def dropout_of(row: dict[str, Any]) -> bool:
+    """The row's `dropout` where it states one, else Megatron's 0.1 except for MosaicML (0)."""
+    value = row.get("dropout")
+    return (not is_mosaic(row)) if value is None else bool(value)
+
+
+def is_swiglu(row: dict[str, Any]) -> bool:
+    return str(row.get("ffn_type") or "").lower().startswith("swiglu")
+
+
 def recompute_of(row: dict[str, Any]) -> str:
     text = str(row.get("recompute") or "none").lower()
     if text.startswith("selective"):
@@ -161,7 +178,10 @@ def cluster_of(row: dict[str, Any]) -> ClusterSpec:
 
 
 def megatron_flags(row: dict[str, Any]) -> list[str]:
-    """The run as Megatron-LM flags (what a user would pass to plan-from-args)."""
+    """The run as Megatron-LM flags (what a user would pass to plan-from-args). A row of a
+    Llama-style model states `ffn_type` "swiglu", `normalization`, `position_embedding`,
+    `tied_embeddings: false` and `bias_linear: false`; rows without them are GPT (GeLU 4h,
+    LayerNorm, learned positions, tied embeddings, biases except MosaicML's)."""
     flags = [
         "--num-layers", row["num_layers"], "--hidden-size", row["hidden_size"],
         "--num-attention-heads", row["num_heads"], "--ffn-hidden-size", row["ffn_hidden_size"],
@@ -173,8 +193,18 @@ def megatron_flags(row: dict[str, Any]) -> list[str]:
     ]
     if row.get("sequence_parallel") and int(row["tp"]) > 1:
         flags.append("--sequence-parallel")
-    if is_mosaic(row):
-        flags += ["--disable-bias-linear", "--hidden-dropout", "0", "--attention-dropout", "0"]
+    if is_mosaic(row) or row.get("bias_linear") is False:
+        flags.append("--disable-bias-linear")
+    if not dropout_of(row):
+        flags += ["--hidden-dropout", "0", "--attention-dropout", "0"]
+    if is_swiglu(row):
+        flags.append("--swiglu")
+    if row.get("normalization"):
+        flags += ["--normalization", row["normalization"]]
+    if row.get("position_embedding"):
+        flags += ["--position-embedding-type", row["position_embedding"]]
+    if row.get("tied_embeddings") is False:
+        flags.append("--untie-embeddings-and-output-weights")
     rc = recompute_of(row)
     if rc == "selective":
         flags += ["--recompute-granularity", "selective"]
@@ -378,7 +408,8 @@ def predict(row: dict[str, Any], plan: ParallelPlan,
     cluster = cluster_of(row)
     training = TrainingSpec(
         global_batch_size=plan.global_batch_size, seq_length=plan.seq_length,
-        precision=plan.precision, flash_attention=is_mosaic(row), dropout=not is_mosaic(row),
+        precision=plan.precision, flash_attention=flash_attention_of(row),
+        dropout=dropout_of(row),
         allow_zero3=True,
     )
     cm = CostModel(plan.model, cluster, training, compute=compute)

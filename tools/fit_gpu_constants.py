@@ -102,8 +102,8 @@ def fast_row(row: dict[str, Any], plan, compute: C.ComputeProfile) -> FastRow:
     cluster = bp.cluster_of(row)
     training = TrainingSpec(
         global_batch_size=plan.global_batch_size, seq_length=plan.seq_length,
-        precision=plan.precision, flash_attention=bp.is_mosaic(row),
-        dropout=not bp.is_mosaic(row), allow_zero3=True)
+        precision=plan.precision, flash_attention=bp.flash_attention_of(row),
+        dropout=bp.dropout_of(row), allow_zero3=True)
     cm = CostModel(plan.model, cluster, training, compute=off_profile(compute))
     sums = stage_sums(cm, pp=plan.pp, stages=plan.stages, layers=plan.layers, vocab=plan.vocab,
                       micro_batch_size=plan.micro_batch_size)
