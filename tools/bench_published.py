@@ -47,6 +47,18 @@ vTrain's own simulator schedules them), A100 80GB with the dgx-a100 network, clu
 `vtrain-a100`; a layout the CSV measured twice is one run at the mean. Their sources are
 "vTrain single node" and "vTrain multi node" (two held-out sources). They are summarised per
 model on stdout (every sweep in --json); --no-vtrain leaves them out.
+
+OpenLLM-France's Lucie-7B parallelism experiments (tools/data/lucie/, README.md there: the
+upstream expe_summary.csv byte for byte, 44 lines of Megatron-DeepSpeed runs on Jean Zay's
+A100 80GB nodes) are read by lucie_rows() into rows of the same schema, one rule for every row
+from the run scripts: Llama-style 32 x 4096, FFN 11008 SwiGLU, 32 heads, RoPE, RMSNorm, untied
+embeddings, no biases, seq 4096, bf16, flash attention v2, no dropout, no recompute, no
+sequence parallelism, DeepSpeed ZeRO stage 0 (gradients reduced after the last backward, with
+or without the pipeline engine), the BLOOM rows' Jean Zay network as cluster
+`jean-zay-a100-80g-2024`; vocabulary 32000 (1_seq4k) or 65024 (2_vocab_65k), one model each.
+The line of 3_recompute_activation (no script) is left out; a layout measured three times is
+one run at the mean. Source "Lucie-7B parallelism (OpenLLM-France)"; --no-lucie leaves them
+out.
 """
 
 from __future__ import annotations
@@ -101,7 +113,10 @@ def is_deepspeed_pipeline(row: dict[str, Any]) -> bool:
     neither overlapped with compute, where Megatron-LM overlaps both (--overlap-grad-reduce,
     --overlap-param-gather). Its pipeline messages are split over the tensor-parallel ranks
     (is_pipe_partitioned) as Megatron's scatter-gather splits them, so they are priced the
-    same."""
+    same. Lucie's --no-pipeline-parallel rows run DeepSpeed's engine without the pipeline
+    module: with ZeRO stage 0 and overlap_comm off it all-reduces the gradients in buckets after
+    the last micro-batch's backward (allreduce_gradients at the accumulation boundary), the
+    same unhidden reduction."""
     return "DeepSpeed" in str(row.get("dp_sharding")) and not is_zero3(row)
 
 
@@ -370,6 +385,190 @@ def check_vtrain_files(directory: Path | None = None) -> list[str]:
             if git_blob_id((Path(directory or VTRAIN_DIR) / name).read_bytes()) != blob]
 
 
+# ---- OpenLLM-France's Lucie-7B parallelism experiments (CSV) -> rows ------------------------
+
+LUCIE_DIR = Path(__file__).resolve().parent / "data" / "lucie"
+LUCIE_REPO = "github:OpenLLM-France/Lucie-Training"
+LUCIE_COMMIT = "c3b8b3a013a32d0a468cd5d6c7bf969a131590c6"
+LUCIE_PATH = "chronicles/parallelism/scripts/expe_parallelism/expe_summary.csv"
+LUCIE_FILE, LUCIE_BLOB = "expe_summary.csv", "d103a118fc9a9a6d4ea9e9ac62dfafd7f7819f0a"
+"""The copy's upstream path and git blob (the same blob as training/expe_parallelism/ at
+b2224498dd49, where the table was added)."""
+LUCIE_SOURCE = "Lucie-7B parallelism (OpenLLM-France)"
+LUCIE_SOURCES = frozenset({LUCIE_SOURCE})
+LUCIE_COLUMNS = (
+    "", "expe", "filename", "slurm_id", "vocab_size", "nodes", "nGPUs", "tp", "pp", "dp", "z",
+    "gbz", "mbz", "num_microbatch", "num_iterations", "TFLOPs", "samples_per_seconds",
+    "token_per_second", "estimated_time",
+)
+LUCIE_SEQ = 4096
+LUCIE_EXPERIMENTS = {  # expe -> (vocab column, vocabulary, model name, the run script upstream)
+    "1_seq4k": ("32k", 32000, "Lucie-7B (32k vocab)",
+                "training/expe_parallelism/1_seq4k/lucie7b-seq4k.slurm @ a440935e5bf5"),
+    "2_vocab_65k": ("65k", 65024, "Lucie-7B (65k vocab)",
+                    "training/expe_parallelism/2_vocab_65k/lucie7b-v65k.slurm @ a440935e5bf5"),
+}
+"""The experiments whose script states the whole run. Lines of any other `expe` are left out
+(3_recompute_activation: its script is in no commit, so what it recomputed is unknown)."""
+LUCIE_RULES = {
+    "gpu_type": "A100 80GB SXM (Jean Zay gpu_p5, 8 per node; scripts: --constraint=a100)",
+    "gpus_per_node": 8,
+    "cluster_label": "jean-zay-a100-80g-2024",
+    "inter_node_bytes_per_s_per_gpu": 5.5e9,
+    "cluster_notes": "Jean Zay JZ3 A100 partition, as BLOOM's rows: NVLink inside the node, 4 "
+                     "OmniPath links per node (bigscience jz/hpc-specs.md); "
+                     "inter_node_bytes_per_s_per_gpu = 4 x 100 Gb/s / 8 GPUs = 6.25 GB/s x 0.88 "
+                     "(the dgx-a100 preset's 22 of 25 GB/s per HDR NIC); its own label: runs of "
+                     "2024 with another software stack",
+    "num_layers": 32, "hidden_size": 4096, "num_heads": 32, "num_kv_heads": 32,
+    "ffn_hidden_size": 11008, "ffn_type": "swiglu", "normalization": "RMSNorm",
+    "position_embedding": "rope", "tied_embeddings": False, "bias_linear": False,
+    "seq_len": LUCIE_SEQ, "vp": None, "sequence_parallel": False,
+    "recompute": "none (the script passes no --checkpoint-activations / --recompute-*)",
+    "precision": "bf16 (--bf16, DeepSpeed bf16 optimizer: fp32 gradient all-reduce)",
+    "flash_attention": True,
+    "dropout": False,
+    "measured_unit": "global batch / samples_per_seconds (CSV; = gbz x 4096 / token_per_second)",
+    "flops_convention": "none (time only)",
+}
+"""What every Lucie row gets that its CSV line does not say (tools/data/lucie/README.md)."""
+LUCIE_ZERO = {0: "none (DeepSpeed engine, ZeRO stage 0: gradients all-reduced after the last "
+                 "backward, overlap_comm off)"}
+"""The CSV's z column -> dp_sharding (every line says 0; no other stage is described)."""
+
+
+def _lucie_fix() -> str:
+    return f"fix: restore the upstream file ({LUCIE_REPO} {LUCIE_PATH} @ {LUCIE_COMMIT[:12]})"
+
+
+def read_lucie_csv(path: Path) -> list[dict[str, Any]]:
+    """The lines of expe_summary.csv, validated, with their line numbers (a one-line PlanError
+    naming the file, line, field and value otherwise)."""
+    lines = list(csv.reader(Path(path).read_text(encoding="utf-8").splitlines()))
+    header = [h.strip() for h in lines[0]] if lines else []
+    if header != list(LUCIE_COLUMNS):
+        raise PlanError(f"{path.name} line 1: header {header} is not the Lucie table's "
+                        f"{list(LUCIE_COLUMNS)}; {_lucie_fix()}")
+    texts = ("expe", "filename", "vocab_size")
+    reals = ("TFLOPs", "samples_per_seconds", "token_per_second", "estimated_time")
+    runs = []
+    for lineno, line in enumerate(lines[1:], start=2):
+        if not line:
+            continue
+        if len(line) != len(header):
+            raise PlanError(f"{path.name} line {lineno}: {len(line)} fields, the header has "
+                            f"{len(header)}; fix: one value per column {header}")
+        run: dict[str, Any] = {"line": lineno}
+        for name, text in zip(header, line):
+            if name in texts:
+                if not text.strip():
+                    raise PlanError(f"{path.name} line {lineno}: field {name!r} is empty; "
+                                    f"{_lucie_fix()}")
+                run[name] = text.strip()
+                continue
+            try:
+                value = float(text)
+            except ValueError:
+                value = float("nan")
+            low = 0 if name in ("", "pp", "z") else 1  # pp 0: --no-pipeline-parallel
+            if name in reals:
+                ok = value > 0 and math.isfinite(value)
+                kind = "a positive number"
+            else:
+                ok = math.isfinite(value) and value >= low and value == int(value)
+                kind = "a positive integer" if low else "an integer >= 0"
+            if not ok:
+                raise PlanError(f"{path.name} line {lineno}: field {name!r} = {text!r} is not "
+                                f"{kind}; {_lucie_fix()}")
+            run[name or "index"] = value if name in reals else int(value)
+        pp = max(run["pp"], 1)
+        checks = (
+            ("nGPUs", run["nGPUs"] == 8 * run["nodes"], "8 GPUs x nodes"),
+            ("nGPUs", run["nGPUs"] == run["tp"] * pp * run["dp"], "tp x pp x dp (pp 0 as 1)"),
+            ("num_microbatch", run["num_microbatch"] * run["mbz"] * run["dp"] == run["gbz"],
+             "gbz / (mbz x dp)"),
+            ("token_per_second", math.isclose(run["token_per_second"], run["samples_per_seconds"]
+                                              * LUCIE_SEQ, rel_tol=1e-6),
+             f"samples_per_seconds x {LUCIE_SEQ}"),
+        )
+        for name, ok, what in checks:
+            if not ok:
+                raise PlanError(f"{path.name} line {lineno}: field {name!r} = {run[name]} is "
+                                f"not {what}; {_lucie_fix()}")
+        runs.append(run)
+    return runs
+
+
+def lucie_flops_factor(run: dict[str, Any], vocab: int) -> float:
+    """The passes over the weights that the line's TFLOPs implies: Megatron-DeepSpeed logs
+    24 c B s l h^2 (1 + s/6h + V/16lh) / (time x GPUs) with c = 3, or 4 when it recomputes
+    (--checkpoint-activations / --recompute-granularity), V the vocabulary padded to 128 x TP.
+    3 on every kept line: no recompute, and the vocabulary the experiment says."""
+    b, s, n_layers, h = (run["gbz"], LUCIE_SEQ, LUCIE_RULES["num_layers"],
+                         LUCIE_RULES["hidden_size"])
+    pad = 128 * run["tp"]
+    padded = -(-vocab // pad) * pad
+    flops = 24 * b * s * n_layers * h * h * (1 + s / (6 * h) + padded / (16 * n_layers * h))
+    seconds = b / run["samples_per_seconds"]
+    return run["TFLOPs"] * 1e12 * seconds * run["nGPUs"] / flops
+
+
+def lucie_rows(directory: Path | None = None) -> list[dict[str, Any]]:
+    """Lucie-7B's measured runs as rows of the published-runs schema: the CSV's own values plus
+    LUCIE_RULES, the same for every row; lines of experiments without a script (LUCIE_EXPERIMENTS)
+    are left out, and a layout measured more than once is one run at the mean iteration time."""
+    path = Path(directory or LUCIE_DIR) / LUCIE_FILE
+    by_layout: dict[tuple, list[dict[str, Any]]] = {}
+    for run in read_lucie_csv(path):
+        if run["expe"] not in LUCIE_EXPERIMENTS:
+            continue
+        vocab_text = LUCIE_EXPERIMENTS[run["expe"]][0]
+        if run["vocab_size"] != vocab_text:
+            raise PlanError(f"{path.name} line {run['line']}: field 'vocab_size' = "
+                            f"{run['vocab_size']!r} is not {vocab_text!r}, the vocabulary of "
+                            f"experiment {run['expe']!r}; {_lucie_fix()}")
+        if run["z"] not in LUCIE_ZERO:
+            raise PlanError(f"{path.name} line {run['line']}: field 'z' = {run['z']} is not a "
+                            f"ZeRO stage these rules describe ({sorted(LUCIE_ZERO)}); "
+                            f"{_lucie_fix()}")
+        factor = lucie_flops_factor(run, LUCIE_EXPERIMENTS[run["expe"]][1])
+        if abs(factor - 3) > 0.01:
+            raise PlanError(f"{path.name} line {run['line']}: field 'TFLOPs' = {run['TFLOPs']} "
+                            f"is not Megatron-DeepSpeed's figure for this run without recompute "
+                            f"(it implies {factor:.3f} passes, not 3); {_lucie_fix()}")
+        key = tuple(run[k] for k in ("expe", "nGPUs", "tp", "pp", "dp", "z", "gbz", "mbz"))
+        by_layout.setdefault(key, []).append(run)
+    rows = []
+    for (expe, gpus, tp, pp, dp, z, gbz, mbz), runs in by_layout.items():
+        _, vocab, model, script = LUCIE_EXPERIMENTS[expe]
+        lines = ", ".join(str(r["line"]) for r in runs)
+        stages = "nopp" if pp == 0 else f"pp{pp}"
+        rows.append({
+            **LUCIE_RULES,
+            "id": (f"lucie7b-v{vocab // 1000}k-{runs[0]['line']}-g{gpus}-gbs{gbz}-"
+                   f"tp{tp}{stages}dp{dp}-mb{mbz}"),
+            "source": LUCIE_SOURCE,
+            "source_ref": (f"{LUCIE_REPO} {LUCIE_PATH} @ {LUCIE_COMMIT[:12]}, line {lines} "
+                           f"(slurm {', '.join(str(r['slurm_id']) for r in runs)}); run "
+                           f"script {script}"),
+            "num_gpus": gpus, "model_name": model, "vocab_size": vocab,
+            "tp": tp, "pp": max(pp, 1), "dp": dp,
+            "deepspeed_pipeline_engine": pp > 0,
+            "dp_sharding": LUCIE_ZERO[z],
+            "global_batch_size": gbz, "micro_batch_size": mbz,
+            "iter_time_s": statistics.fmean(gbz / r["samples_per_seconds"] for r in runs),
+            "tflops_per_gpu": statistics.fmean(r["TFLOPs"] for r in runs),
+            "repeats": len(runs),
+        })
+    return rows
+
+
+def check_lucie_files(directory: Path | None = None) -> list[str]:
+    """Files whose bytes differ from the upstream blob recorded in LUCIE_BLOB."""
+    path = Path(directory or LUCIE_DIR) / LUCIE_FILE
+    return [] if git_blob_id(path.read_bytes()) == LUCIE_BLOB else [LUCIE_FILE]
+
+
 # ---- measured figure -> seconds per iteration ---------------------------------------------
 
 
@@ -464,6 +663,8 @@ def layout_label(row: dict[str, Any]) -> str:
     parts = [f"tp{row['tp']}", f"pp{row['pp']}", f"dp{row['dp']}"]
     if is_zero3(row):
         parts.append("z3")
+    if row.get("deepspeed_pipeline_engine") is False:
+        parts.append("nopipe")
     if row.get("sequence_parallel"):
         parts.append("sp")
     v = virtual_stages_of(row)
@@ -622,7 +823,9 @@ def leave_one_source_out(results: list[dict[str, Any]], grid_pred: list[list[flo
              * r["measured_gpu_s_per_token"] / r["measured_s"]} for r in results]
     groups = {}
     for name, keep in (("vTrain", lambda r: r["source"] in VTRAIN_SOURCES),
-                       ("papers and READMEs", lambda r: r["source"] not in VTRAIN_SOURCES)):
+                       ("Lucie-7B", lambda r: r["source"] in LUCIE_SOURCES),
+                       ("papers and READMEs",
+                        lambda r: r["source"] not in VTRAIN_SOURCES | LUCIE_SOURCES)):
         idx = [i for i, r in enumerate(results) if keep(r)]
         if idx:
             groups[name] = {"rows": len(idx),
@@ -909,7 +1112,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vtrain-dir", default=str(VTRAIN_DIR),
                    help="vTrain's measured CSVs (ground_truth_single.csv, ground_truth_multi.csv)")
     p.add_argument("--no-vtrain", action="store_true",
-                   help="leave out the vTrain rows (only the --data file's)")
+                   help="leave out the vTrain rows")
+    p.add_argument("--lucie-dir", default=str(LUCIE_DIR),
+                   help="OpenLLM-France's Lucie-7B parallelism table (expe_summary.csv)")
+    p.add_argument("--no-lucie", action="store_true",
+                   help="leave out the Lucie-7B rows")
     args = p.parse_args(argv)
     data = json.loads(Path(args.data).read_text())
     rows = data["rows"]
@@ -923,15 +1130,25 @@ def main(argv: list[str] | None = None) -> int:
         except (PlanError, OSError) as err:
             print(f"bench_published: {err}", file=sys.stderr)
             return 2
+    if not args.no_lucie:
+        try:
+            if Path(args.lucie_dir).resolve() == LUCIE_DIR and check_lucie_files():
+                raise PlanError(f"{LUCIE_DIR}: {LUCIE_FILE} differs from the upstream file "
+                                f"({LUCIE_REPO} {LUCIE_PATH} @ {LUCIE_COMMIT[:12]}); fix: "
+                                "restore it (README.md there)")
+            rows = rows + lucie_rows(Path(args.lucie_dir))
+        except (PlanError, OSError) as err:
+            print(f"bench_published: {err}", file=sys.stderr)
+            return 2
     if args.rows:
         unknown = set(args.rows) - {r["id"] for r in rows}
         if unknown:
             print(f"--rows: unknown id(s) {sorted(unknown)}", file=sys.stderr)
             return 2
         rows = [r for r in rows if r["id"] in args.rows]
-    if args.write_residuals and (args.rows or args.no_loso or args.no_vtrain):
+    if args.write_residuals and (args.rows or args.no_loso or args.no_vtrain or args.no_lucie):
         print("--write-residuals needs every row and the refit: drop --rows / --no-loso / "
-              "--no-vtrain", file=sys.stderr)
+              "--no-vtrain / --no-lucie", file=sys.stderr)
         return 2
     wall, cpu = time.perf_counter(), time.process_time()
     out = run(rows, loso=not args.no_loso)
