@@ -171,3 +171,23 @@ def test_changed_copy_is_refused(tmp_path, monkeypatch, capsys):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_runs_not_for_calibration_are_scored_but_fit_nothing():
+    """A source whose settings are incomplete (Lucie's rows) is held out and scored, but sets
+    neither another source's refitted efficiency nor the interval table: adding it leaves both
+    as they were."""
+    tool = _tool()
+    lucie = tool.lucie_rows()
+    assert all(r["not_for_calibration"] for r in lucie)
+    base = json.loads(Path(tool.DEFAULT_DATA).read_text())["rows"]
+    base = [r for r in base if r["source"].startswith(("Narayanan", "Korthikanti"))]
+    picked = lucie[:3]
+    without = tool.run(base)
+    with_lucie = tool.run(base + picked)
+    assert [r["loso_gemm_efficiency"] for r in with_lucie["rows"][:len(base)]] == [
+        r["loso_gemm_efficiency"] for r in without["rows"]]
+    assert tool.residual_file(with_lucie["rows"]) == tool.residual_file(without["rows"])
+    held = [r for r in with_lucie["rows"] if r["source"] == tool.LUCIE_SOURCE]
+    assert len(held) == 3 and all(r["loso_predicted_s"] > 0 for r in held)
+    assert not any(tool.calibrates(r) for r in held)
