@@ -1137,23 +1137,21 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     data = json.loads(Path(args.data).read_text())
     rows = data["rows"]
-    if not args.no_vtrain:
+    sources = (
+        (args.no_vtrain, args.vtrain_dir, VTRAIN_DIR, check_vtrain_files, vtrain_rows,
+         f"the upstream files ({VTRAIN_REPO} @ {VTRAIN_COMMIT[:12]})"),
+        (args.no_lucie, args.lucie_dir, LUCIE_DIR, check_lucie_files, lucie_rows,
+         f"the upstream file ({LUCIE_REPO} {LUCIE_PATH} @ {LUCIE_COMMIT[:12]})"),
+    )
+    for skip, directory, shipped, check, load, upstream in sources:
+        if skip:
+            continue
         try:
-            if Path(args.vtrain_dir).resolve() == VTRAIN_DIR and check_vtrain_files():
-                raise PlanError(f"{VTRAIN_DIR}: {', '.join(check_vtrain_files())} differ from "
-                                f"the upstream files ({VTRAIN_REPO} @ {VTRAIN_COMMIT[:12]}); fix: "
+            damaged = Path(directory).resolve() == shipped and check()
+            if damaged:
+                raise PlanError(f"{shipped}: {', '.join(damaged)} differ from {upstream}; fix: "
                                 "restore them (README.md there)")
-            rows = rows + vtrain_rows(Path(args.vtrain_dir))
-        except (PlanError, OSError) as err:
-            print(f"bench_published: {err}", file=sys.stderr)
-            return 2
-    if not args.no_lucie:
-        try:
-            if Path(args.lucie_dir).resolve() == LUCIE_DIR and check_lucie_files():
-                raise PlanError(f"{LUCIE_DIR}: {LUCIE_FILE} differs from the upstream file "
-                                f"({LUCIE_REPO} {LUCIE_PATH} @ {LUCIE_COMMIT[:12]}); fix: "
-                                "restore it (README.md there)")
-            rows = rows + lucie_rows(Path(args.lucie_dir))
+            rows = rows + load(Path(directory))
         except (PlanError, OSError) as err:
             print(f"bench_published: {err}", file=sys.stderr)
             return 2

@@ -166,7 +166,7 @@ def test_changed_copy_is_refused(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(tool, "LUCIE_DIR", directory.resolve())
     assert tool.check_lucie_files() == ["expe_summary.csv"]
     assert tool.main(["--no-vtrain", "--no-loso"]) == 2
-    assert "differs from the upstream" in capsys.readouterr().err
+    assert "differ from the upstream" in capsys.readouterr().err
 
 
 if __name__ == "__main__":
