@@ -290,20 +290,31 @@ def _vtrain_fields(path: Path, lineno: int, header: list[str], line: list[str]
     if len(line) != len(header):
         raise PlanError(f"{path.name} line {lineno}: {len(line)} fields, the header has "
                         f"{len(header)}; fix: one value per column {header}")
-    out = {}
-    for name, text in zip(header, line):
-        try:
-            value = float(text)
-        except ValueError:
-            value = float("nan")
-        integral = name not in ("iteration time (ms)", "Parameters (billion)")
-        if not (value > 0 and math.isfinite(value)) or (integral and value != int(value)):
-            kind = "a positive number" if not integral else "a positive integer"
-            raise PlanError(f"{path.name} line {lineno}: field {name!r} = {text!r} is not "
-                            f"{kind}; fix: restore the upstream file ({VTRAIN_REPO} "
-                            f"data/{path.name} @ {VTRAIN_COMMIT[:12]})")
-        out[name] = value if not integral else int(value)
-    return out
+    fix = (f"fix: restore the upstream file ({VTRAIN_REPO} data/{path.name} @ "
+           f"{VTRAIN_COMMIT[:12]})")
+    return {name: csv_number(path, lineno, name, text, fix=fix,
+                             integral=name not in ("iteration time (ms)", "Parameters (billion)"))
+            for name, text in zip(header, line)}
+
+
+def csv_number(path: Path, lineno: int, name: str, text: str, *, fix: str, integral: bool,
+               minimum: int = 1) -> float | int:
+    """One numeric CSV field: a positive number, or an integer >= `minimum`; otherwise a
+    one-line PlanError naming the file, line, field and value, ending in `fix`."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if integral:
+        ok = math.isfinite(value) and value >= minimum and value == int(value)
+        kind = "a positive integer" if minimum >= 1 else f"an integer >= {minimum}"
+    else:
+        ok = value > 0 and math.isfinite(value)
+        kind = "a positive number"
+    if not ok:
+        raise PlanError(f"{path.name} line {lineno}: field {name!r} = {text!r} is not {kind}; "
+                        f"{fix}")
+    return int(value) if integral else value
 
 
 def read_vtrain_csv(path: Path) -> list[dict[str, Any]]:
@@ -379,10 +390,16 @@ def vtrain_rows(directory: Path | None = None) -> list[dict[str, Any]]:
     return rows
 
 
+def changed_copies(directory: Path, blobs: dict[str, str]) -> list[str]:
+    """The files of `blobs` (name -> upstream git blob id) whose bytes in `directory` differ."""
+    return [name for name, blob in blobs.items()
+            if git_blob_id((Path(directory) / name).read_bytes()) != blob]
+
+
 def check_vtrain_files(directory: Path | None = None) -> list[str]:
     """Files whose bytes differ from the upstream blobs recorded in VTRAIN_FILES."""
-    return [name for name, (_, blob) in VTRAIN_FILES.items()
-            if git_blob_id((Path(directory or VTRAIN_DIR) / name).read_bytes()) != blob]
+    return changed_copies(directory or VTRAIN_DIR,
+                          {name: blob for name, (_, blob) in VTRAIN_FILES.items()})
 
 
 # ---- OpenLLM-France's Lucie-7B parallelism experiments (CSV) -> rows ------------------------
@@ -471,21 +488,9 @@ def read_lucie_csv(path: Path) -> list[dict[str, Any]]:
                                     f"{_lucie_fix()}")
                 run[name] = text.strip()
                 continue
-            try:
-                value = float(text)
-            except ValueError:
-                value = float("nan")
-            low = 0 if name in ("", "pp", "z") else 1  # pp 0: --no-pipeline-parallel
-            if name in reals:
-                ok = value > 0 and math.isfinite(value)
-                kind = "a positive number"
-            else:
-                ok = math.isfinite(value) and value >= low and value == int(value)
-                kind = "a positive integer" if low else "an integer >= 0"
-            if not ok:
-                raise PlanError(f"{path.name} line {lineno}: field {name!r} = {text!r} is not "
-                                f"{kind}; {_lucie_fix()}")
-            run[name or "index"] = value if name in reals else int(value)
+            run[name or "index"] = csv_number(
+                path, lineno, name, text, fix=_lucie_fix(), integral=name not in reals,
+                minimum=0 if name in ("", "pp", "z") else 1)  # pp 0: --no-pipeline-parallel
         pp = max(run["pp"], 1)
         checks = (
             ("nGPUs", run["nGPUs"] == 8 * run["nodes"], "8 GPUs x nodes"),
@@ -570,8 +575,7 @@ def lucie_rows(directory: Path | None = None) -> list[dict[str, Any]]:
 
 def check_lucie_files(directory: Path | None = None) -> list[str]:
     """Files whose bytes differ from the upstream blob recorded in LUCIE_BLOB."""
-    path = Path(directory or LUCIE_DIR) / LUCIE_FILE
-    return [] if git_blob_id(path.read_bytes()) == LUCIE_BLOB else [LUCIE_FILE]
+    return changed_copies(directory or LUCIE_DIR, {LUCIE_FILE: LUCIE_BLOB})
 
 
 # ---- measured figure -> seconds per iteration ---------------------------------------------
@@ -1161,9 +1165,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--rows: unknown id(s) {sorted(unknown)}", file=sys.stderr)
             return 2
         rows = [r for r in rows if r["id"] in args.rows]
-    if args.write_residuals and (args.rows or args.no_loso or args.no_vtrain or args.no_lucie):
+    if args.write_residuals and (args.rows or args.no_loso or args.no_vtrain):
         print("--write-residuals needs every row and the refit: drop --rows / --no-loso / "
-              "--no-vtrain / --no-lucie", file=sys.stderr)
+              "--no-vtrain", file=sys.stderr)
         return 2
     wall, cpu = time.perf_counter(), time.process_time()
     out = run(rows, loso=not args.no_loso)
