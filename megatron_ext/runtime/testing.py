@@ -15,7 +15,9 @@ megatron. Robustness over a plain `mp.spawn`:
 - on timeout, each live rank first dumps its Python stacks to stderr (faulthandler, SIGUSR1);
 - a lost race for the free port (EADDRINUSE) is retried with a new port.
 
-`fn` must be a module-level function (pickled by reference for the spawn start method) with the
+Ranks are spawned, or forked from a server that imported heavy modules once (`preload`: the
+tests' conftest.py preloads torch and megatron-core).
+`fn` must be a module-level function (pickled by reference, for either start method) with the
 signature `fn(rank, world_size, **kwargs)`. Groups that `fn` creates do not inherit
 `collective_timeout_s`: pass a timeout when creating them (megatron-core's
 `initialize_model_parallel` defaults to `distributed_timeout_minutes=30`; tests should pass 1).
@@ -40,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["DistributedError", "find_free_port", "run_distributed"]
+__all__ = ["DistributedError", "find_free_port", "preload", "run_distributed"]
 
 _THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
 _PORT_RETRIES = 3
@@ -48,6 +50,19 @@ _ERROR_GRACE_S = 1.0
 """After the first rank fails, how long to wait for the others' tracebacks before killing."""
 _EXIT_GRACE_S = 5.0
 """After every rank reported success, how long they get to exit on their own."""
+
+
+_PRELOAD: list[str] = []
+"""Modules the ranks' fork server imports once (see `preload`); empty: every rank is spawned."""
+
+
+def preload(*modules: str) -> None:
+    """Start ranks from a fork server that has imported `modules` once, instead of spawning
+    fresh interpreters that each import them (torch and megatron-core take seconds of CPU per
+    rank). Call before the first `run_distributed`; the server lives as long as this process.
+    Each run's sys.path and working directory reach its ranks, but the environment is the
+    server's: that of the first run (thread caps included)."""
+    _PRELOAD[:] = list(modules)
 
 
 class DistributedError(RuntimeError):
@@ -201,7 +216,9 @@ def _run_once(
     kwargs: dict[str, Any],
 ) -> tuple[dict[int, Any], dict[int, str]]:
     timeout_s, collective_timeout_s = timeouts_s
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver" if _PRELOAD else "spawn")
+    if _PRELOAD:
+        ctx.set_forkserver_preload(_PRELOAD)
     results = ctx.Queue()
     port = find_free_port()
     procs = []

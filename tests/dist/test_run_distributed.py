@@ -1,6 +1,7 @@
 """The gloo test harness itself: results, child errors, hung collectives, timeouts, cleanup.
 
-Rank functions import only torch (no megatron), so each spawn costs about two seconds.
+Rank functions import only torch (no megatron); the ranks fork from the server that
+tests/conftest.py preloads.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ def _sleep_forever(rank: int, world_size: int, pid_dir: str) -> None:
     time.sleep(600)
 
 
+def _where_started(rank: int, world_size: int) -> dict[str, object]:
+    return {"parent": os.getppid(), "megatron_loaded": "megatron.core" in sys.modules}
+
+
 def _return_unpicklable(rank: int, world_size: int) -> object:
     return lambda: None
 
@@ -54,6 +59,16 @@ def test_results_come_back_per_rank_with_one_thread_each() -> None:
     results = run_distributed(_sum_ranks, world_size=2, timeout_s=60, scale=10)
     assert [r["rank"] for r in results] == [0, 1]
     assert all(r["sum"] == 10.0 and r["threads"] == 1 for r in results)
+
+
+def test_ranks_fork_from_the_preloaded_server() -> None:
+    """tests/conftest.py preloads torch and megatron-core: the ranks are children of one fork
+    server (not of this process), and megatron-core is imported before the rank function,
+    whose module never imports it."""
+    results = run_distributed(_where_started, world_size=2, timeout_s=60)
+    assert len({r["parent"] for r in results}) == 1
+    assert results[0]["parent"] != os.getpid()
+    assert all(r["megatron_loaded"] for r in results)
 
 
 def test_child_exception_surfaces_with_traceback() -> None:
