@@ -3,6 +3,7 @@ the other published runs.
 
     python tools/fit_gpu_constants.py [--data PATH] [--json OUT.json] [--ablate]
         [--split-hidden] [--polish] [--every N] [--outer 'gemm_half_dim=32,128 ...']
+        [--ranking-grid]
 
 The constants (megatron_ext/planner/cost/compute.py, ComputeProfile):
   host_kernel_s           host seconds per kernel of a layer pass (compute.layer_host_s counts
@@ -19,6 +20,9 @@ reports the optimum off the grids (Nelder-Mead from there).
 Check sets: every other source (vTrain multi-node, NVIDIA's Megatron-LM runs, BLOOM), scored by
 tools/bench_published.py's own prediction with the fitted constants.
 
+--ranking-grid scores issue 19's ranking targets (Spearman >= 0.8, top-1 regret <= 5%) on the
+fit rows' sweeps of >= 8 layouts at every point of RANKING_GRID (can any choice of the host
+constants rank every sweep?).
 --ablate refits with each host term off (what each one is worth); --split-hidden fits on the
 runs of one hidden size and scores the others; --outer tries other kernel constants
 (gemm_efficiency, gemm_half_dim, attention_efficiency), refits the host terms for each and
@@ -231,6 +235,59 @@ def polish(fast: list[FastRow], start: dict[str, float], start_loss: float
     score = loss(fast, found)
     return (found, score) if score < start_loss else (start, start_loss)
 
+RANKING_GRID = {
+    "host_kernel_s": [x * 1e-6 for x in (45, 52.5, 60)],
+    "host_collective_step_s": [x * 1e-6 for x in (0, 5, 20)],
+    "host_overlap_power": [2.5, 3.25, 4.5],
+    "host_microbatch_s": [x * 1e-3 for x in (0.25, 1)],
+}
+"""Around the shipped constants, wider than their fitted spread (--ranking-grid)."""
+
+
+def sweep_members(rows: list[dict[str, Any]], fast: list[FastRow]) -> list[dict[str, Any]]:
+    """bench_published's sweep fields of the fit rows (the prediction filled in later)."""
+    out = []
+    for row, r in zip(rows, fast):
+        gpu_token = row["num_gpus"] / (row["global_batch_size"] * row["seq_len"])
+        out.append({"source": row["source"], "model": row["model_name"],
+                    "gpus": row["num_gpus"], "cluster": bp.cluster_label(row),
+                    "layout": bp.layout_label(row), "run_date": row.get("run_date"),
+                    "global_batch_size": row["global_batch_size"], "seq_len": row["seq_len"],
+                    "gpu_token": gpu_token, "measured_gpu_s_per_token": r.measured_s * gpu_token,
+                    "baseline_gpu_s_per_token": gpu_token * bp.baseline_steps(
+                        r.m, len(r.layers), int(row["num_layers"]))})
+    return out
+
+
+def ranking_at(members: list[dict[str, Any]], fast: list[FastRow], c: dict[str, float]
+               ) -> dict[str, Any]:
+    """Median |error| of the fit rows and the sweeps of >= bp.BIG_SWEEP layouts meeting both
+    ranking targets (GPU counts merged, and at one GPU count) under host constants `c`."""
+    pred = [fast_predict(r, c) for r in fast]
+    scored = [{**m, "predicted_gpu_s_per_token": p * m["gpu_token"]}
+              for m, p in zip(members, pred)]
+    out: dict[str, Any] = {"median_abs_error": statistics.median(
+        abs(p / r.measured_s - 1) for p, r in zip(pred, fast))}
+    for name, per_count in (("merged", False), ("one_gpu_count", True)):
+        big = [w for w in bp.sweeps(scored, per_gpu_count=per_count)
+               if w["layouts"] >= bp.BIG_SWEEP]
+        out[name] = {"sweeps": len(big), "meet": sum(map(bp.meets_targets, big)),
+                     "max_top1_regret": max(w["top1_regret"] for w in big)}
+    return out
+
+
+def ranking_grid(rows: list[dict[str, Any]], fast: list[FastRow], start: dict[str, float]
+                 ) -> list[dict[str, Any]]:
+    members = sweep_members(rows, fast)
+    points = [{}]
+    for name, values in RANKING_GRID.items():
+        points = [{**q, name: v} for q in points for v in values]
+    settings = [{**start, **q} for q in points]
+    if start not in settings:
+        settings.insert(0, dict(start))
+    return [{"constants": c, "shipped": c == start, **ranking_at(members, fast, c)}
+            for c in settings]
+
 
 def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     errs = [abs(r["ratio"] - 1) for r in results]
@@ -278,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also report the least-squares optimum off the grids (Nelder-Mead)")
     p.add_argument("--split-hidden", action="store_true",
                    help="also fit on the fit rows of one hidden size and score the others")
+    p.add_argument("--ranking-grid", action="store_true",
+                   help="score the ranking targets on the fit rows' sweeps at every point of "
+                   "RANKING_GRID and exit")
     p.add_argument("--outer", default="", help="also try these kernel constants, e.g. "
                    "'gemm_efficiency=0.72,0.76 gemm_half_dim=64,128' (each combination: host "
                    "constants refitted, check sets scored)")
@@ -307,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     base = C.ComputeProfile()
     fast = [fast_row(r, pl, base) for r, pl in zip(fit_rows, plans)]
     start = shipped(base)
+    if args.ranking_grid:
+        return print_ranking_grid(ranking_grid(fit_rows, fast, start), args.json)
     off = {**start, "host_kernel_s": 0.0, "host_collective_step_s": 0.0,
            "host_microbatch_s": 0.0}
     fitted, fitted_loss = fit(fast, start)
@@ -353,6 +415,24 @@ def main(argv: list[str] | None = None) -> int:
                                                "loss_without": ablation,
                                                "split_hidden": split},
                                               indent=1))
+    return 0
+
+
+def print_ranking_grid(points: list[dict[str, Any]], json_path: str | None) -> int:
+    best = max(points, key=lambda q: (q["merged"]["meet"], -q["median_abs_error"]))
+    print("host constants (kernel us, ring step us, power, per micro-batch ms): median |error|;"
+          " sweeps of >= 8 layouts meeting both targets, merged / at one GPU count; max regret")
+    for q in points:
+        c = q["constants"]
+        tag = " (shipped)" if q["shipped"] else " (most sweeps)" if q is best else ""
+        print(f"  {1e6 * c['host_kernel_s']:5.1f} {1e6 * c['host_collective_step_s']:4.0f} "
+              f"{c['host_overlap_power']:4.2f} {1e3 * c['host_microbatch_s']:4.2f}: "
+              f"{100 * q['median_abs_error']:5.1f}%; {q['merged']['meet']} of "
+              f"{q['merged']['sweeps']} / {q['one_gpu_count']['meet']} of "
+              f"{q['one_gpu_count']['sweeps']}; {100 * q['merged']['max_top1_regret']:.1f}%"
+              + tag)
+    if json_path:
+        Path(json_path).write_text(json.dumps({"ranking_grid": points}, indent=1))
     return 0
 
 

@@ -53,3 +53,26 @@ def test_fit_recovers_the_constants_behind_synthetic_measurements(fitted_rows):
     # Nelder-Mead stops within xatol = 1e-3 of a unit (us, ms, power): 1e-3 relative is ample
     for name, value in truth.items():
         assert got[name] == pytest.approx(value, rel=1e-3), name
+
+
+def test_ranking_grid_scores_sweeps_as_the_bench_does():
+    """--ranking-grid ranks the fit rows' sweeps with bench_published's own sweep metrics: on
+    the 39 layouts of the 0.2B model at global batch 8 (2, 4 and 8 GPUs merged) its Spearman
+    and top-1 regret under the shipped constants equal the bench's."""
+    tool = _tool()
+    bp = tool.bp
+    rows = [r for r in bp.vtrain_rows() if r["source"] == tool.FIT_SOURCE
+            and r["model_name"] == "GPT 0.2B (12 x 1024)" and r["global_batch_size"] == 8]
+    base = C.ComputeProfile()
+    fast = [tool.fast_row(r, bp.build_plan(r), base) for r in rows]
+    got = tool.ranking_at(tool.sweep_members(rows, fast), fast, tool.shipped(base))
+    out = bp.run(rows, loso=False)
+    (bench,) = [w for w in out["sweeps"] if w["layouts"] >= bp.BIG_SWEEP]
+    assert got["merged"]["sweeps"] == 1 and bench["layouts"] == len(rows) == 39
+    assert got["merged"]["max_top1_regret"] == pytest.approx(bench["top1_regret"], rel=1e-9)
+    assert got["merged"]["meet"] == int(bp.meets_targets(bench))
+    per_count = [w for w in out["sweeps_one_gpu_count"] if w["layouts"] >= bp.BIG_SWEEP]
+    assert got["one_gpu_count"]["sweeps"] == len(per_count) >= 2
+    assert got["one_gpu_count"]["meet"] == sum(map(bp.meets_targets, per_count))
+    assert got["one_gpu_count"]["max_top1_regret"] == pytest.approx(
+        max(w["top1_regret"] for w in per_count), rel=1e-9)
