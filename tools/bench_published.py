@@ -723,6 +723,27 @@ def baseline_steps(num_microbatches: int, pp: int, num_layers: int) -> float:
     return float((num_microbatches + pp - 1) * math.ceil(num_layers / pp))
 
 
+def gpu_s_per_token(row: dict[str, Any]) -> float:
+    """GPU-seconds per token of one second of the row's iteration: GPUs / tokens per
+    iteration (ranks layouts of one sweep across GPU counts)."""
+    return row["num_gpus"] / (row["global_batch_size"] * row["seq_len"])
+
+
+def sweep_fields(row: dict[str, Any], *, measured_s: float, num_microbatches: int, pp: int,
+                 num_layers: int) -> dict[str, Any]:
+    """What `sweeps` reads of a row, but the prediction: its sweep (sweep_key), layout, GPUs,
+    and the measured and reference-predictor GPU-seconds per token."""
+    gpu_token = gpu_s_per_token(row)
+    return {
+        "source": row["source"], "model": row["model_name"], "gpus": row["num_gpus"],
+        "cluster": cluster_label(row), "layout": layout_label(row),
+        "run_date": row.get("run_date"),
+        "global_batch_size": row["global_batch_size"], "seq_len": row["seq_len"],
+        "measured_gpu_s_per_token": measured_s * gpu_token,
+        "baseline_gpu_s_per_token": gpu_token * baseline_steps(num_microbatches, pp, num_layers),
+    }
+
+
 def sweeps(results: list[dict[str, Any]], key: str = "predicted_gpu_s_per_token",
            per_gpu_count: bool = False) -> list[dict[str, Any]]:
     """Ranking within every sweep of >= 2 layouts, on GPU-seconds per token (iteration time x
@@ -934,12 +955,10 @@ def run(rows: list[dict[str, Any]], *, loso: bool = True) -> dict[str, Any]:
         for k, p in enumerate(preds):
             grid_pred[k].append(p["predicted_s"])
         pred = preds[shipped] if shipped is not None else predict(row, plan)
-        gpu_token = row["num_gpus"] / (row["global_batch_size"] * row["seq_len"])
+        fields = sweep_fields(row, measured_s=measured, num_microbatches=pred["num_microbatches"],
+                              pp=plan.pp, num_layers=plan.model.num_layers)
         results.append({
-            "id": row["id"], "source": row["source"], "model": row["model_name"],
-            "gpus": row["num_gpus"], "cluster": cluster_label(row), "layout": layout_label(row),
-            "run_date": row.get("run_date"),
-            "global_batch_size": row["global_batch_size"], "seq_len": row["seq_len"],
+            "id": row["id"], **fields,
             "features": iv.plan_features(num_gpus=row["num_gpus"],
                                          micro_batch_size=iv.replica_micro_batch(plan),
                                          pp=plan.pp,
@@ -947,10 +966,7 @@ def run(rows: list[dict[str, Any]], *, loso: bool = True) -> dict[str, Any]:
             "not_for_calibration": row.get("not_for_calibration"),
             "measured_s": measured, "measured_from": how, **pred,
             "ratio": pred["predicted_s"] / measured,
-            "measured_gpu_s_per_token": measured * gpu_token,
-            "predicted_gpu_s_per_token": pred["predicted_s"] * gpu_token,
-            "baseline_gpu_s_per_token": gpu_token * baseline_steps(
-                pred["num_microbatches"], plan.pp, plan.model.num_layers),
+            "predicted_gpu_s_per_token": pred["predicted_s"] * gpu_s_per_token(row),
             "grid_predicted_s": [p["predicted_s"] for p in preds],
         })
     errors = [abs(r["ratio"] - 1) for r in results]

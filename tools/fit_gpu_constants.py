@@ -246,26 +246,18 @@ RANKING_GRID = {
 
 def sweep_members(rows: list[dict[str, Any]], fast: list[FastRow]) -> list[dict[str, Any]]:
     """bench_published's sweep fields of the fit rows (the prediction filled in later)."""
-    out = []
-    for row, r in zip(rows, fast):
-        gpu_token = row["num_gpus"] / (row["global_batch_size"] * row["seq_len"])
-        out.append({"source": row["source"], "model": row["model_name"],
-                    "gpus": row["num_gpus"], "cluster": bp.cluster_label(row),
-                    "layout": bp.layout_label(row), "run_date": row.get("run_date"),
-                    "global_batch_size": row["global_batch_size"], "seq_len": row["seq_len"],
-                    "gpu_token": gpu_token, "measured_gpu_s_per_token": r.measured_s * gpu_token,
-                    "baseline_gpu_s_per_token": gpu_token * bp.baseline_steps(
-                        r.m, len(r.layers), int(row["num_layers"]))})
-    return out
+    return [bp.sweep_fields(row, measured_s=r.measured_s, num_microbatches=r.m,
+                            pp=len(r.layers), num_layers=int(row["num_layers"]))
+            for row, r in zip(rows, fast)]
 
 
-def ranking_at(members: list[dict[str, Any]], fast: list[FastRow], c: dict[str, float]
-               ) -> dict[str, Any]:
+def ranking_at(rows: list[dict[str, Any]], members: list[dict[str, Any]], fast: list[FastRow],
+               c: dict[str, float]) -> dict[str, Any]:
     """Median |error| of the fit rows and the sweeps of >= bp.BIG_SWEEP layouts meeting both
     ranking targets (GPU counts merged, and at one GPU count) under host constants `c`."""
     pred = [fast_predict(r, c) for r in fast]
-    scored = [{**m, "predicted_gpu_s_per_token": p * m["gpu_token"]}
-              for m, p in zip(members, pred)]
+    scored = [{**m, "predicted_gpu_s_per_token": p * bp.gpu_s_per_token(row)}
+              for m, p, row in zip(members, pred, rows)]
     out: dict[str, Any] = {"median_abs_error": statistics.median(
         abs(p / r.measured_s - 1) for p, r in zip(pred, fast))}
     for name, per_count in (("merged", False), ("one_gpu_count", True)):
@@ -279,13 +271,10 @@ def ranking_at(members: list[dict[str, Any]], fast: list[FastRow], c: dict[str, 
 def ranking_grid(rows: list[dict[str, Any]], fast: list[FastRow], start: dict[str, float]
                  ) -> list[dict[str, Any]]:
     members = sweep_members(rows, fast)
-    points = [{}]
-    for name, values in RANKING_GRID.items():
-        points = [{**q, name: v} for q in points for v in values]
-    settings = [{**start, **q} for q in points]
+    settings = [{**start, **q} for q in combinations(RANKING_GRID)]
     if start not in settings:
         settings.insert(0, dict(start))
-    return [{"constants": c, "shipped": c == start, **ranking_at(members, fast, c)}
+    return [{"constants": c, "shipped": c == start, **ranking_at(rows, members, fast, c)}
             for c in settings]
 
 
@@ -315,13 +304,21 @@ def check_group(row: dict[str, Any]) -> str:
     return "NVIDIA / MosaicML"
 
 
+def combinations(grid: dict[str, list[float]]) -> list[dict[str, float]]:
+    """Every combination of the grid's values, one dict each."""
+    combos: list[dict[str, float]] = [{}]
+    for name, values in grid.items():
+        combos = [{**c, name: v} for c in combos for v in values]
+    return combos
+
+
 def parse_outer(text: str) -> list[dict[str, float]]:
     """'gemm_efficiency=0.72,0.76 gemm_half_dim=64,128' -> every combination."""
-    combos: list[dict[str, float]] = [{}]
+    grid = {}
     for part in text.split():
         name, values = part.split("=")
-        combos = [{**c, name: float(v)} for c in combos for v in values.split(",")]
-    return combos
+        grid[name] = [float(v) for v in values.split(",")]
+    return combinations(grid)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -348,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--fit {args.fit!r}: no rows of that source", file=sys.stderr)
         return 2
     plans = [bp.build_plan(r) for r in fit_rows]
+    if args.ranking_grid:  # the fit rows alone: the check sets are not scored
+        base = C.ComputeProfile()
+        fast = [fast_row(r, pl, base) for r, pl in zip(fit_rows, plans)]
+        return print_ranking_grid(ranking_grid(fit_rows, fast, shipped(base)), args.json)
     others = [r for r in rows if not str(r["source"]).startswith(args.fit)]
     other_plans = [bp.build_plan(r) for r in others]
     if args.outer:
@@ -367,8 +368,6 @@ def main(argv: list[str] | None = None) -> int:
     base = C.ComputeProfile()
     fast = [fast_row(r, pl, base) for r, pl in zip(fit_rows, plans)]
     start = shipped(base)
-    if args.ranking_grid:
-        return print_ranking_grid(ranking_grid(fit_rows, fast, start), args.json)
     off = {**start, "host_kernel_s": 0.0, "host_collective_step_s": 0.0,
            "host_microbatch_s": 0.0}
     fitted, fitted_loss = fit(fast, start)

@@ -65,7 +65,7 @@ def test_ranking_grid_scores_sweeps_as_the_bench_does():
             and r["model_name"] == "GPT 0.2B (12 x 1024)" and r["global_batch_size"] == 8]
     base = C.ComputeProfile()
     fast = [tool.fast_row(r, bp.build_plan(r), base) for r in rows]
-    got = tool.ranking_at(tool.sweep_members(rows, fast), fast, tool.shipped(base))
+    got = tool.ranking_at(rows, tool.sweep_members(rows, fast), fast, tool.shipped(base))
     out = bp.run(rows, loso=False)
     (bench,) = [w for w in out["sweeps"] if w["layouts"] >= bp.BIG_SWEEP]
     assert got["merged"]["sweeps"] == 1 and bench["layouts"] == len(rows) == 39
