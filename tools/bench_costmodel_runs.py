@@ -112,7 +112,8 @@ def measure_rank(rank: int, world_size: int, *, plans: list[dict[str, Any]], rou
 
     from megatron_ext.megatron_adapter.build import build_model
     from megatron_ext.megatron_adapter.optimizer import build_optimizer
-    from megatron_ext.megatron_adapter.train_step import train_step
+    from megatron_ext.megatron_adapter.training.loop import train_step
+    from megatron_ext.megatron_adapter.training.select import backend_for_model
 
     built = []
     for data in plans:
@@ -122,7 +123,9 @@ def measure_rank(rank: int, world_size: int, *, plans: list[dict[str, Any]], rou
         opt = build_optimizer(chunks, OptimizerConfig(
             optimizer="adam", lr=1e-4, weight_decay=0.01, clip_grad=1.0, bf16=False, fp16=False,
             params_dtype=torch.float32))
-        built.append((plan, chunks, groups, opt, _batches(plan, plan.num_microbatches)))
+        backend = backend_for_model(chunks, groups, opt)
+        batches = [backend.shard.rows(b) for b in _batches(plan, plan.num_microbatches)]
+        built.append((plan, backend, batches))
     probe = None
     if probe_grid is not None:
         from megatron_ext.megatron_adapter.profile_model import SharingProbe
@@ -135,16 +138,16 @@ def measure_rank(rank: int, world_size: int, *, plans: list[dict[str, Any]], rou
     losses: list[float] = [0.0] * len(built)
     for _ in range(rounds):
         sequence = [_probe(probe, rank, world_size)] if probe else []
-        for i, (_plan, chunks, groups, opt, batches) in enumerate(built):
+        for i, (_plan, backend, batches) in enumerate(built):
             for step in range(steps + 1):
                 dist.barrier()
                 t0 = time.perf_counter()
-                out = train_step(chunks, opt, iter(batches), groups)
+                out = train_step(backend, iter(batches))
                 elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
                 if step > 0:
                     times[i].append(float(elapsed))
-                losses[i] = out["loss"]
+                losses[i] = out.loss
             if probe:
                 sequence.append(_probe(probe, rank, world_size))
         if probe:

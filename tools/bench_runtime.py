@@ -163,11 +163,12 @@ def plain_megatron(plan: ParallelPlan):
 def ours(plan: ParallelPlan):
     from megatron_ext.megatron_adapter.build import build_model
     from megatron_ext.megatron_adapter.optimizer import build_optimizer
-    from megatron_ext.megatron_adapter.train_step import train_step
+    from megatron_ext.megatron_adapter.training.loop import train_step
+    from megatron_ext.megatron_adapter.training.select import backend_for_model
 
     chunks, groups = build_model(plan)
-    optimizer = build_optimizer(chunks, opt_config())
-    return lambda micro: train_step(chunks, optimizer, iter(micro), groups)
+    backend = backend_for_model(chunks, groups, build_optimizer(chunks, opt_config()))
+    return lambda micro: train_step(backend, iter([backend.shard.rows(b) for b in micro]))
 
 
 def _timed(step, micro: list[dict]) -> tuple[float, float]:
@@ -257,9 +258,11 @@ def memory_rank(rank: int, world_size: int) -> dict:
     from megatron.core.distributed import DistributedDataParallelConfig
 
     from megatron_ext.megatron_adapter.build import build_model
+    from megatron_ext.megatron_adapter.losses import layerwise_forward_step
     from megatron_ext.megatron_adapter.optimizer import build_optimizer
     from megatron_ext.megatron_adapter.state_memory import class_state_bytes
-    from megatron_ext.megatron_adapter.train_step import forward_step, train_step
+    from megatron_ext.megatron_adapter.training.loop import train_step
+    from megatron_ext.megatron_adapter.training.select import backend_for_model
 
     out = {}
     for name, plan in memory_plans().items():
@@ -274,14 +277,15 @@ def memory_rank(rank: int, world_size: int) -> dict:
 
         def probe(data_iterator, model, seen=seen, chunks=chunks, optimizer=optimizer,
                   plan=plan, name=name):
-            result = forward_step(data_iterator, model)
+            result = layerwise_forward_step(data_iterator, model)
             seen.append(None)
             if len(seen) == 2 * plan.num_microbatches:  # last micro-batch of step 2
                 out[name] = class_state_bytes(chunks[0], optimizer)
             return result
 
+        backend = backend_for_model(chunks, groups, optimizer, forward_step_func=probe)
         for _ in range(2):
-            train_step(chunks, optimizer, iter(batches(plan)), groups, forward_step_func=probe)
+            train_step(backend, iter([backend.shard.rows(b) for b in batches(plan)]))
     return out
 
 

@@ -1,7 +1,7 @@
 """Vocabulary parallelism on the layerwise heterogeneous runtime: stage balance on CPU.
 
 tools/bench_vocab.py measures the vocabulary passes around stock megatron-core stage bodies; this
-measures them where training runs them: `build_model(plan)` + `train_step.forward_backward` +
+measures them where training runs them: `build_model(plan)` + the backend's `forward_backward` +
 the runtime's chained Adam, on a heterogeneous plan (4 gloo ranks, pp=2: stage 0 tp2+sp, stage 1
 dp2, `--layers` split evenly, fp32), with vocab.mode tp (Megatron's layout, vocab.tp=2:
 embedding on stage 0, output layer and loss on stage 1) against vocab_parallel (vocab.tp=2, the
@@ -75,21 +75,18 @@ def _measure_one(cfg: dict[str, Any], vocab: int, mode: str) -> dict[str, Any]:
 
     from megatron_ext.megatron_adapter.build import build_model
     from megatron_ext.megatron_adapter.optimizer import build_optimizer
-    from megatron_ext.megatron_adapter.train_step import forward_backward
-    from megatron_ext.megatron_adapter.vocab.runtime import vocab_forward_backward
+    from megatron_ext.megatron_adapter.training.select import backend_for_model
     from megatron_ext.runtime.vocab.profiling import LiveTensorTracker
 
     plan = _plan(cfg, vocab, mode)
     chunks, groups = build_model(plan, seed=1, make_vocab_size_divisible_by=1)
     optimizer = build_optimizer(chunks, OptimizerConfig(
         optimizer="adam", lr=1e-5, bf16=False, fp16=False, params_dtype=torch.float32))
-    micro = _batches(plan)
+    backend = backend_for_model(chunks, groups, optimizer)
+    micro = [backend.shard.rows(b) for b in _batches(plan)]
 
     def run(tracker: Any = None) -> None:
-        if mode == "tp":
-            forward_backward(chunks, iter(micro), groups)
-            return
-        vocab_forward_backward(chunks, iter(micro), groups)
+        backend.forward_backward(iter(micro))
 
     busy = []
     for it in range(1 + cfg["iterations"]):  # the first warms up and creates Adam states

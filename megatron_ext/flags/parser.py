@@ -252,3 +252,7 @@ def _add_megatron_ext(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--flexsp-max-group-size", type=positive_int, default=8)
     g.add_argument("--flexsp-min-group-size", type=positive_int, default=1)
     g.add_argument("--cpu", action="store_true", help="run on CPU with gloo")
+    g.add_argument("--megatron-init", action="store_true",
+                   help="initialise weights with megatron-core's own per-rank init (Megatron-LM's "
+                   "weights for the same --seed and layout) instead of the plan-invariant init "
+                   "(the same model under every plan)")

@@ -32,8 +32,8 @@ from megatron.core.utils import get_attr_wrapped_model, get_batch_on_this_cp_ran
 from megatron_ext.megatron_adapter.model import HeteroGPTModel
 from megatron_ext.runtime.groups import PlanGroups
 
-__all__ = ["BatchView", "check_loss", "forward_step", "global_loss", "layerwise_view",
-           "loss_func", "stock_view", "vocab_view"]
+__all__ = ["BatchView", "check_loss", "forward_step", "global_loss", "layerwise_forward_step",
+           "layerwise_view", "loss_func", "stock_view", "vocab_view"]
 
 Batch = dict[str, torch.Tensor]
 BatchView = Callable[[Batch, torch.nn.Module],
@@ -128,3 +128,8 @@ def global_loss(inner: HeteroGPTModel, groups: PlanGroups, reports: list[dict]
         last = dist.get_global_rank(groups.pp, plan.pp - 1)
         dist.broadcast(totals, src=last, group=groups.pp)
     return {"loss": float(totals[0] / totals[1]), "num_tokens": float(totals[1])}
+
+
+layerwise_forward_step = partial(forward_step, layerwise_view, False)
+"""megatron `forward_step_func` of the layerwise runtime without the NaN check: full
+micro-batch in, per-token loss of this rank out (benchmarks wrap it in probes)."""

@@ -102,7 +102,7 @@ class HeteroGPTModel(GPTModel):
         self.vocab_groups: VocabCommGroups | None = None
         self.batch_shard: tuple[int, int] = (0, 1)
         """(index, count): the batches this stage gets hold rows [index*b/count,
-        (index+1)*b/count) of each micro-batch (training/runtime_backend.py sets it)."""
+        (index+1)*b/count) of each micro-batch (training/layerwise_backend.py sets it)."""
         self.decoder = HeteroTransformerBlock(
             config, builds=builds, groups=groups, input_layout=input_layout,
             output_layout=output_layout, final_norm=final_norm,

@@ -22,6 +22,7 @@ __all__ = ["full_shape", "init_plan_invariant", "load_full_state_dict", "local_s
 
 _GATED_FC1 = ("linear_fc1.weight", "linear_fc1.bias")
 _LOCAL_EXPERTS = ".experts.local_experts."
+_LAYERS = "decoder.layers."
 
 
 def _expert_offsets(model: torch.nn.Module) -> dict[str, list[int]]:
@@ -99,17 +100,30 @@ def _init_fn(name: str, config: object):
     return config.init_method
 
 
-@torch.no_grad()
-def init_plan_invariant(model: torch.nn.Module, seed: int) -> None:
-    """Re-initialise every >=2-D param from a global tensor seeded by (seed, name).
+def _with_layer_offset(name: str, offset: int) -> str:
+    """`decoder.layers.{i}.*` -> `decoder.layers.{i + offset}.*` (stock megatron-core numbers a
+    pipeline stage's layers from 0)."""
+    head, sep, tail = name.partition(_LAYERS)
+    if not sep or offset == 0:
+        return name
+    index, _, rest = tail.partition(".")
+    return f"{head}{sep}{int(index) + offset}.{rest}"
 
-    The same seed gives the same model under every plan (1-D params, norms and biases, are
-    already plan-invariant constants). The tied output copy uses the embedding's name.
+
+@torch.no_grad()
+def init_plan_invariant(model: torch.nn.Module, seed: int, *, layer_offset: int = 0) -> None:
+    """Re-initialise every >=2-D param from a global tensor seeded by (seed, global name).
+
+    The same seed gives the same model under every plan and every backend (1-D params, norms
+    and biases, are already plan-invariant constants). The tied output copy uses the
+    embedding's name. `layer_offset`: global index of the model's first layer when its layers
+    are numbered from 0 on each pipeline stage (stock megatron-core `GPTModel`).
     """
     config = model.config
-    for name, param, tp in param_shards(model):
+    for local_name, param, tp in param_shards(model):
         if param.dim() < 2:
             continue
+        name = _with_layer_offset(local_name, layer_offset)
         key = name
         if name == "output_layer.weight" and getattr(model, "share_embeddings_and_output_weights",
                                                      False):

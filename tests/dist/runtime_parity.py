@@ -178,31 +178,45 @@ def run_plan(plan: ParallelPlan, *, steps: int = 5, seed: int = 11,
     TransformerConfig to build with (default: the plan's model in fp32)."""
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    from megatron_ext.megatron_adapter.build import build_model
-    from megatron_ext.megatron_adapter.optimizer import build_optimizer
-    from megatron_ext.megatron_adapter.train_step import forward_backward
-
     batches = make_batches(plan, steps)
     ref_losses, ref_grads = ref if ref is not None else reference_run(plan, batches, seed)
     ddp_config = DistributedDataParallelConfig(
         overlap_grad_reduce=overlap, overlap_param_gather=overlap, bucket_size=4000 if overlap
         else None)
-    chunks, groups = build_model(plan, config, seed=seed, ddp_config=ddp_config)
-    optimizer = build_optimizer(chunks, opt_config(plan))
+    backend = layerwise_backend(plan, seed=seed, config=config, ddp_config=ddp_config)
+    chunks, optimizer = backend.model, backend.optimizer
     losses = []
     for step, micro in enumerate(batches):
         for chunk in chunks:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        out = forward_backward(chunks, iter(micro), groups)
-        if step == 0:
+        losses.append(backend.forward_backward(rank_rows(backend, micro)))  # train_step's
+        if step == 0:  # before optimizer.step: clipping scales the grad buffers in place
             n = compare_grads(chunks, optimizer, ref_grads, rtol=grad_rtol, atol=grad_atol)
         optimizer.step()
-        losses.append(out["loss"])
     torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
                                torch.tensor(ref_losses, dtype=torch.float64), rtol=loss_rtol,
                                atol=0.0)
     return {"losses": losses, "ref": ref_losses, "grads_compared": n}
+
+
+def layerwise_backend(plan: ParallelPlan, *, seed: int, config: Any = None,
+                      opt: Any = None, **build_kwargs: Any) -> Any:
+    """`plan` built by `build_model` with `build_optimizer`'s chained AdamW (`opt`: its config,
+    default `opt_config(plan)`), as the backend training steps (select.backend_for_model)."""
+    from megatron_ext.megatron_adapter.build import build_model
+    from megatron_ext.megatron_adapter.optimizer import build_optimizer
+    from megatron_ext.megatron_adapter.training.select import backend_for_model
+
+    chunks, groups = build_model(plan, config, seed=seed, **build_kwargs)
+    optimizer = build_optimizer(chunks, opt or opt_config(plan))
+    chunks[0].module.config.grad_scale_func = optimizer.scale_loss  # as training sets it
+    return backend_for_model(chunks, groups, optimizer)
+
+
+def rank_rows(backend: Any, micro: list[dict[str, torch.Tensor]]) -> Any:
+    """An iterator over this rank's rows of each global micro-batch, as training reads them."""
+    return iter([backend.shard.rows(batch) for batch in micro])
 
 
 def replace_layers(plan: ParallelPlan, **changes: Any) -> ParallelPlan:

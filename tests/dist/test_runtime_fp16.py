@@ -127,22 +127,23 @@ def _run(rank: int, world_size: int) -> dict:
     warnings.filterwarnings("ignore")
     from torch.distributed.tensor import DTensor
 
-    from megatron_ext.megatron_adapter.build import build_model
-    from megatron_ext.megatron_adapter.optimizer import build_optimizer
-    from megatron_ext.megatron_adapter.train_step import forward_backward
-    from tests.dist.runtime_parity import _singleton_pgc, make_batches
+    from tests.dist.runtime_parity import (
+        _singleton_pgc,
+        layerwise_backend,
+        make_batches,
+        rank_rows,
+    )
 
     _singleton_pgc()  # collective, for the reference rank 0 builds at the end
     plan = _plan()
     batches = make_batches(plan, STEPS)
-    chunks, groups = build_model(plan, seed=11)
-    optimizer = build_optimizer(chunks, _opt_config(plan))
-    chunks[0].module.config.grad_scale_func = optimizer.scale_loss
+    backend = layerwise_backend(plan, seed=11, opt=_opt_config(plan))
+    chunks, optimizer = backend.model, backend.optimizer
     got = []
     for step, micro in enumerate(batches):
         chunks[0].zero_grad_buffer()
         optimizer.zero_grad()
-        loss = forward_backward(chunks, iter(micro), groups)["loss"]
+        loss = backend.forward_backward(rank_rows(backend, micro))  # train_step's
         if step == INJECT_STEP and rank == 3:  # a ZeRO-2 shard that only rank 3 holds
             grad = chunks[0].module.decoder.layers["2"].mlp.linear_fc1.weight.grad
             assert isinstance(grad, DTensor)

@@ -73,53 +73,40 @@ def _check_checkpoint_reshard(plan_a, plan_b, path: str) -> tuple[float, float]:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from megatron_ext.megatron_adapter.build import build_model
-    from megatron_ext.megatron_adapter.optimizer import build_optimizer
-    from megatron_ext.megatron_adapter.train_step import forward_backward, train_step
-    from tests.dist.runtime_parity import make_batches, opt_config
+    from megatron_ext.megatron_adapter.training.loop import train_step
+    from tests.dist.runtime_parity import layerwise_backend, make_batches, rank_rows
 
     micro = make_batches(plan_a, 1, seed=3)[0]
-    chunks, groups = build_model(plan_a, seed=11)
-    optimizer = build_optimizer(chunks, opt_config(plan_a))
+    backend = layerwise_backend(plan_a, seed=11)
+    chunks = backend.model
     for _ in range(2):
-        train_step(chunks, optimizer, iter(micro), groups)
-    before = forward_backward(chunks, iter(micro), groups, forward_only=True)["loss"]
+        train_step(backend, rank_rows(backend, micro))
+    before = backend.forward_backward(rank_rows(backend, micro), forward_only=True)
     if dist.get_rank() == 0:
         os.makedirs(path)
     dist.barrier()
     dist_checkpointing.save(chunks[0].sharded_state_dict(), path)
-    chunks_b, groups_b = build_model(plan_b, seed=5)  # other initial weights
+    backend_b = layerwise_backend(plan_b, seed=5)  # other initial weights
+    chunks_b = backend_b.model
     loaded = dist_checkpointing.load(chunks_b[0].sharded_state_dict(), path)
     chunks_b[0].module.load_state_dict(loaded, strict=True)
-    after = forward_backward(chunks_b, iter(micro), groups_b, forward_only=True)["loss"]
+    after = backend_b.forward_backward(rank_rows(backend_b, micro), forward_only=True)
     return before, after
 
 
 def _layerwise_backend(plan, seed: int):
     """The layerwise backend of `plan` as the training loop holds it, with a constant-lr
     scheduler: what checkpoint.save_checkpoint / load_checkpoint take."""
-    import torch.distributed as dist
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from megatron_ext.megatron_adapter.build import build_model
-    from megatron_ext.megatron_adapter.optimizer import build_optimizer
-    from megatron_ext.megatron_adapter.training.backend import Backend
-    from megatron_ext.megatron_adapter.training.data import DataShard
-    from tests.dist.runtime_parity import LR, WEIGHT_DECAY, opt_config
+    from tests.dist.runtime_parity import LR, WEIGHT_DECAY, layerwise_backend
 
-    chunks, groups = build_model(plan, seed=seed)
-    optimizer = build_optimizer(chunks, opt_config(plan))
-    backend = Backend(
-        model=chunks, optimizer=optimizer, config=chunks[0].module.config,
-        shard=DataShard(index=0, count=1), rank_micro_batch_size=plan.micro_batch_size,
-        needs_data=True, dp_cp_group=dist.group.WORLD, forward_backward=lambda *a: 0.0,
-        padded_vocab_size=chunks[0].module.vocab_size, name="layerwise",
-        model_format="layerwise")
+    backend = layerwise_backend(plan, seed=seed)
     scheduler = OptimizerParamScheduler(
-        optimizer, init_lr=LR, max_lr=LR, min_lr=LR, lr_warmup_steps=0, lr_decay_steps=100,
-        lr_decay_style="constant", start_wd=WEIGHT_DECAY, end_wd=WEIGHT_DECAY,
-        wd_incr_steps=100, wd_incr_style="constant")
-    return backend, groups, scheduler
+        backend.optimizer, init_lr=LR, max_lr=LR, min_lr=LR, lr_warmup_steps=0,
+        lr_decay_steps=100, lr_decay_style="constant", start_wd=WEIGHT_DECAY,
+        end_wd=WEIGHT_DECAY, wd_incr_steps=100, wd_incr_style="constant")
+    return backend, scheduler
 
 
 def _check_optimizer_resume(plan_a, plan_b, path: str) -> dict:
@@ -136,23 +123,22 @@ def _check_optimizer_resume(plan_a, plan_b, path: str) -> dict:
         save_checkpoint,
     )
     from megatron_ext.megatron_adapter.training.checkpoint_files import resolve_load
-    from megatron_ext.megatron_adapter.train_step import train_step
-    from tests.dist.runtime_parity import make_batches
+    from megatron_ext.megatron_adapter.training.loop import train_step
+    from tests.dist.runtime_parity import make_batches, rank_rows
 
     micro = make_batches(plan_a, 1, seed=3)[0]
-    backend, groups, scheduler = _layerwise_backend(plan_a, seed=11)
+    backend, scheduler = _layerwise_backend(plan_a, seed=11)
     for _ in range(2):
-        train_step(backend.model, backend.optimizer, iter(micro), groups)
+        train_step(backend, rank_rows(backend, micro))
     save_checkpoint(path, backend, scheduler, TrainState(iteration=2), plan_a)
-    expected = [train_step(backend.model, backend.optimizer, iter(micro), groups)["loss"]
-                for _ in range(2)]
+    expected = [train_step(backend, rank_rows(backend, micro)).loss for _ in range(2)]
     resumed = []
     for plan in (plan_a, plan_b) if plan_b is not None else (plan_a,):
         check_optimizer_layout(checkpoint_info(path), plan, path)
-        backend, groups, scheduler = _layerwise_backend(plan, seed=5)
+        backend, scheduler = _layerwise_backend(plan, seed=5)
         state = load_checkpoint(resolve_load(path), backend, scheduler, plan)
         assert state.iteration == 2, state
-        resumed.append([train_step(backend.model, backend.optimizer, iter(micro), groups)["loss"]
+        resumed.append([train_step(backend, rank_rows(backend, micro)).loss
                         for _ in range(2)])
     return {"expected": expected, "same_plan": resumed[0], "other_plan": resumed[-1]}
 

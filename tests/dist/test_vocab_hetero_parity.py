@@ -1,6 +1,6 @@
 """Vocabulary parallelism on the heterogeneous runtime against a single-process GPTModel (fp32).
 
-Each plan runs `build_model` + `train_step.forward_backward` + the runtime's chained AdamW (what
+Each plan runs `build_model` + the backend's `forward_backward` + the runtime's chained AdamW (what
 `train_step` does, with the gradient check before the update) for
 3 steps on one fixed global batch (runtime_parity.py), with vocab.mode = vocab_parallel: every
 stage a body (different strategies per layer, uneven stages) holding its vocabulary shards.
@@ -97,24 +97,27 @@ def _compare_grads(chunks: list, optimizer: Any, ref_grads: dict[str, torch.Tens
 
 
 def _run_plan(plan: Any) -> dict[str, Any]:
-    from megatron_ext.megatron_adapter.build import build_model
-    from megatron_ext.megatron_adapter.optimizer import build_optimizer
-    from megatron_ext.megatron_adapter.train_step import forward_backward
-    from tests.dist.runtime_parity import make_batches, opt_config, reference_run
+    from tests.dist.runtime_parity import (
+        layerwise_backend,
+        make_batches,
+        rank_rows,
+        reference_run,
+    )
 
     batches = make_batches(plan, STEPS)
     ref_losses, ref_grads = reference_run(plan, batches, SEED, divisible_by=1)
-    chunks, groups = build_model(plan, seed=SEED, make_vocab_size_divisible_by=1)
-    optimizer = build_optimizer(chunks, opt_config(plan))
+    backend = layerwise_backend(plan, seed=SEED, make_vocab_size_divisible_by=1)
+    assert backend.name == ("vocab_parallel" if plan.vocab.mode == "vocab_parallel"
+                            else "layerwise")
+    chunks, optimizer = backend.model, backend.optimizer
     losses, compared = [], 0
     for step, micro in enumerate(batches):
         chunks[0].zero_grad_buffer()
         optimizer.zero_grad()
-        out = forward_backward(chunks, iter(micro), groups)  # train_step's, before its update
+        losses.append(backend.forward_backward(rank_rows(backend, micro)))  # train_step's
         if step == 0:  # before optimizer.step: clipping scales the grad buffers in place
             compared = _compare_grads(chunks, optimizer, ref_grads)
         optimizer.step()
-        losses.append(out["loss"])
     torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
                                torch.tensor(ref_losses, dtype=torch.float64), rtol=LOSS_RTOL,
                                atol=0.0)

@@ -133,8 +133,9 @@ EXPECTED_REFUSALS: dict[str, set[str]] = {
     "--accumulate-allreduce-grads-in-fp32 (default with --bf16)": set(),
     "--ddp-bucket-size": set(),
     "--calculate-per-token-loss": set(),
-    "--eod-mask-loss without --calculate-per-token-loss": {"layerwise", "flexsp"},
-    "--reset-attention-mask": {"layerwise"},
+    "--eod-mask-loss without --calculate-per-token-loss": {"layerwise", "vocab_parallel",
+                                                          "flexsp"},
+    "--reset-attention-mask": {"layerwise", "vocab_parallel"},
     "--fp16": set(),
     "--use-rope-scaling": set(),
     "--rotary-seq-len-interpolation-factor": set(),
@@ -196,7 +197,9 @@ def test_settings_x_backends(flag: str, backend: str) -> None:
     # megatron-core's local attention has no context parallelism: the layerwise ring attention
     (("--context-parallel-size", "2"), False, "layerwise"),
     (("--context-parallel-size", "2", "--cp-comm-type", "a2a"), True, "layerwise"),
-    (("--vocab-parallel", "--pipeline-model-parallel-size", "2"), False, "layerwise"),
+    (("--vocab-parallel", "--pipeline-model-parallel-size", "2"), False, "vocab_parallel"),
+    (("--num-layers-per-virtual-pipeline-stage", "1", "--pipeline-model-parallel-size", "2",
+      "--global-batch-size", "8"), False, "layerwise"),
     (("--flexsp", "--flexsp-max-group-size", "4", "--attention-dropout", "0"), False, "flexsp"),
 ])
 def test_which_backend_runs_a_plan(extra: tuple[str, ...], have_te: bool, backend: str) -> None:

@@ -146,9 +146,9 @@ def _state_dict(backend: Any, scheduler: Any, state: TrainState, plan: ParallelP
     sd["megatron_ext"] = {"plan": plan.to_json(), "fingerprint": _plan_fingerprint(plan),
                           "padded_vocab_size": backend.padded_vocab_size,
                           "optimizer_format": _optimizer_format(backend.optimizer),
-                          "model_format": backend.model_format, "layer_keys": LAYER_KEYS,
+                          "model_format": backend.chain_format, "layer_keys": LAYER_KEYS,
                           "optimizer_chain": [list(k) for k in chain_kinds(plan)]
-                          if backend.model_format == "layerwise" else None}
+                          if backend.chain_format == "layerwise" else None}
     if with_rng:
         rank, world = dist.get_rank(), dist.get_world_size()
         sd["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
@@ -287,14 +287,16 @@ def gradient_class_counts(plan: ParallelPlan) -> tuple[int, ...]:
 
 def optimizer_chain(plan: ParallelPlan, model_format: str) -> tuple[int, ...]:
     """Per pipeline stage, how many optimizers are chained on a rank of the backend that runs
-    `plan` (`model_format`: "layerwise" for the layerwise runtime, "megatron" for the stock
-    and FlexSP backends, which build one megatron-core optimizer per rank)."""
+    `plan` (`model_format`: the backend's ChainFormat, "layerwise" for the layerwise runtime,
+    "megatron" for the stock and FlexSP backends, which build one megatron-core optimizer per
+    rank)."""
     if model_format == "layerwise":
         return gradient_class_counts(plan)
     return (1,) * plan.pp
 
 
-def check_optimizer_layout(info: dict[str, Any], plan: ParallelPlan, root: str | Path) -> None:
+def check_optimizer_layout(info: dict[str, Any], plan: ParallelPlan, root: str | Path, *,
+                           use_transformer_engine: bool = True) -> None:
     """One-line PlanError when a checkpoint's optimizer state (`info`: its checkpoint_info
     record) cannot be restored under `plan`; checked before any model group.
 
@@ -305,12 +307,12 @@ def check_optimizer_layout(info: dict[str, Any], plan: ParallelPlan, root: str |
     and reloads only into the same number of optimizers per stage (optimizer.py:1218). Weights
     reshard under any plan (--no-load-optim keeps them and restarts the moments).
     """
-    from megatron_ext.megatron_adapter.training.stock_backend import stock_unsupported_reason
+    from megatron_ext.megatron_adapter.training.select import chain_format
 
     saved = ParallelPlan.from_dict(json.loads(info["plan"]))
-    runs_stock = plan.flexsp is not None or stock_unsupported_reason(plan) is None
     was = optimizer_chain(saved, info.get("model_format", "megatron"))
-    now = optimizer_chain(plan, "megatron" if runs_stock else "layerwise")
+    now_format = chain_format(plan, use_transformer_engine=use_transformer_engine)
+    now = optimizer_chain(plan, now_format)
     if was != now and not (set(was) == set(now) == {1}):
         raise PlanError(
             f"--load={root} holds optimizer state of a plan with {list(was)} gradient classes "
@@ -318,7 +320,7 @@ def check_optimizer_layout(info: dict[str, Any], plan: ParallelPlan, root: str |
             "cannot reshard between them: add --no-load-optim (weights still load) or resume "
             "under the saved plan")
     kinds_was = [tuple(k) for k in info.get("optimizer_chain") or []]
-    kinds_now = [] if runs_stock else list(chain_kinds(plan))
+    kinds_now = [] if now_format == "megatron" else list(chain_kinds(plan))
     if (len(set(kinds_was)) > 1 or len(set(kinds_now)) > 1) and kinds_was != kinds_now:
         raise PlanError(
             f"--load={root} holds optimizer state of a plan whose optimizers per pipeline stage "
@@ -332,7 +334,7 @@ def check_optimizer_layout(info: dict[str, Any], plan: ParallelPlan, root: str |
 def check_layer_keys(info: dict[str, Any], plan: ParallelPlan, root: str | Path) -> None:
     """One-line PlanError when a checkpoint with stacked layer keys (`LAYER_KEYS`) is loaded
     under a plan the stock backend cannot run."""
-    from megatron_ext.megatron_adapter.training.stock_backend import stock_unsupported_reason
+    from megatron_ext.megatron_adapter.training.select import stock_unsupported_reason
 
     reason = stock_unsupported_reason(plan)
     if info.get("layer_keys") != LAYER_KEYS and reason is not None and plan.flexsp is None:
@@ -423,7 +425,7 @@ def load_checkpoint(target: LoadTarget, backend: Any, scheduler: Any, plan: Para
     with_rng = load_rng and same_plan
     saved_format = common["megatron_ext"]["optimizer_format"]  # rank 0's (the common part)
     chain = common["megatron_ext"].get("optimizer_chain")
-    if chain and backend.model_format == "layerwise" and len(chain) == plan.pp:
+    if chain and backend.chain_format == "layerwise" and len(chain) == plan.pp:
         # this rank's stage as saved: stages may chain different kinds (check_optimizer_layout
         # compared the chains stage by stage)
         saved_format = "+".join(sorted(set(chain[dist.get_rank() // plan.stage_width])))

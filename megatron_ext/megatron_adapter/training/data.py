@@ -46,6 +46,13 @@ class DataShard:
     count: int
     """Equal slices a global micro-batch is cut into (Megatron: the data-parallel size)."""
 
+    def rows(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This slice's rows of a global micro-batch of `[b, ...]` tensors: what
+        `MicroBatchIterator` reads for this rank."""
+        size = next(iter(batch.values())).shape[0] // self.count
+        return {key: value[self.index * size:(self.index + 1) * size]
+                for key, value in batch.items()}
+
 
 def train_valid_test_num_samples(run: RunConfig) -> list[int]:
     """Megatron-LM's sample counts (training.py get_train_valid_test_num_samples): the run's

@@ -23,7 +23,8 @@ import logging
 import math
 import time
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -35,7 +36,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron_ext.errors import PlanError
 from megatron_ext.megatron_adapter.flexsp.model import build_flexsp_gpt, flexsp_step
 from megatron_ext.megatron_adapter.losses import check_loss
-from megatron_ext.megatron_adapter.training.backend import Backend
+from megatron_ext.megatron_adapter.training.backend import Backend, BackendName, Batch
 from megatron_ext.megatron_adapter.training.data import DataShard
 from megatron_ext.megatron_adapter.training.model_config import (
     ddp_config,
@@ -44,6 +45,7 @@ from megatron_ext.megatron_adapter.training.model_config import (
 )
 from megatron_ext.megatron_adapter.training.run_config import RunConfig
 from megatron_ext.megatron_adapter.transformer_config import gpt_model_kwargs
+from megatron_ext.megatron_adapter.weights import init_plan_invariant
 from megatron_ext.plan import ParallelPlan
 from megatron_ext.planner.flexsp import FlexSPCostModel, StepPlan, plan_step
 from megatron_ext.planner.flexsp.cost import cost_model_for_plan, cost_model_from_specs
@@ -110,6 +112,8 @@ def _build_ddp(run: RunConfig, config: Any, padded_vocab: int) -> DistributedDat
         config, vocab_size=padded_vocab, max_sequence_length=kwargs.pop("max_sequence_length"),
         position_embedding_type=kwargs.pop("position_embedding_type"),
         tied_embeddings=kwargs.pop("share_embeddings_and_output_weights"), **kwargs)
+    if run.system.init == "plan_invariant":
+        init_plan_invariant(gpt, run.system.seed)
     if run.plan.precision in ("bf16", "fp16"):
         gpt = Float16Module(config, gpt)
     ddp = DistributedDataParallel(config, ddp_config(run, zero=run.plan.layers[0].zero), gpt)
@@ -117,7 +121,49 @@ def _build_ddp(run: RunConfig, config: Any, padded_vocab: int) -> DistributedDat
     return ddp
 
 
-def build_flexsp_backend(run: RunConfig, padded_vocab: int, eod: int) -> Backend:
+@dataclass(kw_only=True, eq=False)
+class FlexSPBackend(Backend):
+    """Whole-model ranks, per-step Ulysses groups (module docstring)."""
+
+    name: ClassVar[BackendName] = "flexsp"
+
+    cost: FlexSPCostModel
+    """What the per-step planner minimises."""
+    groups: FlexSPGroups
+    """Ulysses groups of every size the planner may use."""
+    eod: int
+    """The tokenizer's end-of-document id: samples are cut into documents after it."""
+    check_nan: bool
+    """--check-for-nan-in-loss-and-grad on the step's loss."""
+    log_interval: int
+    """Log the step plan every this many training steps (--log-interval)."""
+    steps: int = 0
+    """Training steps run so far."""
+
+    def forward_backward(self, data: Iterator[Batch] | None, num_microbatches: int | None = None,
+                         forward_only: bool = False) -> float:
+        assert data is not None, "every FlexSP rank reads data"
+        batches = [next(data) for _ in range(num_microbatches or self.num_microbatches)]
+        tokens, labels, mask = (torch.cat([b[k] for b in batches])  # [n, s] each
+                                for k in ("tokens", "labels", "loss_mask"))
+        docs = split_documents(tokens, labels, mask, eod=self.eod)
+        lengths, owners, first = _step_lengths(docs)
+        start_s = time.perf_counter()
+        step_plan = plan_step(lengths, self.cost)
+        planner_ms = (time.perf_counter() - start_s) * 1e3
+        local = {first + i: d for i, d in enumerate(docs)}
+        assert all(owners[i] == dist.get_rank() for i in local)
+        loss = flexsp_step(self.model[0], step_plan, local, owners, groups=self.groups,
+                           forward_only=forward_only)
+        if self.check_nan:  # the step's global loss, the same on every rank
+            check_loss(torch.tensor(loss, dtype=torch.float64))
+        self.steps += 0 if forward_only else 1
+        if dist.get_rank() == 0 and not forward_only and self.steps % self.log_interval == 0:
+            logger.info(_describe(step_plan, planner_ms))
+        return loss
+
+
+def build_flexsp_backend(run: RunConfig, padded_vocab: int, eod: int) -> FlexSPBackend:
     """Model, optimizer and the per-step FlexSP driver for this rank; samples are cut into
     documents after each `eod` token (the tokenizer's end-of-document id)."""
     plan = run.plan
@@ -132,39 +178,13 @@ def build_flexsp_backend(run: RunConfig, padded_vocab: int, eod: int) -> Backend
     ddp = _build_ddp(run, config, padded_vocab)
     optimizer = get_megatron_optimizer(optimizer_config(
         run, use_distributed_optimizer=plan.layers[0].zero >= 1), [ddp])
-    groups = FlexSPGroups(max_degree=cost.effective_max_degree)
-    log_interval = run.logging.log_interval
-    check_nan = run.optimizer.check_for_nan_in_loss_and_grad
-    steps = [0]
-
-    def forward_backward(data: Iterator | None, num_microbatches: int,
-                         forward_only: bool) -> float:
-        assert data is not None, "every FlexSP rank reads data"
-        batches = [next(data) for _ in range(num_microbatches)]
-        tokens, labels, mask = (torch.cat([b[k] for b in batches])  # [n, s] each
-                                for k in ("tokens", "labels", "loss_mask"))
-        docs = split_documents(tokens, labels, mask, eod=eod)
-        lengths, owners, first = _step_lengths(docs)
-        start_s = time.perf_counter()
-        step_plan = plan_step(lengths, cost)
-        planner_ms = (time.perf_counter() - start_s) * 1e3
-        local = {first + i: d for i, d in enumerate(docs)}
-        assert all(owners[i] == dist.get_rank() for i in local)
-        loss = flexsp_step(ddp, step_plan, local, owners, groups=groups,
-                           forward_only=forward_only)
-        if check_nan:  # the step's global loss, the same on every rank
-            check_loss(torch.tensor(loss, dtype=torch.float64))
-        steps[0] += 0 if forward_only else 1
-        if dist.get_rank() == 0 and not forward_only and steps[0] % log_interval == 0:
-            logger.info(_describe(step_plan, planner_ms))
-        return loss
-
     world = dist.get_world_size()
-    return Backend(
+    return FlexSPBackend(
         model=[ddp], optimizer=optimizer, config=config,
         shard=DataShard(index=dist.get_rank(), count=world),
-        rank_micro_batch_size=plan.micro_batch_size // world, needs_data=True, name="flexsp",
+        rank_micro_batch_size=plan.micro_batch_size // world, needs_data=True,
         dp_cp_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
-        forward_backward=forward_backward, padded_vocab_size=padded_vocab,
-    )
-
+        padded_vocab_size=padded_vocab, num_microbatches=plan.num_microbatches, cost=cost,
+        groups=FlexSPGroups(max_degree=cost.effective_max_degree), eod=eod,
+        check_nan=run.optimizer.check_for_nan_in_loss_and_grad,
+        log_interval=run.logging.log_interval)

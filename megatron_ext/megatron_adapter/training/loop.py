@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_ext.megatron_adapter.training.backend import Backend
+from megatron_ext.megatron_adapter.training.backend import Backend, Batch
 from megatron_ext.megatron_adapter.training.checkpoint import (
     TrainState,
     save_checkpoint,
@@ -52,17 +54,36 @@ def build_scheduler(run: RunConfig, optimizer: Any) -> OptimizerParamScheduler:
     )
 
 
-def train_step(backend: Backend, scheduler: OptimizerParamScheduler, data: Any,
-               num_microbatches: int, global_batch_size: int) -> tuple[float, float | None, bool]:
-    """One optimizer step; returns (global mean loss, grad norm, whether the update happened)."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StepResult:
+    """What one optimizer step reports, the same on every rank."""
+
+    loss: float
+    """Global mean token loss of the step."""
+    grad_norm: float | None
+    """Gradient norm before clipping (None when the optimizer does not compute it)."""
+    update_successful: bool
+    """False when the loss scaler skipped the update (fp16 overflow)."""
+
+
+def train_step(backend: Backend, data: Iterator[Batch] | None,
+               num_microbatches: int | None = None, *,
+               scheduler: OptimizerParamScheduler | None = None,
+               global_batch_size: int | None = None) -> StepResult:
+    """One optimizer step, as Megatron-LM's `train_step`: zero the grad buffers, forward and
+    backward over `num_microbatches` (default the plan's), `optimizer.step()`, then advance
+    `scheduler` (when given) by `global_batch_size` samples. Training, the tests and the
+    benchmarks all step through here."""
     for chunk in backend.model:
         chunk.zero_grad_buffer()
     backend.optimizer.zero_grad()
     loss = backend.forward_backward(data, num_microbatches, False)
     ok, grad_norm, _ = backend.optimizer.step()
-    if ok:
+    if ok and scheduler is not None:
+        assert global_batch_size is not None, "a scheduler steps by samples"
         scheduler.step(increment=global_batch_size)
-    return loss, grad_norm, ok
+    return StepResult(loss=loss, grad_norm=None if grad_norm is None else float(grad_norm),
+                      update_successful=bool(ok))
 
 
 def evaluate(backend: Backend, data: Any, num_microbatches: int, eval_iters: int) -> float:
@@ -118,13 +139,12 @@ def train(run: RunConfig, backend: Backend, scheduler: OptimizerParamScheduler,
     while state.iteration < sched.train_iters:
         start_s = time.perf_counter()
         global_batch = global_batch_size_at(batch, state.consumed_train_samples)
-        loss, grad_norm, ok = train_step(backend, scheduler, train_data,
-                                         global_batch // batch.global_micro_batch_size,
-                                         global_batch)
+        step = train_step(backend, train_data, global_batch // batch.global_micro_batch_size,
+                          scheduler=scheduler, global_batch_size=global_batch)
         state.iteration += 1
         state.consumed_train_samples += global_batch
-        state.skipped_iterations += 0 if ok else 1
-        reporter.stats.add(loss, time.perf_counter() - start_s, grad_norm,
+        state.skipped_iterations += 0 if step.update_successful else 1
+        reporter.stats.add(step.loss, time.perf_counter() - start_s, step.grad_norm,
                            backend.step_metrics)
         if state.iteration % log_interval == 0:
             reporter.log_interval(

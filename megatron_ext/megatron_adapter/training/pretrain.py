@@ -163,7 +163,8 @@ def run(config: RunConfig, tokenizer: Any, *, start_time_s: float | None = None,
     if info is not None:
         check_layer_keys(info, plan, ckpt.load)
         if load_optimizer:
-            check_optimizer_layout(info, plan, ckpt.load)
+            check_optimizer_layout(info, plan, ckpt.load,
+                                   use_transformer_engine=config.model.use_transformer_engine)
     backend = build_backend(config, _padded_vocab(config, tokenizer.vocab_size, info),
                             eod=tokenizer.eod if plan.flexsp is not None else None)
     scheduler = build_scheduler(config, backend.optimizer)

@@ -172,9 +172,17 @@ class TokenizerConfig:
     vocab_size: int | None
 
 
+InitMethod = Literal["plan_invariant", "megatron"]
+"""How weights are initialised: "plan_invariant" (each tensor drawn whole from a generator seeded
+by --seed and its global name, then sharded: the same model under every plan and backend) or
+"megatron" (--megatron-init: megatron-core's own per-rank init, as Megatron-LM draws it)."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SystemConfig:
     seed: int
+    init: InitMethod = "plan_invariant"
+    """Weight initialisation (InitMethod)."""
     cpu: bool
     """--cpu, or no CUDA device: gloo, CPU patches, no fused kernels."""
     distributed_timeout_minutes: int
@@ -347,6 +355,7 @@ def build_run_config(ns: argparse.Namespace, plan: ParallelPlan, *, cpu: bool,
         logging=LoggingConfig(log_interval=ns.log_interval, tensorboard_dir=ns.tensorboard_dir),
         tokenizer=tokenizer_config(ns),
         system=SystemConfig(seed=ns.seed, cpu=cpu,
+                            init="megatron" if ns.megatron_init else "plan_invariant",
                             distributed_timeout_minutes=ns.distributed_timeout_minutes),
     )
 

@@ -1,12 +1,14 @@
-"""Which backend runs a plan (stock megatron-core, the layerwise runtime, or FlexSP), and which
-run settings each backend honours.
+"""Which backend runs a plan, and which run settings each backend honours: the one place that
+decides and builds a backend (backend.py has the contract).
 
 - `flexsp`: plans with a `flexsp` section;
 - `stock`: plans megatron-core expresses on its own (`stock_unsupported_reason` is None) and,
   with context parallelism, only with transformer-engine (megatron-core's local attention has
   no context parallelism: "Context parallelism is only supported by TEDotProductAttention");
-- `layerwise`: every other plan (per-layer strategies, Ulysses, ZeRO-3 refusals, vocabulary
-  parallelism, context parallelism without transformer-engine: runtime/ring_attention.py).
+- `vocab_parallel`: plans with `vocab.mode = vocab_parallel` (the layerwise runtime with the
+  vocabulary passes in its 1F1B);
+- `layerwise`: every other plan (per-layer strategies, Ulysses, ZeRO-2/3, interleaving, MoE,
+  context parallelism without transformer-engine: runtime/ring_attention.py).
 
 `BACKEND_SETTINGS` is the table of run settings x backends: a setting that is on is either
 honoured by the chosen backend or refused with one line before any model is built.
@@ -17,24 +19,39 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 
 from megatron_ext.errors import PlanError
-from megatron_ext.megatron_adapter.training.backend import Backend
-from megatron_ext.megatron_adapter.training.flexsp_backend import build_flexsp_backend
+from megatron_ext.megatron_adapter.ddp import HeteroDDP
+from megatron_ext.megatron_adapter.training.backend import Backend, BackendName, ChainFormat
+from megatron_ext.megatron_adapter.training.flexsp_backend import (
+    FlexSPBackend,
+    build_flexsp_backend,
+)
+from megatron_ext.megatron_adapter.training.layerwise_backend import (
+    LayerwiseBackend,
+    build_layerwise_model,
+)
 from megatron_ext.megatron_adapter.training.run_config import RunConfig
-from megatron_ext.megatron_adapter.training.runtime_backend import build_runtime_backend
 from megatron_ext.megatron_adapter.training.stock_backend import (
+    StockBackend,
     build_stock_backend,
     stock_unsupported_reason,
 )
+from megatron_ext.megatron_adapter.training.vocab_backend import VocabParallelBackend
+from megatron_ext.plan import ParallelPlan
+from megatron_ext.runtime.groups import PlanGroups
 
-__all__ = ["BACKEND_SETTINGS", "BackendSetting", "build_backend", "check_backend_settings",
-           "select_backend"]
+__all__ = ["BACKENDS", "BACKEND_SETTINGS", "BackendSetting", "backend_for_model", "build_backend",
+           "chain_format", "check_backend_settings", "select_backend", "stock_unsupported_reason"]
 
 logger = logging.getLogger(__name__)
-BACKENDS = ("stock", "layerwise", "flexsp")
+BACKEND_CLASSES: dict[BackendName, type[Backend]] = {
+    cls.name: cls for cls in (StockBackend, LayerwiseBackend, VocabParallelBackend, FlexSPBackend)}
+BACKENDS: tuple[BackendName, ...] = tuple(BACKEND_CLASSES)
+_LAYERWISE_FAMILY = ("layerwise", "vocab_parallel")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -66,13 +83,14 @@ BACKEND_SETTINGS: tuple[BackendSetting, ...] = (
         flag="--eod-mask-loss without --calculate-per-token-loss",
         is_on=lambda r: r.data.eod_mask_loss and not r.optimizer.calculate_per_token_loss,
         refused_by=dict.fromkeys(
-            ("layerwise", "flexsp"),
+            ("layerwise", "vocab_parallel", "flexsp"),
             "this backend divides by the global batch's loss tokens; add "
             "--calculate-per-token-loss")),
     BackendSetting(flag="--reset-attention-mask",
                    is_on=lambda r: r.data.reset_attention_mask,
-                   refused_by={"layerwise": "the layerwise runtime's attention is causal over "
-                               "the whole sample; drop the flag or use a uniform plan"}),
+                   refused_by=dict.fromkeys(
+                       _LAYERWISE_FAMILY, "the layerwise runtime's attention is causal over the "
+                       "whole sample; drop the flag or use a uniform plan")),
     BackendSetting(flag="--fp16", is_on=lambda r: r.plan.precision == "fp16", refused_by={}),
     BackendSetting(flag="--use-rope-scaling",
                    is_on=lambda r: r.plan.model.rope_scaling, refused_by={}),
@@ -96,21 +114,33 @@ BACKEND_SETTINGS: tuple[BackendSetting, ...] = (
 )
 
 
-def select_backend(run: RunConfig) -> str:
-    """"stock", "layerwise" or "flexsp" for this run (see the module docstring). The three write
-    and read one checkpoint format (checkpoint.py), so a checkpoint being loaded does not
+def select_backend(run: RunConfig) -> BackendName:
+    """The backend that runs this run's plan (see the module docstring). Every backend writes
+    and reads one checkpoint format (checkpoint.py), so a checkpoint being loaded does not
     decide it."""
-    plan = run.plan
+    return plan_backend(run.plan, use_transformer_engine=run.model.use_transformer_engine)
+
+
+def plan_backend(plan: ParallelPlan, *, use_transformer_engine: bool) -> BackendName:
+    """`select_backend` for a plan alone."""
     if plan.flexsp is not None:
         return "flexsp"
+    if plan.vocab.mode == "vocab_parallel":
+        return "vocab_parallel"
     if stock_unsupported_reason(plan) is not None:
         return "layerwise"
-    if plan.layers[0].cp > 1 and not run.model.use_transformer_engine:
+    if plan.layers[0].cp > 1 and not use_transformer_engine:
         return "layerwise"
     return "stock"
 
 
-def check_backend_settings(run: RunConfig, backend: str) -> None:
+def chain_format(plan: ParallelPlan, *, use_transformer_engine: bool) -> ChainFormat:
+    """How the backend that runs `plan` chains optimizers (checkpoints compare it)."""
+    name = plan_backend(plan, use_transformer_engine=use_transformer_engine)
+    return BACKEND_CLASSES[name].chain_format
+
+
+def check_backend_settings(run: RunConfig, backend: BackendName) -> None:
     """One-line PlanError for the first setting this run turns on that `backend` refuses."""
     for setting in BACKEND_SETTINGS:
         fix = setting.refused_by.get(backend)
@@ -132,4 +162,21 @@ def build_backend(run: RunConfig, padded_vocab: int, *, eod: int | None = None) 
         return build_flexsp_backend(run, padded_vocab, eod)
     if name == "stock":
         return build_stock_backend(run, padded_vocab)
-    return build_runtime_backend(run, padded_vocab)
+    chunks, groups, optimizer = build_layerwise_model(run, padded_vocab)
+    return backend_for_model(chunks, groups, optimizer,
+                             check_nan=run.optimizer.check_for_nan_in_loss_and_grad)
+
+
+def backend_for_model(chunks: list[HeteroDDP], groups: PlanGroups, optimizer: Any, *,
+                      check_nan: bool = False, forward_step_func: Callable[..., Any] | None = None,
+                      **vocab_schedule_options: Any) -> LayerwiseBackend:
+    """The layerwise-runtime backend (`vocab_parallel` or `layerwise`) of chunks built by
+    `build_model` and `build_optimizer`: what training, the parity tests and the benchmarks
+    step. `vocab_schedule_options`: extra VocabScheduleOptions fields (vocab_parallel plans)."""
+    if groups.plan.vocab.mode == "vocab_parallel":
+        return VocabParallelBackend.from_model(
+            chunks, groups, optimizer, check_nan=check_nan, forward_step_func=forward_step_func,
+            schedule_options=vocab_schedule_options)
+    assert not vocab_schedule_options, "schedule options are for vocab_parallel plans"
+    return LayerwiseBackend.from_model(chunks, groups, optimizer, check_nan=check_nan,
+                                       forward_step_func=forward_step_func)

@@ -5,9 +5,10 @@ megatron-core DDP, `get_megatron_optimizer` and `get_forward_backward_func`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel
@@ -23,7 +24,7 @@ from megatron.core.transformer.pipeline_parallel_layer_layout import (
 from megatron_ext.errors import PlanError
 from megatron_ext.megatron_adapter.losses import forward_step, stock_view
 from megatron_ext.megatron_adapter.sp_norm import gpt_block_spec
-from megatron_ext.megatron_adapter.training.backend import Backend
+from megatron_ext.megatron_adapter.training.backend import Backend, BackendName, Batch
 from megatron_ext.megatron_adapter.training.data import DataShard
 from megatron_ext.megatron_adapter.training.model_config import (
     ddp_config,
@@ -31,8 +32,9 @@ from megatron_ext.megatron_adapter.training.model_config import (
     run_transformer_config,
 )
 from megatron_ext.megatron_adapter.training.report import reduce_loss
-from megatron_ext.megatron_adapter.training.run_config import RunConfig
+from megatron_ext.megatron_adapter.training.run_config import InitMethod, RunConfig
 from megatron_ext.megatron_adapter.transformer_config import ModelOptions, gpt_model_kwargs
+from megatron_ext.megatron_adapter.weights import init_plan_invariant
 from megatron_ext.plan import ParallelPlan
 
 
@@ -65,7 +67,10 @@ def _layout(plan: ParallelPlan) -> PipelineParallelLayerLayout | None:
     return PipelineParallelLayerLayout(text, plan.pp)
 
 
-def _build_gpt(plan: ParallelPlan, options: ModelOptions, config: Any, vocab: int) -> Any:
+def _build_gpt(plan: ParallelPlan, options: ModelOptions, config: Any, vocab: int, *,
+               init: InitMethod, seed: int, layer_offset: int) -> Any:
+    """This stage's GPTModel (Float16Module-wrapped in half precision); `init`: as
+    SystemConfig.init, the global index of the stage's first layer being `layer_offset`."""
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=gpt_block_spec(
@@ -75,12 +80,37 @@ def _build_gpt(plan: ParallelPlan, options: ModelOptions, config: Any, vocab: in
         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
         **gpt_model_kwargs(plan.model, options),
     )
+    if init == "plan_invariant":
+        init_plan_invariant(gpt, seed, layer_offset=layer_offset)
     if plan.precision in ("bf16", "fp16"):
         gpt = Float16Module(config, gpt)
     return gpt
 
 
-def build_stock_backend(run: RunConfig, padded_vocab: int) -> Backend:
+@dataclass(kw_only=True, eq=False)
+class StockBackend(Backend):
+    """megatron-core's own model, DDP, optimizer and schedule (module docstring)."""
+
+    name: ClassVar[BackendName] = "stock"
+
+    step: Callable[..., Any]
+    """megatron `forward_step_func` of this run."""
+    seq_length: int
+    """Tokens per sample."""
+    reports_loss: bool
+    """True on the ranks whose loss reports count (last stage, tensor-parallel rank 0)."""
+
+    def forward_backward(self, data: Iterator[Batch] | None, num_microbatches: int | None = None,
+                         forward_only: bool = False) -> float:
+        reports = get_forward_backward_func()(
+            forward_step_func=self.step, data_iterator=data, model=self.model,
+            num_microbatches=num_microbatches or self.num_microbatches,
+            seq_length=self.seq_length, micro_batch_size=self.rank_micro_batch_size,
+            forward_only=forward_only)
+        return reduce_loss(reports, self.reports_loss)
+
+
+def build_stock_backend(run: RunConfig, padded_vocab: int) -> StockBackend:
     """Initialise megatron-core's parallel state for a uniform plan and build everything."""
     plan = run.plan
     reason = stock_unsupported_reason(plan)
@@ -92,10 +122,15 @@ def build_stock_backend(run: RunConfig, padded_vocab: int) -> Backend:
         distributed_timeout_minutes=run.system.distributed_timeout_minutes,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(run.system.seed)  # via the module: cpu compat
+    dp = parallel_state.get_data_parallel_world_size()
+    if plan.micro_batch_size % dp:
+        raise PlanError(f"micro_batch_size={plan.micro_batch_size} does not split over dp={dp}")
     config = run_transformer_config(
         run, s, pipeline_model_parallel_layout=_layout(plan),
         calculate_per_token_loss=run.optimizer.calculate_per_token_loss)
-    gpt = _build_gpt(plan, run.model, config, padded_vocab)
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    gpt = _build_gpt(plan, run.model, config, padded_vocab, init=run.system.init,
+                     seed=run.system.seed, layer_offset=plan.stages[stage][0])
     ddp = DistributedDataParallel(config, ddp_config(run, zero=s.zero), gpt)
     ddp.broadcast_params()  # replicas start equal even if init streams differ
     optimizer = get_megatron_optimizer(optimizer_config(
@@ -108,29 +143,13 @@ def build_stock_backend(run: RunConfig, padded_vocab: int) -> Backend:
         config.param_sync_func = ddp.start_param_sync
     first = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
     last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-    dp = parallel_state.get_data_parallel_world_size()
-    if plan.micro_batch_size % dp:
-        raise PlanError(f"micro_batch_size={plan.micro_batch_size} does not split over dp={dp}")
-    mbs = plan.micro_batch_size // dp
     step = partial(forward_step, partial(stock_view, parallel_state.get_context_parallel_group()),
                    run.optimizer.check_for_nan_in_loss_and_grad)
-    schedule = get_forward_backward_func()
-
-    reports_loss = last and parallel_state.get_tensor_model_parallel_rank() == 0
-
-    def forward_backward(data_iterator: Iterator | None, num_microbatches: int,
-                         forward_only: bool) -> float:
-        reports = schedule(
-            forward_step_func=step, data_iterator=data_iterator, model=[ddp],
-            num_microbatches=num_microbatches, seq_length=plan.seq_length,
-            micro_batch_size=mbs, forward_only=forward_only,
-        )
-        return reduce_loss(reports, reports_loss)
-
-    return Backend(
+    return StockBackend(
         model=[ddp], optimizer=optimizer, config=config,
         shard=DataShard(index=parallel_state.get_data_parallel_rank(), count=dp),
-        rank_micro_batch_size=mbs, needs_data=first or last, name="stock",
+        rank_micro_batch_size=plan.micro_batch_size // dp, needs_data=first or last,
         dp_cp_group=parallel_state.get_data_parallel_group(with_context_parallel=True),
-        forward_backward=forward_backward, padded_vocab_size=padded_vocab,
-    )
+        padded_vocab_size=padded_vocab, num_microbatches=plan.num_microbatches, step=step,
+        seq_length=plan.seq_length,
+        reports_loss=last and parallel_state.get_tensor_model_parallel_rank() == 0)
