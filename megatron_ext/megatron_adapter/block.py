@@ -1,7 +1,7 @@
 """A `TransformerBlock` whose layers each run their own strategy, joined by re-layouts.
 
 Legend: s = sequence, b = micro-batch (all replicas), h = hidden; local blocks `[s_loc, b_loc, h]`
-per `runtime/layout.py` (e.g. `[s/tp, b/dp, h]` under SP).
+per `geometry/activation.py` (e.g. `[s/tp, b/dp, h]` under SP).
 
 Subclasses megatron-core's `TransformerBlock` only where a hook is missing (docs/design.md,
 Runtime):
@@ -32,9 +32,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import sharded_state_dict_default
 from megatron.core.utils import make_viewless_tensor
 
+from megatron_ext.geometry.activation import Layout
 from megatron_ext.megatron_adapter.fsdp import layer_sharded_state_dict
 from megatron_ext.runtime.groups import PlanGroups
-from megatron_ext.runtime.layout import Layout
 from megatron_ext.runtime.redistribute import redistribute
 
 __all__ = ["GlobalLayerList", "HeteroTransformerBlock", "LayerBuild"]

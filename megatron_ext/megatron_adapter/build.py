@@ -17,6 +17,14 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_ext.errors import PlanError
+from megatron_ext.geometry.activation import Layout
+from megatron_ext.geometry.stages import (
+    boundary_layout,
+    chunk_boundary_layout,
+    embedding_layout,
+    output_layout,
+)
+from megatron_ext.geometry.vocab import vocab_parallel_layout, vocab_stage_roots
 from megatron_ext.megatron_adapter.block import LayerBuild
 from megatron_ext.megatron_adapter.cpu import compat as cpu_compat
 from megatron_ext.megatron_adapter.ddp import HeteroDDP, finalize_grads
@@ -46,19 +54,7 @@ from megatron_ext.runtime.groups import (
     build_plan_groups,
     check_world_size,
 )
-from megatron_ext.runtime.layout import Layout
-from megatron_ext.runtime.plan_layouts import (
-    boundary_layout,
-    chunk_boundary_layout,
-    embedding_layout,
-    output_layout,
-)
-from megatron_ext.runtime.vocab.layout import vocab_parallel_layout, vocab_stage_roots
-from megatron_ext.runtime.vocab_parallel import (
-    VocabCommGroups,
-    new_vocab_comm_groups,
-    vocab_rank_lists,
-)
+from megatron_ext.runtime.vocab.comm import VocabCommGroups, new_vocab_comm_groups, vocab_rank_lists
 from megatron_ext.specs import ModelSpec
 
 __all__ = ["build_model", "check_runtime_support", "prepare_megatron"]

@@ -19,6 +19,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_ext.errors import PlanError
+from megatron_ext.geometry.activation import Layout
 from megatron_ext.megatron_adapter.attention import SequenceParallelCoreAttention
 from megatron_ext.megatron_adapter.sp_norm import (
     SPNorm,
@@ -26,7 +27,6 @@ from megatron_ext.megatron_adapter.sp_norm import (
     have_transformer_engine,
 )
 from megatron_ext.plan import LayerStrategy, ParallelPlan
-from megatron_ext.runtime.layout import Layout
 
 __all__ = [
     "check_config",

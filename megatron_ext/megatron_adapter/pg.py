@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from megatron_ext.geometry.activation import Layout
 from megatron_ext.runtime.groups import PlanGroups
-from megatron_ext.runtime.layout import Layout
 
 __all__ = ["layout_pg_collection", "moe_pg_collection"]
 

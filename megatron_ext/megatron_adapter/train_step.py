@@ -28,13 +28,13 @@ import torch
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
+from megatron_ext.geometry.stages import chunk_shape, stage_shapes
 from megatron_ext.megatron_adapter.ddp import HeteroDDP
 from megatron_ext.megatron_adapter.losses import forward_step as _forward_step
 from megatron_ext.megatron_adapter.losses import global_loss, layerwise_view
 from megatron_ext.megatron_adapter.model import HeteroGPTModel
 from megatron_ext.megatron_adapter.optimizer import HeteroChainedOptimizer
 from megatron_ext.runtime.groups import PlanGroups
-from megatron_ext.runtime.plan_layouts import chunk_shape, stage_shapes
 
 __all__ = ["forward_backward", "forward_step", "train_step"]
 

@@ -1,6 +1,6 @@
 """Process groups of a ParallelPlan: one communicator per distinct rank set, shared by all layers.
 
-Legend: S = ranks per pipeline stage; local rank = rank % S; layouts as in runtime/layout.py
+Legend: S = ranks per pipeline stage; local rank = rank % S; layouts as in geometry/activation.py
 (tp innermost, then seq (Ulysses), cp, dp; pipeline stages outermost, as Megatron's
 `tp-cp-ep-dp-pp` order with Ulysses beside cp).
 
@@ -27,9 +27,9 @@ from typing import Literal
 import torch.distributed as dist
 
 from megatron_ext.errors import PlanError
+from megatron_ext.geometry.activation import Layout
+from megatron_ext.geometry.stages import stage_layouts, stage_of_rank
 from megatron_ext.plan import ParallelPlan
-from megatron_ext.runtime.layout import Layout
-from megatron_ext.runtime.plan_layouts import stage_layouts, stage_of_rank
 
 __all__ = [
     "AXES",

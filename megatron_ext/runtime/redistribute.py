@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_ext.runtime.layout import Layout, common_granularity
+from megatron_ext.geometry.activation import Layout, common_granularity
 
 __all__ = ["ExchangePlan", "exchange_plan", "local_block", "local_tokens", "redistribute"]
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_ext.runtime.layout import Layout
+from megatron_ext.geometry.activation import Layout
 from megatron_ext.runtime.redistribute import exchange_plan, local_block, redistribute
 from megatron_ext.runtime.ring_attention import ring_attention
 from megatron_ext.runtime.testing import run_distributed

@@ -13,6 +13,8 @@ import pytest
 import torch.distributed as dist
 
 from megatron_ext.errors import PlanError
+from megatron_ext.geometry.activation import Layout
+from megatron_ext.geometry.stages import embedding_layout, output_layout
 from megatron_ext.plan import LayerStrategy, ParallelPlan
 from megatron_ext.presets import MODEL_PRESETS
 from megatron_ext.runtime.groups import (
@@ -22,8 +24,6 @@ from megatron_ext.runtime.groups import (
     layout_rank_sets,
     plan_rank_sets,
 )
-from megatron_ext.runtime.layout import Layout
-from megatron_ext.runtime.plan_layouts import embedding_layout, output_layout
 
 
 def all_layouts(width: int) -> list[Layout]:

@@ -10,8 +10,8 @@ import pytest
 
 from megatron_ext.cli import main
 from megatron_ext.errors import PlanError
+from megatron_ext.geometry.vocab import vocab_parallel_layout
 from megatron_ext.plan import ParallelPlan
-from megatron_ext.runtime.vocab.layout import vocab_parallel_layout
 
 UNIFORM = "examples/plans/llama2-7b_uniform_tp2_pp2.json"  # rope, max_position_embeddings 4096
 VOCAB_PARALLEL = "examples/plans/tiny-llama_tp2_pp2_vocab_parallel.json"

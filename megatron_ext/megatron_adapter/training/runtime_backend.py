@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
+from megatron_ext.geometry.vocab import vocab_parallel_layout
 from megatron_ext.megatron_adapter.build import build_model
 from megatron_ext.megatron_adapter.model import HeteroGPTModel
 from megatron_ext.megatron_adapter.moe_logging import clear_router_losses, router_losses
@@ -27,7 +28,6 @@ from megatron_ext.megatron_adapter.training.model_config import (
     run_transformer_config,
 )
 from megatron_ext.megatron_adapter.training.run_config import RunConfig
-from megatron_ext.runtime.vocab.layout import vocab_parallel_layout
 
 
 def data_shard(model: HeteroGPTModel) -> DataShard | None:

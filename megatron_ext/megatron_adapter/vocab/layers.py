@@ -25,8 +25,10 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.transformer.utils import sharded_state_dict_default
 
+from megatron_ext.geometry.vocab_partition import VocabPartition
 from megatron_ext.plan import VocabStrategy
-from megatron_ext.runtime.vocab_parallel import Op, VocabCommGroups, VocabPartition
+from megatron_ext.planner.vocab.schedule_ops import Op
+from megatron_ext.runtime.vocab.comm import VocabCommGroups
 
 
 def num_barriers_for(vocab: VocabStrategy) -> int:

@@ -20,13 +20,13 @@ from typing import Any
 import torch
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
+from megatron_ext.geometry.stages import stage_shapes
+from megatron_ext.geometry.vocab import vocab_parallel_layout
 from megatron_ext.megatron_adapter.ddp import HeteroDDP
 from megatron_ext.megatron_adapter.losses import forward_step, global_loss, vocab_view
 from megatron_ext.megatron_adapter.model import HeteroGPTModel
 from megatron_ext.megatron_adapter.vocab.schedule import schedule_for_plan
 from megatron_ext.runtime.groups import PlanGroups
-from megatron_ext.runtime.plan_layouts import stage_shapes
-from megatron_ext.runtime.vocab.layout import vocab_parallel_layout
 
 __all__ = ["vocab_forward_backward", "vocab_forward_step"]
 

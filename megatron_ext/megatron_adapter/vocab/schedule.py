@@ -50,7 +50,9 @@ from megatron_ext.megatron_adapter.vocab.layers import (
     num_barriers_for,
 )
 from megatron_ext.plan import ParallelPlan
-from megatron_ext.runtime.vocab_parallel import Op, VocabCommGroups, plan_vocab_schedule
+from megatron_ext.planner.vocab.schedule_ops import Op
+from megatron_ext.planner.vocab.schedule_plan import plan_vocab_schedule
+from megatron_ext.runtime.vocab.comm import VocabCommGroups
 
 
 def make_vocab_parallel_schedule(options: VocabScheduleOptions) -> Callable[..., list]:

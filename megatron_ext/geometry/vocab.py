@@ -15,9 +15,9 @@ body re-layouts from / to it (runtime/redistribute.py).
 
 from __future__ import annotations
 
+from megatron_ext.geometry.activation import Layout
 from megatron_ext.plan import ParallelPlan
 from megatron_ext.plan_checks import vocab_parallel_split
-from megatron_ext.runtime.layout import Layout
 
 __all__ = ["vocab_parallel_layout", "vocab_stage_roots"]
 

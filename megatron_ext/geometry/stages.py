@@ -19,9 +19,9 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_ext.errors import PlanError
+from megatron_ext.geometry.activation import Layout
+from megatron_ext.geometry.vocab import vocab_parallel_layout
 from megatron_ext.plan import LayerStrategy, ParallelPlan
-from megatron_ext.runtime.layout import Layout
-from megatron_ext.runtime.vocab.layout import vocab_parallel_layout
 
 __all__ = [
     "boundary_layout",
