@@ -17,7 +17,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_ext.errors import PlanError
-from megatron_ext.geometry.activation import Layout
+from megatron_ext.geometry.activation import ActivationLayout
 from megatron_ext.geometry.stages import (
     boundary_layout,
     chunk_boundary_layout,
@@ -167,10 +167,10 @@ def _stage_model(plan: ParallelPlan, config: TransformerConfig, groups: PlanGrou
     builds = []
     for idx in range(start, end):
         strategy = plan.layers[idx]
-        layout = Layout.of(strategy)
+        layout = ActivationLayout.of(strategy)
         cfg = layer_config(config, strategy)
         moe = plan.model.is_moe_layer(idx)
-        spec = layer_spec(cfg, strategy, groups.for_layout(layout).seq, use_te=use_te, moe=moe)
+        spec = layer_spec(cfg, strategy, groups.for_layout(layout).ulysses, use_te=use_te, moe=moe)
         pgc = (moe_pg_collection(groups, layout, strategy.ep, strategy.expert_tp) if moe
                else pgs[layout])
         builds.append(LayerBuild(layer_idx=idx, layout=layout, config=cfg, spec=spec,
@@ -183,7 +183,7 @@ def _stage_model(plan: ParallelPlan, config: TransformerConfig, groups: PlanGrou
         input_layout = embedding_layout(plan) if first else chunk_boundary_layout(plan)
         out_layout = output_layout(plan) if last else chunk_boundary_layout(plan)
     model_layout = (embedding_layout(plan) if first else
-                    output_layout(plan) if last else Layout.of(plan.layers[start]))
+                    output_layout(plan) if last else ActivationLayout.of(plan.layers[start]))
     if plan.vocab.mode == "vocab_parallel":  # body only, from / to the vocabulary passes' layout
         model_layout = vocab_parallel_layout(plan)
         input_layout = model_layout if first else input_layout

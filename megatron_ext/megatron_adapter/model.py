@@ -31,7 +31,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
-from megatron_ext.geometry.activation import Layout
+from megatron_ext.geometry.activation import ActivationLayout
 from megatron_ext.geometry.vocab import vocab_parallel_layout
 from megatron_ext.megatron_adapter.block import HeteroTransformerBlock, LayerBuild
 from megatron_ext.megatron_adapter.cross_entropy import (
@@ -77,8 +77,8 @@ class HeteroGPTModel(GPTModel):
         plan: ParallelPlan,
         groups: PlanGroups,
         builds: list[LayerBuild],
-        input_layout: Layout,
-        output_layout: Layout,
+        input_layout: ActivationLayout,
+        output_layout: ActivationLayout,
         vocab_size: int,
         gpt_kwargs: dict[str, Any],
         pg_collection: ProcessGroupCollection,

@@ -67,7 +67,7 @@ def test_vocab_parallel_sequence_split_is_a_plan_rule(tmp_path, capsys):
         run.update(sp=False, dp=2)
     good = ParallelPlan.from_dict(data)
     layout = vocab_parallel_layout(good)
-    assert (layout.dp, layout.seq) == (2, 2)  # 4 replicas: 2 samples, then 2 sequence halves
+    assert (layout.dp, layout.ulysses) == (2, 2)  # 4 replicas: 2 samples, then 2 sequence halves
     data["seq_length"] = 63
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps(data))
