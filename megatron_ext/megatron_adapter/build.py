@@ -25,6 +25,7 @@ from megatron_ext.geometry.stages import (
     output_layout,
 )
 from megatron_ext.geometry.vocab import vocab_parallel_layout, vocab_stage_roots
+from megatron_ext.geometry.vocab_partition import padded_vocab_size
 from megatron_ext.megatron_adapter.block import LayerBuild
 from megatron_ext.megatron_adapter.cpu import compat as cpu_compat
 from megatron_ext.megatron_adapter.ddp import HeteroDDP, finalize_grads
@@ -48,7 +49,6 @@ from megatron_ext.megatron_adapter.vocab.layers import (
 )
 from megatron_ext.megatron_adapter.weights import init_plan_invariant
 from megatron_ext.plan import ParallelPlan
-from megatron_ext.planner.cost.compute import padded_vocab_size
 from megatron_ext.runtime.groups import (
     PlanGroups,
     build_plan_groups,
