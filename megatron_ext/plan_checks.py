@@ -42,7 +42,7 @@ def vocab_parallel_split(
 ) -> tuple[int, int]:
     """(dp, seq) of the vocabulary passes under vocab.mode vocab_parallel: the stage_width /
     vocab_tp ranks beside each tensor-parallel group split the micro-batch as far as it goes
-    (dp) and the sequence for the rest (seq); runtime/vocab/layout.py builds its layout from
+    (dp) and the sequence for the rest (seq); geometry/vocab.py builds its layout from
     this. PlanError when the sequence does not split."""
     rest = stage_width // vocab_tp
     dp = max(d for d in range(1, rest + 1) if rest % d == 0 and micro_batch_size % d == 0)

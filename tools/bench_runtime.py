@@ -112,10 +112,10 @@ def plain_megatron(plan: ParallelPlan):
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
+    from megatron_ext.geometry.vocab_partition import padded_vocab_size
     from megatron_ext.megatron_adapter.cpu import compat as cpu_compat
     from megatron_ext.megatron_adapter.sp_norm import gpt_block_spec
     from megatron_ext.megatron_adapter.transformer_config import transformer_config
-    from megatron_ext.planner.cost.compute import padded_vocab_size
 
     strategy = plan.layers[0]
     cpu_compat.apply()

@@ -161,7 +161,7 @@ def measure_rank(rank: int, world_size: int, **cfg: Any) -> list[dict[str, Any]]
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_ext.megatron_adapter.cpu import compat as cpu_compat
-    from megatron_ext.runtime.vocab_parallel import new_vocab_comm_groups
+    from megatron_ext.runtime.vocab.comm import new_vocab_comm_groups
 
     cpu_compat.apply()
     parallel_state.initialize_model_parallel(pipeline_model_parallel_size=PP,
@@ -194,14 +194,10 @@ def measure_rank(rank: int, world_size: int, **cfg: Any) -> list[dict[str, Any]]
 
 def _simulated_iteration_s(rows: list[dict[str, Any]], cfg: dict[str, Any]) -> float:
     """Replay the measured per-pass CPU times through the pipeline simulation (no comm)."""
-    from megatron_ext.runtime.vocab_parallel import (
-        PassCosts,
-        VocabPartition,
-        plan_vocab_schedule,
-        simulate,
-        simulate_baseline,
-        vocab_pass_costs,
-    )
+    from megatron_ext.geometry.vocab_partition import VocabPartition
+    from megatron_ext.planner.vocab.pass_costs import vocab_pass_costs
+    from megatron_ext.planner.vocab.schedule_plan import plan_vocab_schedule
+    from megatron_ext.planner.vocab.schedule_sim import PassCosts, simulate, simulate_baseline
 
     rows = sorted(rows, key=lambda r: r["stage"])
     m, passes = cfg["microbatches"], [r["passes_s"] for r in rows]
@@ -324,13 +320,10 @@ def simulation_gains(gpus: int, seq: int, vocab: int, *, calibrated: bool,
     `efficiency` for every pass and alpha-beta communication (NVLink in a node, 22 GB/s IB).
     `calibrated`: the vocabulary-parallel passes run at the paper's measured scaling efficiency
     of the sharded output / input layers (Table 3) instead of perfectly."""
-    from megatron_ext.runtime.vocab_parallel import (
-        VocabPartition,
-        baseline_pass_costs,
-        plan_vocab_schedule,
-        simulate_baseline,
-        vocab_pass_costs,
-    )
+    from megatron_ext.geometry.vocab_partition import VocabPartition
+    from megatron_ext.planner.vocab.pass_costs import baseline_pass_costs, vocab_pass_costs
+    from megatron_ext.planner.vocab.schedule_plan import plan_vocab_schedule
+    from megatron_ext.planner.vocab.schedule_sim import simulate_baseline
 
     layers, hidden, _ = PAPER_MODELS[gpus]
     flops, m = 312e12 * efficiency, 128

@@ -1,7 +1,7 @@
 """A `TransformerBlock` whose layers each run their own strategy, joined by re-layouts.
 
 Legend: s = sequence, b = micro-batch (all replicas), h = hidden; local blocks `[s_loc, b_loc, h]`
-per `runtime/layout.py` (e.g. `[s/tp, b/dp, h]` under SP).
+per `geometry/activation.py` (e.g. `[s/tp, b/dp, h]` under SP).
 
 Subclasses megatron-core's `TransformerBlock` only where a hook is missing (docs/design.md,
 Runtime):
@@ -32,9 +32,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import sharded_state_dict_default
 from megatron.core.utils import make_viewless_tensor
 
+from megatron_ext.geometry.activation import ActivationLayout
 from megatron_ext.megatron_adapter.fsdp import layer_sharded_state_dict
 from megatron_ext.runtime.groups import PlanGroups
-from megatron_ext.runtime.layout import Layout
 from megatron_ext.runtime.redistribute import redistribute
 
 __all__ = ["GlobalLayerList", "HeteroTransformerBlock", "LayerBuild"]
@@ -59,7 +59,7 @@ class LayerBuild:
 
     layer_idx: int
     """Global zero-based layer index."""
-    layout: Layout
+    layout: ActivationLayout
     config: TransformerConfig
     spec: ModuleSpec
     pg_collection: ProcessGroupCollection
@@ -75,8 +75,8 @@ class HeteroTransformerBlock(TransformerBlock):
         *,
         builds: list[LayerBuild],
         groups: PlanGroups,
-        input_layout: Layout,
-        output_layout: Layout,
+        input_layout: ActivationLayout,
+        output_layout: ActivationLayout,
         final_norm: Any | None,
         pg_collection: ProcessGroupCollection,
         pre_process: bool,
@@ -93,7 +93,7 @@ class HeteroTransformerBlock(TransformerBlock):
         super().__init__(config=config, spec=spec, post_layer_norm=final_norm is not None,
                          pre_process=pre_process, post_process=post_process,
                          pg_collection=pg_collection)
-        self._rope_index: dict[tuple[Layout, int], torch.Tensor] = {}
+        self._rope_index: dict[tuple[ActivationLayout, int], torch.Tensor] = {}
 
     def _build_layers(self) -> None:
         self.layers = GlobalLayerList({
@@ -115,9 +115,10 @@ class HeteroTransformerBlock(TransformerBlock):
     def global_seq_length(self, hidden_states: torch.Tensor) -> int:
         """Full sequence length of a stage input in `input_layout`."""
         layout = self.input_layout
-        return hidden_states.shape[0] * layout.cp * layout.seq * (layout.tp if layout.sp else 1)
+        return hidden_states.shape[0] * layout.cp * layout.ulysses * (layout.tp if layout.sp else 1)
 
-    def _local_rope(self, rope: torch.Tensor | None, layout: Layout) -> torch.Tensor | None:
+    def _local_rope(self, rope: torch.Tensor | None,
+                    layout: ActivationLayout) -> torch.Tensor | None:
         """Rows of the full `[s, 1, 1, d]` rotary table for the positions attention sees."""
         if rope is None:
             return None

@@ -17,6 +17,15 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_ext.errors import PlanError
+from megatron_ext.geometry.activation import ActivationLayout
+from megatron_ext.geometry.stages import (
+    boundary_layout,
+    chunk_boundary_layout,
+    embedding_layout,
+    output_layout,
+)
+from megatron_ext.geometry.vocab import vocab_parallel_layout, vocab_stage_roots
+from megatron_ext.geometry.vocab_partition import padded_vocab_size
 from megatron_ext.megatron_adapter.block import LayerBuild
 from megatron_ext.megatron_adapter.cpu import compat as cpu_compat
 from megatron_ext.megatron_adapter.ddp import HeteroDDP, finalize_grads
@@ -40,25 +49,12 @@ from megatron_ext.megatron_adapter.vocab.layers import (
 )
 from megatron_ext.megatron_adapter.weights import init_plan_invariant
 from megatron_ext.plan import ParallelPlan
-from megatron_ext.planner.cost.compute import padded_vocab_size
 from megatron_ext.runtime.groups import (
     PlanGroups,
     build_plan_groups,
     check_world_size,
 )
-from megatron_ext.runtime.layout import Layout
-from megatron_ext.runtime.plan_layouts import (
-    boundary_layout,
-    chunk_boundary_layout,
-    embedding_layout,
-    output_layout,
-)
-from megatron_ext.runtime.vocab.layout import vocab_parallel_layout, vocab_stage_roots
-from megatron_ext.runtime.vocab_parallel import (
-    VocabCommGroups,
-    new_vocab_comm_groups,
-    vocab_rank_lists,
-)
+from megatron_ext.runtime.vocab.comm import VocabCommGroups, new_vocab_comm_groups, vocab_rank_lists
 from megatron_ext.specs import ModelSpec
 
 __all__ = ["build_model", "check_runtime_support", "prepare_megatron"]
@@ -171,10 +167,10 @@ def _stage_model(plan: ParallelPlan, config: TransformerConfig, groups: PlanGrou
     builds = []
     for idx in range(start, end):
         strategy = plan.layers[idx]
-        layout = Layout.of(strategy)
+        layout = ActivationLayout.of(strategy)
         cfg = layer_config(config, strategy)
         moe = plan.model.is_moe_layer(idx)
-        spec = layer_spec(cfg, strategy, groups.for_layout(layout).seq, use_te=use_te, moe=moe)
+        spec = layer_spec(cfg, strategy, groups.for_layout(layout).ulysses, use_te=use_te, moe=moe)
         pgc = (moe_pg_collection(groups, layout, strategy.ep, strategy.expert_tp) if moe
                else pgs[layout])
         builds.append(LayerBuild(layer_idx=idx, layout=layout, config=cfg, spec=spec,
@@ -187,7 +183,7 @@ def _stage_model(plan: ParallelPlan, config: TransformerConfig, groups: PlanGrou
         input_layout = embedding_layout(plan) if first else chunk_boundary_layout(plan)
         out_layout = output_layout(plan) if last else chunk_boundary_layout(plan)
     model_layout = (embedding_layout(plan) if first else
-                    output_layout(plan) if last else Layout.of(plan.layers[start]))
+                    output_layout(plan) if last else ActivationLayout.of(plan.layers[start]))
     if plan.vocab.mode == "vocab_parallel":  # body only, from / to the vocabulary passes' layout
         model_layout = vocab_parallel_layout(plan)
         input_layout = model_layout if first else input_layout

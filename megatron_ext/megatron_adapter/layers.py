@@ -19,6 +19,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_ext.errors import PlanError
+from megatron_ext.geometry.activation import ActivationLayout
 from megatron_ext.megatron_adapter.attention import SequenceParallelCoreAttention
 from megatron_ext.megatron_adapter.sp_norm import (
     SPNorm,
@@ -26,7 +27,6 @@ from megatron_ext.megatron_adapter.sp_norm import (
     have_transformer_engine,
 )
 from megatron_ext.plan import LayerStrategy, ParallelPlan
-from megatron_ext.runtime.layout import Layout
 
 __all__ = [
     "check_config",
@@ -112,7 +112,7 @@ def layer_config(base: TransformerConfig, strategy: LayerStrategy) -> Transforme
     )
 
 
-def vocab_config(base: TransformerConfig, layout: Layout, pp: int) -> TransformerConfig:
+def vocab_config(base: TransformerConfig, layout: ActivationLayout, pp: int) -> TransformerConfig:
     """Config of the embedding / output layer / final norm on a stage (vocabulary layout)."""
     return dataclasses.replace(
         _plain_pipeline(base, tensor_model_parallel_size=layout.tp, sequence_parallel=layout.sp,

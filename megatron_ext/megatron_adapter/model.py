@@ -2,7 +2,7 @@
 `build_model`.
 
 Legend: s = sequence, b = micro-batch (all data-parallel replicas), h = hidden,
-v = padded vocabulary, vtp = plan.vocab.tp; local blocks per `runtime/layout.py`.
+v = padded vocabulary, vtp = plan.vocab.tp; local blocks per `geometry/activation.py`.
 
 `GPTModel.__init__` supplies the embedding, rotary table, output layer, tied-weight setup and
 checkpoint keys, all over the vocabulary tp group; the decoder is replaced by
@@ -31,6 +31,8 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint
 
+from megatron_ext.geometry.activation import ActivationLayout
+from megatron_ext.geometry.vocab import vocab_parallel_layout
 from megatron_ext.megatron_adapter.block import HeteroTransformerBlock, LayerBuild
 from megatron_ext.megatron_adapter.cross_entropy import (
     group_vocab_parallel_cross_entropy,
@@ -39,10 +41,8 @@ from megatron_ext.megatron_adapter.fsdp import shard_full_state
 from megatron_ext.megatron_adapter.vocab.layers import VocabParallelLayers
 from megatron_ext.plan import ParallelPlan
 from megatron_ext.runtime.groups import PlanGroups
-from megatron_ext.runtime.layout import Layout
 from megatron_ext.runtime.redistribute import local_tokens
-from megatron_ext.runtime.vocab.layout import vocab_parallel_layout
-from megatron_ext.runtime.vocab_parallel import VocabCommGroups
+from megatron_ext.runtime.vocab.comm import VocabCommGroups
 
 __all__ = ["HeteroGPTModel"]
 
@@ -77,8 +77,8 @@ class HeteroGPTModel(GPTModel):
         plan: ParallelPlan,
         groups: PlanGroups,
         builds: list[LayerBuild],
-        input_layout: Layout,
-        output_layout: Layout,
+        input_layout: ActivationLayout,
+        output_layout: ActivationLayout,
         vocab_size: int,
         gpt_kwargs: dict[str, Any],
         pg_collection: ProcessGroupCollection,
@@ -118,7 +118,7 @@ class HeteroGPTModel(GPTModel):
 
     def vocab_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """Full `[b, s]` ids / labels / loss mask -> this rank's `[b_loc, s_loc]` part in the
-        vocabulary passes' layout (runtime/vocab/layout.py)."""
+        vocabulary passes' layout (geometry/vocab.py)."""
         return local_tokens(tokens, vocab_parallel_layout(self.plan), self.groups.local_rank,
                             self.batch_shard)
 

@@ -4,7 +4,7 @@ Groups come from `runtime/groups.py` (one communicator per distinct rank set). m
 `HyperCommGrid` is not used: each grid caches its own groups, so two strategies over the same
 ranks would create the same rank set twice; one cache across all layouts avoids that.
 
-Field meaning for a layout (tp, cp, seq = Ulysses, dp): `tp`, `cp` as Megatron; `dp` the pure
+Field meaning for a layout (tp, cp, ulysses, dp): `tp`, `cp` as Megatron; `dp` the pure
 batch-split group; `dp_cp` (= `intra_dp_cp`) every stage rank with the same tp rank, i.e. all
 replicas of a parameter shard: DDP reduces and the distributed optimizer shards over it.
 Dense layers get singleton expert groups; MoE layers (`moe_pg_collection`) get their layout's
@@ -19,12 +19,12 @@ from __future__ import annotations
 import torch.distributed as dist
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from megatron_ext.geometry.activation import ActivationLayout
 from megatron_ext.runtime.groups import PlanGroups
-from megatron_ext.runtime.layout import Layout
 
 __all__ = ["layout_pg_collection", "moe_pg_collection"]
 
-def layout_pg_collection(groups: PlanGroups, layout: Layout) -> ProcessGroupCollection:
+def layout_pg_collection(groups: PlanGroups, layout: ActivationLayout) -> ProcessGroupCollection:
     """The collection layers (and DDP/optimizer) of `layout` on this stage use."""
     lg = groups.for_layout(layout)
     one = groups.singleton
@@ -36,7 +36,7 @@ def layout_pg_collection(groups: PlanGroups, layout: Layout) -> ProcessGroupColl
     )
 
 
-def moe_pg_collection(groups: PlanGroups, layout: Layout, ep: int, etp: int
+def moe_pg_collection(groups: PlanGroups, layout: ActivationLayout, ep: int, etp: int
                       ) -> ProcessGroupCollection:
     """The collection of an MoE layer with `layout` and expert degrees (ep, etp)."""
     lg = groups.for_layout(layout)

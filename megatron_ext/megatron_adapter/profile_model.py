@@ -238,12 +238,12 @@ def _vocab_sample(w: _Worker, *, tp: int, b: int, s: int, repeats: int) -> Vocab
     )
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
+    from megatron_ext.geometry.vocab_partition import padded_vocab_size
     from megatron_ext.megatron_adapter.cross_entropy import (
         group_vocab_parallel_cross_entropy,
     )
     from megatron_ext.megatron_adapter.layers import layer_config
     from megatron_ext.plan import LayerStrategy
-    from megatron_ext.planner.cost.compute import padded_vocab_size
 
     m, group = w.model, w.tp_groups[tp]
     cfg = layer_config(w.base, LayerStrategy(tp=tp, dp=1))

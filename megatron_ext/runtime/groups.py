@@ -1,7 +1,7 @@
 """Process groups of a ParallelPlan: one communicator per distinct rank set, shared by all layers.
 
-Legend: S = ranks per pipeline stage; local rank = rank % S; layouts as in runtime/layout.py
-(tp innermost, then seq (Ulysses), cp, dp; pipeline stages outermost, as Megatron's
+Legend: S = ranks per pipeline stage; local rank = rank % S; layouts as in geometry/activation.py
+(tp innermost, then ulysses, cp, dp; pipeline stages outermost, as Megatron's
 `tp-cp-ep-dp-pp` order with Ulysses beside cp).
 
 `torch.distributed.new_group` is collective over the whole world, so every rank builds the same
@@ -27,9 +27,9 @@ from typing import Literal
 import torch.distributed as dist
 
 from megatron_ext.errors import PlanError
+from megatron_ext.geometry.activation import ActivationLayout
+from megatron_ext.geometry.stages import stage_layouts, stage_of_rank
 from megatron_ext.plan import ParallelPlan
-from megatron_ext.runtime.layout import Layout
-from megatron_ext.runtime.plan_layouts import stage_layouts, stage_of_rank
 
 __all__ = [
     "AXES",
@@ -44,21 +44,21 @@ __all__ = [
     "plan_rank_sets",
 ]
 
-Axis = Literal["tp", "seq", "cp", "dp", "dp_cp", "tp_cp", "stage"]
-AXES: tuple[Axis, ...] = ("tp", "seq", "cp", "dp", "dp_cp")
+Axis = Literal["tp", "ulysses", "cp", "dp", "dp_cp", "tp_cp", "stage"]
+AXES: tuple[Axis, ...] = ("tp", "ulysses", "cp", "dp", "dp_cp")
 """Per-layout group axes. dp_cp = every rank of the stage with the same tp rank: the ranks that
-hold replicas of a tensor-parallel parameter shard (dp x cp x seq), i.e. its gradient group."""
+hold replicas of a tensor-parallel parameter shard (dp x cp x ulysses), i.e. its gradient group."""
 
 RankSet = tuple[int, ...]
 
 
-def layout_rank_sets(layout: Layout, axis: Axis, offset: int = 0) -> list[RankSet]:
+def layout_rank_sets(layout: ActivationLayout, axis: Axis, offset: int = 0) -> list[RankSet]:
     """Partition of the stage's ranks [offset, offset + width) into groups along `axis`."""
     width = layout.width
     if axis == "stage":
         return [tuple(range(offset, offset + width))]
-    varying = {"tp": ("tp",), "seq": ("seq",), "cp": ("cp",), "dp": ("dp",),
-               "dp_cp": ("seq", "cp", "dp"), "tp_cp": ("tp", "seq", "cp")}[axis]
+    varying = {"tp": ("tp",), "ulysses": ("ulysses",), "cp": ("cp",), "dp": ("dp",),
+               "dp_cp": ("ulysses", "cp", "dp"), "tp_cp": ("tp", "ulysses", "cp")}[axis]
     groups: dict[tuple[int, ...], list[int]] = {}
     for local in range(width):
         coords = layout.coords(local)._asdict()
@@ -91,9 +91,9 @@ def moe_layer_degrees(plan: ParallelPlan, stage: int) -> list[tuple[int, int]]:
                               for i in plan.stage_layers(stage) if plan.model.is_moe_layer(i)))
 
 
-def moe_layouts(plan: ParallelPlan, stage: int) -> list[Layout]:
+def moe_layouts(plan: ParallelPlan, stage: int) -> list[ActivationLayout]:
     """Distinct layouts of the MoE layers of `stage` (all its chunks)."""
-    return list(dict.fromkeys(Layout.of(plan.layers[i]) for i in plan.stage_layers(stage)
+    return list(dict.fromkeys(ActivationLayout.of(plan.layers[i]) for i in plan.stage_layers(stage)
                               if plan.model.is_moe_layer(i)))
 
 
@@ -113,7 +113,7 @@ def plan_rank_sets(plan: ParallelPlan) -> Iterator[RankSet]:
     yield from ((r,) for r in range(world))  # singletons first: every size-1 axis reuses them
     for stage in range(plan.pp):
         offset = stage * width
-        yield from layout_rank_sets(Layout(dp=width), "stage", offset)
+        yield from layout_rank_sets(ActivationLayout(dp=width), "stage", offset)
         for layout in stage_layouts(plan, stage):
             for axis in AXES:
                 yield from layout_rank_sets(layout, axis, offset)
@@ -159,10 +159,10 @@ class GroupCache:
 class LayoutGroups:
     """This rank's groups for one layout of its stage."""
 
-    layout: Layout
+    layout: ActivationLayout
     tp: dist.ProcessGroup
-    seq: dist.ProcessGroup
-    """Ulysses group."""
+    ulysses: dist.ProcessGroup
+    """Ulysses group (the layout's contiguous sequence split)."""
     cp: dist.ProcessGroup
     dp: dist.ProcessGroup
     dp_cp: dist.ProcessGroup
@@ -200,20 +200,20 @@ class PlanGroups:
     embd: dist.ProcessGroup | None
     """First and last stage rank with this local rank (pp > 1), for tied embeddings."""
     singleton: dist.ProcessGroup
-    layouts: dict[Layout, LayoutGroups]
+    layouts: dict[ActivationLayout, LayoutGroups]
     """Groups of every layout this stage uses."""
     num_groups: int
     """Distinct rank sets the plan created (the same number on every rank)."""
     experts: dict[tuple[int, int], ExpertGroups] = field(default_factory=dict)
     """(ep, expert tp) -> expert groups, for the MoE layers of this stage."""
 
-    def for_layout(self, layout: Layout) -> LayoutGroups:
+    def for_layout(self, layout: ActivationLayout) -> LayoutGroups:
         return self.layouts[layout]
 
     def for_layer(self, layer_idx: int) -> LayoutGroups:
         assert layer_idx in self.plan.stage_layers(self.stage), (
             f"layer {layer_idx} is not on stage {self.stage}")
-        return self.layouts[Layout.of(self.plan.layers[layer_idx])]
+        return self.layouts[ActivationLayout.of(self.plan.layers[layer_idx])]
 
 
 def build_plan_groups(plan: ParallelPlan, cache: GroupCache | None = None) -> PlanGroups:
@@ -255,7 +255,7 @@ def build_plan_groups(plan: ParallelPlan, cache: GroupCache | None = None) -> Pl
         embd = cache.get((local, local + (plan.pp - 1) * width))
     return PlanGroups(
         plan=plan, rank=rank, stage=stage, local_rank=local,
-        stage_group=mine(layout_rank_sets(Layout(dp=width), "stage", offset)),
+        stage_group=mine(layout_rank_sets(ActivationLayout(dp=width), "stage", offset)),
         pp=mine(pp_ranks), embd=embd, singleton=mine([(rank,)]), layouts=layouts,
         num_groups=cache.num_groups, experts=experts,
     )

@@ -2,7 +2,7 @@
 
 Legend: s = sequence, b = micro-batch (all replicas), h = hidden (any trailing dims);
 S = ranks of the stage; a layout's local block is `[s_loc, b_loc, h]`, e.g. `[s/tp, b/dp, h]`
-under sp, `[s/cp, b/dp, h]` (chunks i and 2cp-1-i) under cp, `[s/seq, b/dp, h]` for Ulysses.
+under sp, `[s/cp, b/dp, h]` (chunks i and 2cp-1-i) under cp, `[s/ulysses, b/dp, h]` for Ulysses.
 
 One exchange covers every pair of layouts (TP <-> SP, TP degree changes, DP <-> TP "relocation",
 CP / Ulysses <-> anything, batch <-> sequence splits): both layouts are compared on the finest
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_ext.runtime.layout import Layout, common_granularity
+from megatron_ext.geometry.activation import ActivationLayout, common_granularity
 
 __all__ = ["ExchangePlan", "exchange_plan", "local_block", "local_tokens", "redistribute"]
 
@@ -76,7 +76,8 @@ def _runs(local_chunks: list[int], chunk_size: int) -> Runs:
 
 
 @functools.lru_cache(maxsize=1024)
-def exchange_plan(src: Layout, dst: Layout, seq_length: int, batch: int, rank: int) -> ExchangePlan:
+def exchange_plan(src: ActivationLayout, dst: ActivationLayout, seq_length: int, batch: int,
+                  rank: int) -> ExchangePlan:
     """Exchange plan of local `rank` for a `[seq_length, batch, ...]` activation (all ranks
     agree)."""
     assert src.width == dst.width, (src, dst)
@@ -185,7 +186,7 @@ class _Redistribute(torch.autograd.Function):
 
 
 def redistribute(
-    x: torch.Tensor, src: Layout, dst: Layout, *, group: dist.ProcessGroup
+    x: torch.Tensor, src: ActivationLayout, dst: ActivationLayout, *, group: dist.ProcessGroup
 ) -> torch.Tensor:
     """Local block of `src` (`[s_loc, b_loc, h]`) -> local block of `dst`, differentiably.
 
@@ -194,7 +195,7 @@ def redistribute(
     """
     if src == dst:
         return x
-    seq_length = x.shape[0] * src.cp * src.seq * (src.tp if src.sp else 1)
+    seq_length = x.shape[0] * src.cp * src.ulysses * (src.tp if src.sp else 1)
     batch = x.shape[1] * src.dp
     rank = dist.get_rank(group)
     if exchange_plan(src, dst, seq_length, batch, rank).is_identity:
@@ -202,14 +203,14 @@ def redistribute(
     return _Redistribute.apply(x, src, dst, group, seq_length, batch, rank)
 
 
-def local_block(full: torch.Tensor, layout: Layout, rank: int) -> torch.Tensor:
+def local_block(full: torch.Tensor, layout: ActivationLayout, rank: int) -> torch.Tensor:
     """`[s, b, h]` full activation -> this rank's `[s_loc, b_loc, h]` block (a copy)."""
     positions = torch.tensor(layout.positions(rank, full.shape[0]), device=full.device)
     lo, hi = layout.batch_range(rank, full.shape[1])
     return full.index_select(0, positions)[:, lo:hi].contiguous()  # [s_loc, b_loc, h]
 
 
-def local_tokens(tokens: torch.Tensor, layout: Layout, rank: int,
+def local_tokens(tokens: torch.Tensor, layout: ActivationLayout, rank: int,
                  shard: tuple[int, int] = (0, 1)) -> torch.Tensor:
     """Batch-first `[b, s]` token ids (or masks) -> this rank's `[b_loc, s_loc]` part.
 

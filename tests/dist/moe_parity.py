@@ -10,7 +10,7 @@ practically impossible; the parallel run differs from the reference by fp32 redu
 
 The load-balancing loss of a token block depends on which tokens are in the block (its expert
 counts), so the reference runs each micro-batch as the `blocks` data-parallel blocks the MoE
-layers see (contiguous rows, data-parallel rank outermost: runtime/layout.py), every MoE layer of
+layers see (contiguous rows, data-parallel rank outermost: geometry/activation.py), every MoE layer of
 a compared plan having that dp; dense layers are per-sample and indifferent to the split. With
 per-token loss the router weighs a block's aux loss by the block's tokens, the reference
 normalises by the global loss-token count itself (`MoEAuxLossAutoScaler` scale 1/tokens).
@@ -57,7 +57,7 @@ def reference_model(plan: ParallelPlan, seed: int, *, dispatcher: str = "alltoal
         transformer_config,
     )
     from megatron_ext.megatron_adapter.weights import init_plan_invariant
-    from megatron_ext.planner.cost.compute import padded_vocab_size
+    from megatron_ext.geometry.vocab_partition import padded_vocab_size
 
     prepare_megatron()
     tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=0, ep_rank=0, etp_rank=0,

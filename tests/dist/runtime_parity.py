@@ -70,7 +70,7 @@ def reference_model(plan: ParallelPlan, seed: int, divisible_by: int = 128,
     from megatron_ext.megatron_adapter.build import prepare_megatron
     from megatron_ext.megatron_adapter.transformer_config import transformer_config
     from megatron_ext.megatron_adapter.weights import init_plan_invariant
-    from megatron_ext.planner.cost.compute import padded_vocab_size
+    from megatron_ext.geometry.vocab_partition import padded_vocab_size
 
     prepare_megatron()
     tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=0, ep_rank=0, etp_rank=0,

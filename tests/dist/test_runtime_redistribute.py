@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_ext.runtime.layout import Layout
+from megatron_ext.geometry.activation import ActivationLayout
 from megatron_ext.runtime.redistribute import exchange_plan, local_block, redistribute
 from megatron_ext.runtime.ring_attention import ring_attention
 from megatron_ext.runtime.testing import run_distributed
@@ -27,12 +27,13 @@ from megatron_ext.runtime.ulysses import heads_to_seq, seq_to_heads
 pytestmark = pytest.mark.dist
 
 
-def all_layouts(width: int) -> list[Layout]:
+def all_layouts(width: int) -> list[ActivationLayout]:
     found = []
-    for tp, seq, cp in itertools.product(range(1, width + 1), repeat=3):
-        if width % (tp * seq * cp) == 0:
+    for tp, ulysses, cp in itertools.product(range(1, width + 1), repeat=3):
+        if width % (tp * ulysses * cp) == 0:
+            dp = width // (tp * ulysses * cp)
             for sp in (False, True) if tp > 1 else (False,):
-                found.append(Layout(tp=tp, sp=sp, cp=cp, seq=seq, dp=width // (tp * seq * cp)))
+                found.append(ActivationLayout(tp=tp, sp=sp, cp=cp, ulysses=ulysses, dp=dp))
     return found
 
 
@@ -63,8 +64,8 @@ def reference_attention(q, k, v, scale):  # [s, b, n, d], [s, b, g, d] -> [s, b,
     return (scores.masked_fill(causal, float("-inf")).softmax(-1) @ vh).permute(2, 0, 1, 3)
 
 
-def _check_attention(rank: int, layout: Layout, seq_group, cp_group) -> None:
-    """Ulysses over `seq_group` around ring attention over `cp_group`, as in a layer."""
+def _check_attention(rank: int, layout: ActivationLayout, ulysses_group, cp_group) -> None:
+    """Ulysses over `ulysses_group` around ring attention over `cp_group`, as in a layer."""
     s, b, n, g, d, scale = 16, 2, 4, 2, 3, 0.37
     q, k, v = (torch.randn(s, b, h, d, dtype=torch.float64, requires_grad=True)
                for h in (n, g, g))
@@ -72,8 +73,8 @@ def _check_attention(rank: int, layout: Layout, seq_group, cp_group) -> None:
     grad_out = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), grad_out)
     local = [local_block(t.detach(), layout, rank).requires_grad_() for t in (q, k, v)]
-    heads = [seq_to_heads(t, seq_group) for t in local]  # [s/cp, b, heads/seq, d]
-    mine = heads_to_seq(ring_attention(*heads, group=cp_group, softmax_scale=scale), seq_group)
+    heads = [seq_to_heads(t, ulysses_group) for t in local]  # [s/cp, b, heads/ulysses, d]
+    mine = heads_to_seq(ring_attention(*heads, group=cp_group, softmax_scale=scale), ulysses_group)
     tol = {"rtol": 1e-12, "atol": 1e-12}
     torch.testing.assert_close(mine, local_block(out.detach(), layout, rank), **tol)
     mine.backward(local_block(grad_out, layout, rank))
@@ -86,9 +87,9 @@ def _check_ops(rank: int, world_size: int, **kwargs) -> int:
     world = dist.group.WORLD
     pairs = [dist.new_group(r) for r in ([0, 1], [2, 3], [0, 2], [1, 3])]
     single = [dist.new_group([r]) for r in range(world_size)][rank]
-    _check_attention(rank, Layout(cp=4), single, world)
-    _check_attention(rank, Layout(seq=2, dp=2), pairs[rank // 2], single)
-    _check_attention(rank, Layout(seq=2, cp=2), pairs[rank // 2], pairs[2 + rank % 2])
+    _check_attention(rank, ActivationLayout(cp=4), single, world)
+    _check_attention(rank, ActivationLayout(ulysses=2, dp=2), pairs[rank // 2], single)
+    _check_attention(rank, ActivationLayout(ulysses=2, cp=2), pairs[rank // 2], pairs[2 + rank % 2])
     return count
 
 
@@ -101,9 +102,10 @@ def test_every_layout_pair_and_attention_on_4_ranks() -> None:
 def test_tp_to_dp_relocation_moves_no_data_forward() -> None:
     """Galvatron's TP->DP relocation: every rank already holds its new slice (§1.5 pattern)."""
     for rank in range(4):
-        plan = exchange_plan(Layout(tp=2, dp=2), Layout(dp=4), 16, 4, rank)
+        plan = exchange_plan(ActivationLayout(tp=2, dp=2), ActivationLayout(dp=4), 16, 4, rank)
         assert not plan.needs_comm and not plan.sends and len(plan.local) == 1
-        back = exchange_plan(Layout(dp=4), Layout(tp=2, dp=2), 16, 4, rank)
+        back = exchange_plan(ActivationLayout(dp=4), ActivationLayout(tp=2, dp=2), 16, 4, rank)
         assert back.needs_comm and [p.peer for p in back.recvs] == [rank ^ 1]
-    same = exchange_plan(Layout(tp=2, sp=True, dp=2), Layout(seq=2, dp=2), 16, 4, 1)
+    same = exchange_plan(ActivationLayout(tp=2, sp=True, dp=2), ActivationLayout(ulysses=2, dp=2),
+                         16, 4, 1)
     assert same.is_identity  # SP and a contiguous split hold the same tokens

@@ -49,10 +49,7 @@ def _setup(tp: int, pp: int, vocab: int, layers: tuple[int, ...]) -> dict[str, A
 
     from megatron_ext.megatron_adapter.cpu import compat as cpu_compat
     from megatron_ext.megatron_adapter.vocab.baseline import build_stage_body
-    from megatron_ext.runtime.vocab_parallel import (
-        new_vocab_comm_groups,
-        vocab_rank_lists,
-    )
+    from megatron_ext.runtime.vocab.comm import new_vocab_comm_groups, vocab_rank_lists
 
     cpu_compat.apply()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,

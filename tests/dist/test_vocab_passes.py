@@ -84,11 +84,9 @@ def _run(rank: int, world_size: int, barriers: int) -> dict[str, Any]:
 
 
 def _passes(rank: int, world_size: int, barriers: int, calls: list) -> dict[str, Any]:
-    from megatron_ext.runtime.vocab_parallel import (
-        VocabPartition,
-        VocabPassRunner,
-        new_vocab_comm_groups,
-    )
+    from megatron_ext.geometry.vocab_partition import VocabPartition
+    from megatron_ext.runtime.vocab.comm import new_vocab_comm_groups
+    from megatron_ext.runtime.vocab.passes import VocabPassRunner
 
     part = VocabPartition.create(VOCAB, world_size)
     w_in_full, w_out_full, batches = _data()

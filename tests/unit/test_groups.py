@@ -13,6 +13,8 @@ import pytest
 import torch.distributed as dist
 
 from megatron_ext.errors import PlanError
+from megatron_ext.geometry.activation import ActivationLayout
+from megatron_ext.geometry.stages import embedding_layout, output_layout
 from megatron_ext.plan import LayerStrategy, ParallelPlan
 from megatron_ext.presets import MODEL_PRESETS
 from megatron_ext.runtime.groups import (
@@ -22,19 +24,17 @@ from megatron_ext.runtime.groups import (
     layout_rank_sets,
     plan_rank_sets,
 )
-from megatron_ext.runtime.layout import Layout
-from megatron_ext.runtime.plan_layouts import embedding_layout, output_layout
 
 
-def all_layouts(width: int) -> list[Layout]:
+def all_layouts(width: int) -> list[ActivationLayout]:
     """Every layout of `width` ranks (with and without sp)."""
     found = []
-    for tp, seq, cp in itertools.product(range(1, width + 1), repeat=3):
-        if width % (tp * seq * cp):
+    for tp, ulysses, cp in itertools.product(range(1, width + 1), repeat=3):
+        if width % (tp * ulysses * cp):
             continue
-        dp = width // (tp * seq * cp)
+        dp = width // (tp * ulysses * cp)
         for sp in (False, True) if tp > 1 else (False,):
-            found.append(Layout(tp=tp, sp=sp, cp=cp, seq=seq, dp=dp))
+            found.append(ActivationLayout(tp=tp, sp=sp, cp=cp, ulysses=ulysses, dp=dp))
     return found
 
 
@@ -59,16 +59,16 @@ def test_layout_blocks_partition_the_activation(width: int) -> None:
 
 
 def test_layout_rank_order_is_megatron_tp_innermost() -> None:
-    layout = Layout(tp=2, seq=2, cp=2, dp=2)
+    layout = ActivationLayout(tp=2, ulysses=2, cp=2, dp=2)
     assert layout_rank_sets(layout, "tp") == [(2 * i, 2 * i + 1) for i in range(8)]
-    assert layout_rank_sets(layout, "seq")[0] == (0, 2)
+    assert layout_rank_sets(layout, "ulysses")[0] == (0, 2)
     assert layout_rank_sets(layout, "cp")[0] == (0, 4)
     assert layout_rank_sets(layout, "dp")[0] == (0, 8)
     assert layout_rank_sets(layout, "dp_cp")[0] == tuple(range(0, 16, 2))
     # cp rank 1 of cp2 holds the load-balanced chunks 1 and 2 of 4
-    assert Layout(cp=2).chunk_ids(1) == (1, 2)
+    assert ActivationLayout(cp=2).chunk_ids(1) == (1, 2)
     # cp rank 1 holds tokens [2, 6); SP gives tp rank 1 the second half
-    assert Layout(cp=2, tp=2, sp=True).positions(3, 8) == [4, 5]
+    assert ActivationLayout(cp=2, tp=2, sp=True).positions(3, 8) == [4, 5]
 
 
 def _plan(world: int, pp: int, strategies: list[LayerStrategy], **kw: object) -> ParallelPlan:
@@ -119,7 +119,7 @@ def test_groups_at_world_64_share_communicators(fake_world) -> None:
     assert la.dp is lb.dp
     assert groups.for_layer(4) is groups.for_layer(5)
     lc = groups.for_layer(4)
-    assert dist.get_process_group_ranks(lc.seq) == [36, 37]
+    assert dist.get_process_group_ranks(lc.ulysses) == [36, 37]
     assert lc.tp is groups.singleton and lc.cp is groups.singleton
     assert dist.get_process_group_ranks(lc.dp_cp) == list(range(32, 64))
 
@@ -148,9 +148,10 @@ def test_vocab_layouts_follow_neighbour_or_split_tokens() -> None:
     layers = [LayerStrategy(tp=2, dp=4), LayerStrategy(tp=8), LayerStrategy(tp=8),
               LayerStrategy(tp=8)]
     plan = _plan(8, 1, layers, vocab=VocabStrategy(tp=2))
-    assert embedding_layout(plan) == Layout(tp=2, dp=4)  # the first layer's own layout
-    assert output_layout(plan) == Layout(tp=2, dp=4)  # pp=1: shares the embedding's sp
+    assert embedding_layout(plan) == ActivationLayout(tp=2, dp=4)  # the first layer's own layout
+    assert output_layout(plan) == ActivationLayout(tp=2, dp=4)  # pp=1: shares the embedding's sp
     plan = _plan(16, 2, [LayerStrategy(tp=8)] * 4, vocab=VocabStrategy(tp=2))
-    assert output_layout(plan) == Layout(tp=2, sp=True, dp=4)  # mbs 32 splits over all 4
+    assert output_layout(plan) == ActivationLayout(tp=2, sp=True, dp=4)  # mbs 32 splits over all 4
     plan = dataclasses.replace(plan, micro_batch_size=2, global_batch_size=4)
-    assert output_layout(plan) == Layout(tp=2, sp=True, seq=2, dp=2)  # rest split by sequence
+    # the rest split by sequence
+    assert output_layout(plan) == ActivationLayout(tp=2, sp=True, ulysses=2, dp=2)

@@ -10,8 +10,8 @@ import pytest
 
 from megatron_ext.cli import main
 from megatron_ext.errors import PlanError
+from megatron_ext.geometry.vocab import vocab_parallel_layout
 from megatron_ext.plan import ParallelPlan
-from megatron_ext.runtime.vocab.layout import vocab_parallel_layout
 
 UNIFORM = "examples/plans/llama2-7b_uniform_tp2_pp2.json"  # rope, max_position_embeddings 4096
 VOCAB_PARALLEL = "examples/plans/tiny-llama_tp2_pp2_vocab_parallel.json"
@@ -67,7 +67,7 @@ def test_vocab_parallel_sequence_split_is_a_plan_rule(tmp_path, capsys):
         run.update(sp=False, dp=2)
     good = ParallelPlan.from_dict(data)
     layout = vocab_parallel_layout(good)
-    assert (layout.dp, layout.seq) == (2, 2)  # 4 replicas: 2 samples, then 2 sequence halves
+    assert (layout.dp, layout.ulysses) == (2, 2)  # 4 replicas: 2 samples, then 2 sequence halves
     data["seq_length"] = 63
     plan = tmp_path / "plan.json"
     plan.write_text(json.dumps(data))

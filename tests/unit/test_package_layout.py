@@ -1,11 +1,14 @@
 """The package's import graph: no cycles (lazy imports inside functions count; imports under
 `if TYPE_CHECKING:` do not) and imports pointing one way:
 
-    commands -> megatron_adapter -> runtime -> planner -> plan -> specs -> schema -> errors
+    commands -> megatron_adapter -> runtime -> planner -> geometry -> plan -> specs
+             -> schema -> errors
     commands, megatron_adapter -> flags -> plan
 
-Only megatron_adapter imports megatron; the planner and the flags import neither torch nor
-megatron, so `megatron-ext search`/`args` never need them.
+geometry (which ranks hold which part of an activation or of the vocabulary, from the plan alone)
+sits below the planner so that the planner, `evaluate` and the runtime share one answer.
+Only megatron_adapter imports megatron; the planner, the geometry and the flags import neither
+torch nor megatron, so `megatron-ext search`/`args` never need them.
 """
 
 from __future__ import annotations
@@ -25,17 +28,21 @@ ALLOWED = {
     "presets": {"errors", "schema", "specs", "hf_config"},
     "hf_config": {"errors", "schema", "specs"},
     "plan": {"errors", "schema", "specs", "plan"},  # plan <-> plan_checks is type-only
-    "planner": {"errors", "schema", "specs", "presets", "hf_config", "plan", "planner"},
+    "geometry": {"errors", "schema", "specs", "plan", "geometry"},
+    "planner": {"errors", "schema", "specs", "presets", "hf_config", "plan", "geometry",
+                "planner"},
     "flags": {"errors", "schema", "specs", "presets", "hf_config", "plan", "flags"},
-    "runtime": {"errors", "schema", "specs", "presets", "plan", "planner", "runtime"},
-    "megatron_adapter": {"errors", "schema", "specs", "presets", "hf_config", "plan", "planner",
-                         "flags", "runtime", "megatron_adapter"},
-    "commands": {"errors", "schema", "specs", "presets", "hf_config", "plan", "planner", "flags",
-                 "runtime", "megatron_adapter", "commands"},
+    "runtime": {"errors", "schema", "specs", "presets", "plan", "geometry", "planner",
+                "runtime"},
+    "megatron_adapter": {"errors", "schema", "specs", "presets", "hf_config", "plan", "geometry",
+                         "planner", "flags", "runtime", "megatron_adapter"},
+    "commands": {"errors", "schema", "specs", "presets", "hf_config", "plan", "geometry",
+                 "planner", "flags", "runtime", "megatron_adapter", "commands"},
     "cli": {"errors", "commands"},
     "__init__": set(),
 }
-NO_TORCH = ("planner", "flags", "plan", "specs", "schema", "errors", "presets", "hf_config")
+NO_TORCH = ("planner", "geometry", "flags", "plan", "specs", "schema", "errors", "presets",
+            "hf_config")
 
 
 def _module_name(path: Path) -> str:

@@ -2,8 +2,9 @@
 
 The CPU tests (tests/dist/test_vocab_*.py, tests/dist/test_training_vocab.py) can only vouch
 for a GPU run if the code they run is the code a GPU run takes. These checks read the source of
-every vocabulary runtime module (runtime/vocab/, runtime/vocab_parallel.py,
-megatron_adapter/vocab/) and fail on anything that could make the two differ: a test of the
+every vocabulary runtime module (runtime/vocab/, megatron_adapter/vocab/; the pass planning in
+planner/vocab/ and the vocabulary split in geometry/ import no torch, tests/unit/
+test_package_layout.py) and fail on anything that could make the two differ: a test of the
 device or backend type, a CUDA-only API, worker threads (which would need per-thread streams on
 a device), or a collective issued synchronously by the passes. tests/dist/test_vocab_passes.py
 runs the passes and records the collectives they issue.
@@ -20,7 +21,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2] / "megatron_ext"
 MODULES = sorted([*(ROOT / "runtime" / "vocab").glob("*.py"),
-                  ROOT / "runtime" / "vocab_parallel.py",
                   *(ROOT / "megatron_adapter" / "vocab").glob("*.py")])
 BACKEND_NAMES = {"cpu", "cuda", "xpu", "mps", "hip", "npu", "gloo", "nccl", "xccl", "mpi"}
 BACKEND_QUERIES = {"get_backend", "is_nccl_available", "is_gloo_available", "is_available",
@@ -105,4 +105,4 @@ def test_every_collective_of_the_passes_is_asynchronous() -> None:
 
 def test_modules_are_all_checked() -> None:
     names = {p.name for p in MODULES}
-    assert {"passes.py", "comm.py", "iteration.py", "schedule.py", "vocab_parallel.py"} <= names
+    assert {"passes.py", "comm.py", "iteration.py", "schedule.py", "output_layer.py"} <= names

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from megatron_ext.geometry.vocab_partition import VocabPartition
 from megatron_ext.runtime.vocab.input_layer import (
     accumulate_embedding_grad,
     embedding_forward_pass,
@@ -24,7 +25,6 @@ from megatron_ext.runtime.vocab.output_layer import (
     output_weight_grad_pass,
     softmax_scale,
 )
-from megatron_ext.runtime.vocab.partition import VocabPartition
 
 # fp64 throughout: the sharded and the reference computations reorder sums, nothing else,
 # so agreement to 1e-10 means the algebra is right.

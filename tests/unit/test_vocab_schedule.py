@@ -11,15 +11,10 @@ import random
 
 import pytest
 
-from megatron_ext.runtime.vocab_parallel import (
-    Op,
-    PassCosts,
-    plan_vocab_schedule,
-    simulate,
-    simulate_baseline,
-    skeleton_1f1b,
-    vocab_pass_costs,
-)
+from megatron_ext.planner.vocab.pass_costs import vocab_pass_costs
+from megatron_ext.planner.vocab.schedule_ops import Op, skeleton_1f1b
+from megatron_ext.planner.vocab.schedule_plan import plan_vocab_schedule
+from megatron_ext.planner.vocab.schedule_sim import PassCosts, simulate, simulate_baseline
 
 
 def _costs(p: int, seed: int) -> PassCosts:
@@ -104,7 +99,7 @@ def test_vocabulary_work_is_balanced_across_stages() -> None:
 
 
 def test_vocab_rank_lists_order_shards_by_stage_then_tp_rank() -> None:
-    from megatron_ext.runtime.vocab_parallel import vocab_rank_lists
+    from megatron_ext.runtime.vocab.comm import vocab_rank_lists
 
     # pp=2 stages of 4 ranks, vocabulary tp=2: two replicas, shard = stage * 2 + tp rank
     assert vocab_rank_lists([[0, 1, 2, 3], [4, 5, 6, 7]], 2) == [[0, 1, 4, 5], [2, 3, 6, 7]]

@@ -14,7 +14,7 @@ megatron-core's own schedules:
 - Interleaved plans (virtual_stages > 1) run `forward_backward_pipelining_with_interleaving`
   over the rank's model chunks. That schedule passes one tensor shape for every message (no
   adjust_tensor_shapes_fn), so every chunk boundary carries one layout
-  (plan_layouts.chunk_boundary_layout) and `ChunkP2P` sends and receives its
+  (geometry.stages.chunk_boundary_layout) and `ChunkP2P` sends and receives its
   `[s_loc, b_loc, h]`. The chunk reading tokens (chunk 0 on the first stage) or labels (the
   last chunk on the last stage) gets the data iterator; the others get None.
 
@@ -36,6 +36,8 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import get_forward_backward_func
 
+from megatron_ext.geometry.stages import chunk_shape, stage_shapes
+from megatron_ext.geometry.vocab import vocab_parallel_layout
 from megatron_ext.megatron_adapter.build import build_model
 from megatron_ext.megatron_adapter.ddp import HeteroDDP
 from megatron_ext.megatron_adapter.losses import forward_step, global_loss, layerwise_view
@@ -52,8 +54,6 @@ from megatron_ext.megatron_adapter.training.model_config import (
 from megatron_ext.megatron_adapter.training.run_config import RunConfig
 from megatron_ext.plan import ParallelPlan
 from megatron_ext.runtime.groups import PlanGroups
-from megatron_ext.runtime.plan_layouts import chunk_shape, stage_shapes
-from megatron_ext.runtime.vocab.layout import vocab_parallel_layout
 
 __all__ = ["ChunkP2P", "LayerwiseBackend", "build_layerwise_model", "data_shard"]
 
@@ -75,7 +75,7 @@ def data_shard(model: HeteroGPTModel) -> DataShard | None:
 
     The layouts whose tokens the stage takes (embedding input on the first stage, loss on the
     last; the vocabulary layout on every stage under vocabulary parallelism) cut the batch into
-    dp_l contiguous blocks, data-parallel rank outermost (runtime/layout.py); the blocks of
+    dp_l contiguous blocks, data-parallel rank outermost (geometry/activation.py); the blocks of
     g = gcd(dp_l) nest them all, so the rank reads block local_rank * g // stage_width."""
     plan, groups = model.plan, model.groups
     if plan.vocab.mode == "vocab_parallel":

@@ -23,6 +23,7 @@ from megatron.core.rerun_state_machine import RerunMode, initialize_rerun_state_
 
 from megatron_ext.errors import PlanError
 from megatron_ext.flags.to_plan import plan_from_megatron_args
+from megatron_ext.geometry.vocab_partition import padded_vocab_size
 from megatron_ext.megatron_adapter.training.checkpoint import (
     TrainState,
     check_layer_keys,
@@ -43,7 +44,6 @@ from megatron_ext.megatron_adapter.training.run_config import (
 from megatron_ext.megatron_adapter.training.select import build_backend
 from megatron_ext.megatron_adapter.training.tokenizer import build_tokenizer
 from megatron_ext.plan import ParallelPlan
-from megatron_ext.planner.cost.compute import padded_vocab_size
 from megatron_ext.planner.report import format_duration
 
 logger = logging.getLogger("megatron_ext.pretrain")

@@ -5,8 +5,8 @@ Legend: s = sequence, b = micro-batch (all replicas), h = hidden; `_loc` = this 
 
 `build_model` builds every stage as a body (`HeteroGPTModel`, no embedding / output layer) that
 holds its vocabulary shards (`model.vocab`) and takes / returns the vocabulary passes' layout
-(runtime/vocab/layout.py) on the first / last stage. The stage boundaries keep the runtime's
-shapes (`plan_layouts.stage_shapes`: the sending stage's last-layer layout), the vocabulary
+(geometry/vocab.py) on the first / last stage. The stage boundaries keep the runtime's
+shapes (`geometry.stages.stage_shapes`: the sending stage's last-layer layout), the vocabulary
 passes work on `[s_loc, b_loc, h]` of that layout, and vocab/schedule.py's 1F1B runs them.
 Every rank reads the rows of every micro-batch its vocabulary layout gives it; each slices its
 part. Everything else (data shard, losses, checkpoints) is the layerwise backend's.
@@ -21,13 +21,13 @@ from typing import Any, ClassVar
 
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
+from megatron_ext.geometry.stages import stage_shapes
+from megatron_ext.geometry.vocab import vocab_parallel_layout
 from megatron_ext.megatron_adapter.losses import forward_step, vocab_view
 from megatron_ext.megatron_adapter.model import HeteroGPTModel
 from megatron_ext.megatron_adapter.training.backend import BackendName, Batch
 from megatron_ext.megatron_adapter.training.layerwise_backend import LayerwiseBackend
 from megatron_ext.megatron_adapter.vocab.schedule import schedule_for_plan
-from megatron_ext.runtime.plan_layouts import stage_shapes
-from megatron_ext.runtime.vocab.layout import vocab_parallel_layout
 
 __all__ = ["VocabParallelBackend"]
 

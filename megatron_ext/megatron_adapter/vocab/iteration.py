@@ -27,12 +27,9 @@ from megatron_ext.megatron_adapter.vocab.layers import (
     VocabParallelLayers,
     VocabScheduleOptions,
 )
-from megatron_ext.runtime.vocab_parallel import (
-    Op,
-    VocabPassRunner,
-    receive_window,
-    vocab_pass_costs,
-)
+from megatron_ext.planner.vocab.pass_costs import vocab_pass_costs
+from megatron_ext.planner.vocab.schedule_ops import Op, receive_window
+from megatron_ext.runtime.vocab.passes import VocabPassRunner
 
 
 class VocabIteration:

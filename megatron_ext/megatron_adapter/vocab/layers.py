@@ -6,7 +6,7 @@ The shards are Megatron's own modules built over the vocabulary group instead of
 `VocabParallelEmbedding(tp_group=G)` for the input embedding and `ColumnParallelLinear(tp_group=G)`
 for an untied output layer, so initialisation, checkpoint sharding (offsets come from G) and
 optimizer handling are Megatron's. Their forward methods are not used: the runtime's S/T/IF/IB
-passes (megatron_ext/runtime/vocab_parallel.py) read the weights. Tied embeddings are one
+passes (megatron_ext/runtime/vocab/passes.py) read the weights. Tied embeddings are one
 parameter: both passes of a rank touch the same vocabulary rows, so the tie stays local.
 """
 
@@ -25,8 +25,10 @@ from megatron.core.tensor_parallel.layers import (
 )
 from megatron.core.transformer.utils import sharded_state_dict_default
 
+from megatron_ext.geometry.vocab_partition import VocabPartition
 from megatron_ext.plan import VocabStrategy
-from megatron_ext.runtime.vocab_parallel import Op, VocabCommGroups, VocabPartition
+from megatron_ext.planner.vocab.schedule_ops import Op
+from megatron_ext.runtime.vocab.comm import VocabCommGroups
 
 
 def num_barriers_for(vocab: VocabStrategy) -> int:

@@ -7,7 +7,7 @@ Legend: s = sequence, b = micro-batch, h = hidden, p = pipeline stages, M = micr
 (forward_data_store on the last stage). It runs Megatron's 1F1B call for call (its
 `forward_step`, `backward_step`, `P2PCommunicator` calls, `deallocate_output_tensor`,
 `finalize_model_grads_func`), with `num_barriers` more warm-up forwards, and inserts the
-vocabulary passes of every micro-batch where runtime/vocab/schedule_plan.py put them. Their
+vocabulary passes of every micro-batch where planner/vocab/schedule_plan.py put them. Their
 collectives are asynchronous, one group per kind, waited on where their results are needed
 (runtime/vocab/passes.py), so barriers overlap transformer passes on any device.
 
@@ -50,7 +50,9 @@ from megatron_ext.megatron_adapter.vocab.layers import (
     num_barriers_for,
 )
 from megatron_ext.plan import ParallelPlan
-from megatron_ext.runtime.vocab_parallel import Op, VocabCommGroups, plan_vocab_schedule
+from megatron_ext.planner.vocab.schedule_ops import Op
+from megatron_ext.planner.vocab.schedule_plan import plan_vocab_schedule
+from megatron_ext.runtime.vocab.comm import VocabCommGroups
 
 
 def make_vocab_parallel_schedule(options: VocabScheduleOptions) -> Callable[..., list]:

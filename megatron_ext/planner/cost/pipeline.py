@@ -136,7 +136,7 @@ def one_f_one_b_order(
     """The compute passes of `stage` in Megatron's 1F1B order: ("F", i) / ("B", i) for
     micro-batch i; num_warmup forwards, then one forward and one backward per remaining
     micro-batch, then the cool-down backwards. The event simulations of the profiled cost model
-    (planner/profile/pipeline.py) and of the vocabulary schedule (runtime/vocab/schedule_ops.py)
+    (planner/profile/pipeline.py) and of the vocabulary schedule (planner/vocab/schedule_ops.py)
     play this order; `one_f_one_b` is its closed form."""
     m = num_microbatches
     warm = num_warmup(stage, num_stages, m, extra_warmup)

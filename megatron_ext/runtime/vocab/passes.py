@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.futures import Future
 
+from megatron_ext.geometry.vocab_partition import VocabPartition
 from megatron_ext.runtime.vocab import output_layer as out
 from megatron_ext.runtime.vocab.comm import Background, InOrder, VocabCommGroups
 from megatron_ext.runtime.vocab.input_layer import (
@@ -47,7 +48,6 @@ from megatron_ext.runtime.vocab.input_layer import (
     embedding_forward_pass,
     flush_embedding_grad,
 )
-from megatron_ext.runtime.vocab.partition import VocabPartition
 
 # torch >= 2.13 renames all_gather_into_tensor (deprecated there) to all_gather_single.
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)

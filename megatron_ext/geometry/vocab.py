@@ -15,14 +15,14 @@ body re-layouts from / to it (runtime/redistribute.py).
 
 from __future__ import annotations
 
+from megatron_ext.geometry.activation import ActivationLayout
 from megatron_ext.plan import ParallelPlan
 from megatron_ext.plan_checks import vocab_parallel_split
-from megatron_ext.runtime.layout import Layout
 
 __all__ = ["vocab_parallel_layout", "vocab_stage_roots"]
 
 
-def vocab_parallel_layout(plan: ParallelPlan) -> Layout:
+def vocab_parallel_layout(plan: ParallelPlan) -> ActivationLayout:
     """Layout of the summed input embedding (first stage), the final-norm output (last stage)
     and the vocabulary weights' replicas (every stage)."""
     dp, seq = vocab_parallel_split(
@@ -31,7 +31,7 @@ def vocab_parallel_layout(plan: ParallelPlan) -> Layout:
         micro_batch_size=plan.micro_batch_size,
         seq_length=plan.seq_length,
     )
-    return Layout(tp=plan.vocab.tp, sp=False, seq=seq, dp=dp)
+    return ActivationLayout(tp=plan.vocab.tp, sp=False, ulysses=seq, dp=dp)
 
 
 def vocab_stage_roots(plan: ParallelPlan) -> tuple[int, int]:

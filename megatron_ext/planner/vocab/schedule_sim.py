@@ -17,7 +17,7 @@ import functools
 from collections import deque
 from dataclasses import dataclass
 
-from megatron_ext.runtime.vocab.schedule_ops import Op, receive_window, skeleton_1f1b
+from megatron_ext.planner.vocab.schedule_ops import Op, receive_window, skeleton_1f1b
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

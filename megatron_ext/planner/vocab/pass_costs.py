@@ -14,7 +14,7 @@ Only ratios matter for placement, so the unit is arbitrary (`flops_per_s` turns 
 from __future__ import annotations
 
 from megatron_ext.planner.cost import compute as C
-from megatron_ext.runtime.vocab.schedule_sim import PassCosts
+from megatron_ext.planner.vocab.schedule_sim import PassCosts
 from megatron_ext.specs import ModelSpec
 
 

@@ -12,6 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def padded_vocab_size(vocab_size: int, num_shards: int, divisible_by: int = 128) -> int:
+    """Megatron-LM's padding: V up to a multiple of --make-vocab-size-divisible-by x (ranks
+    sharing the vocabulary). The model builders and `VocabPartition.create` use it."""
+    if divisible_by < 1:
+        raise ValueError(f"divisible_by={divisible_by} must be >= 1")
+    multiple = divisible_by * num_shards
+    return -(-vocab_size // multiple) * multiple
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class VocabPartition:
     """A padded split of the vocabulary over `num_shards` ranks."""
@@ -40,10 +49,7 @@ class VocabPartition:
     ) -> VocabPartition:
         """Pad V up to a multiple of num_shards * divisible_by (Megatron's
         --make-vocab-size-divisible-by, applied per shard as the reference implementation does)."""
-        if divisible_by < 1:
-            raise ValueError(f"divisible_by={divisible_by} must be >= 1")
-        multiple = num_shards * divisible_by
-        padded = -(-vocab_size // multiple) * multiple
+        padded = padded_vocab_size(vocab_size, num_shards, divisible_by)
         return cls(vocab_size=vocab_size, num_shards=num_shards, padded_vocab_size=padded)
 
     @property

@@ -3,16 +3,16 @@
 Legend: s = sequence, b = micro-batch (samples over all data-parallel replicas), h = hidden;
 S = ranks of one pipeline stage, local rank = rank - stage * S.
 
-A Layout splits the activation over S = tp * seq * cp * dp ranks. Rank order inside a stage is
-Megatron's with tensor parallelism innermost (adjacent ranks, inside a node):
+An ActivationLayout splits the activation over S = tp * ulysses * cp * dp ranks. Rank order
+inside a stage is Megatron's with tensor parallelism innermost (adjacent ranks, inside a node):
 
-    local_rank = tp_rank + tp * (seq_rank + seq * (cp_rank + cp * dp_rank))
+    local_rank = tp_rank + tp * (ulysses_rank + ulysses * (cp_rank + cp * dp_rank))
 
 - dp: the batch is cut into dp contiguous slices, `[s, b/dp, h]`.
 - cp: Megatron's load-balanced context parallelism: the sequence is cut into 2*cp chunks and
   cp rank i holds chunks i and 2*cp-1-i, in that order (`get_batch_on_this_cp_rank`).
-- seq: a contiguous split of the cp-local sequence (Ulysses layers; also free token splits of the
-  embedding/output layers).
+- ulysses: a contiguous split of the cp-local sequence: the Ulysses degree of attention layers
+  (LayerStrategy.ulysses); the embedding/output layers use it as a plain token split.
 - tp with sp: Megatron sequence parallelism splits that sequence once more, `[s/tp, b, h]`;
   tp without sp: the tp ranks hold identical replicas.
 
@@ -30,20 +30,20 @@ from typing import TYPE_CHECKING, NamedTuple
 if TYPE_CHECKING:
     from megatron_ext.plan import LayerStrategy
 
-__all__ = ["Layout", "RankCoords"]
+__all__ = ["ActivationLayout", "RankCoords"]
 
 
 class RankCoords(NamedTuple):
-    """Coordinates of one local rank in a Layout."""
+    """Coordinates of one local rank in an ActivationLayout."""
 
     tp: int
-    seq: int
+    ulysses: int
     cp: int
     dp: int
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class Layout:
+class ActivationLayout:
     """How the S ranks of one pipeline stage hold a `[s, b, h]` activation. Hashable."""
 
     tp: int = 1
@@ -52,32 +52,33 @@ class Layout:
     """Megatron sequence parallelism: the tp ranks split the sequence instead of replicating."""
     cp: int = 1
     """Context-parallel degree: load-balanced split of the sequence into 2*cp chunks."""
-    seq: int = 1
-    """Contiguous split of the cp-local sequence (Ulysses degree for attention layers)."""
+    ulysses: int = 1
+    """Contiguous split of the cp-local sequence: the Ulysses degree of attention layers
+    (LayerStrategy.ulysses), a plain token split for the vocabulary layers."""
     dp: int = 1
     """Batch split."""
 
     def __post_init__(self) -> None:
-        if min(self.tp, self.cp, self.seq, self.dp) < 1:
+        if min(self.tp, self.cp, self.ulysses, self.dp) < 1:
             raise ValueError(f"layout degrees must be >= 1: {self}")
         if self.sp and self.tp == 1:
             raise ValueError(f"sp=True needs tp > 1: {self}")
 
     @classmethod
-    def of(cls, strategy: LayerStrategy) -> Layout:
+    def of(cls, strategy: LayerStrategy) -> ActivationLayout:
         """The layout a transformer layer with `strategy` takes as input and produces."""
-        return cls(tp=strategy.tp, sp=strategy.sp, cp=strategy.cp, seq=strategy.ulysses,
+        return cls(tp=strategy.tp, sp=strategy.sp, cp=strategy.cp, ulysses=strategy.ulysses,
                    dp=strategy.dp)
 
     @property
     def width(self) -> int:
-        """Ranks the layout spans: tp * seq * cp * dp."""
-        return self.tp * self.seq * self.cp * self.dp
+        """Ranks the layout spans: tp * ulysses * cp * dp."""
+        return self.tp * self.ulysses * self.cp * self.dp
 
     def describe(self) -> str:
         parts = [f"tp{self.tp}" + ("+sp" if self.sp else "")]
         parts += [f"cp{self.cp}"] if self.cp > 1 else []
-        parts += [f"seq{self.seq}"] if self.seq > 1 else []
+        parts += [f"uly{self.ulysses}"] if self.ulysses > 1 else []
         return " ".join(parts + [f"dp{self.dp}"])
 
     # ---- rank arithmetic --------------------------------------------------------------------
@@ -86,12 +87,13 @@ class Layout:
         assert 0 <= local_rank < self.width, (local_rank, self)
         tp_rank = local_rank % self.tp
         rest = local_rank // self.tp
-        seq_rank = rest % self.seq
-        rest //= self.seq
-        return RankCoords(tp=tp_rank, seq=seq_rank, cp=rest % self.cp, dp=rest // self.cp)
+        ulysses_rank = rest % self.ulysses
+        rest //= self.ulysses
+        return RankCoords(tp=tp_rank, ulysses=ulysses_rank, cp=rest % self.cp, dp=rest // self.cp)
 
     def rank_of(self, coords: RankCoords) -> int:
-        return coords.tp + self.tp * (coords.seq + self.seq * (coords.cp + self.cp * coords.dp))
+        return coords.tp + self.tp * (
+            coords.ulysses + self.ulysses * (coords.cp + self.cp * coords.dp))
 
     def replicas(self, local_rank: int) -> tuple[int, ...]:
         """Local ranks holding exactly the same block as `local_rank` (itself included)."""
@@ -103,8 +105,8 @@ class Layout:
     # ---- which data a rank holds ------------------------------------------------------------
 
     def seq_chunks(self) -> int:
-        """Granularity G of the sequence split: (2*cp if cp > 1) * seq * (tp if sp)."""
-        return (2 * self.cp if self.cp > 1 else 1) * self.seq * (self.tp if self.sp else 1)
+        """Granularity G of the sequence split: (2*cp if cp > 1) * ulysses * (tp if sp)."""
+        return (2 * self.cp if self.cp > 1 else 1) * self.ulysses * (self.tp if self.sp else 1)
 
     def chunk_ids(self, local_rank: int, granularity: int | None = None) -> tuple[int, ...]:
         """Global sequence-chunk ids held by `local_rank`, in local order.
@@ -121,8 +123,8 @@ class Layout:
         else:
             units, per_unit = (0,), own
         ids = [u * per_unit + i for u in units for i in range(per_unit)]  # cp-local sequence
-        part = len(ids) // self.seq
-        ids = ids[c.seq * part:(c.seq + 1) * part]  # Ulysses / contiguous split
+        part = len(ids) // self.ulysses
+        ids = ids[c.ulysses * part:(c.ulysses + 1) * part]  # Ulysses / contiguous split
         if self.sp:
             part = len(ids) // self.tp
             ids = ids[c.tp * part:(c.tp + 1) * part]  # Megatron SP split
@@ -147,13 +149,15 @@ class Layout:
 
     def local_shape(self, seq_length: int, batch: int) -> tuple[int, int]:
         """(s_local, b_local) of every rank's block."""
-        return seq_length // (self.cp * self.seq * (self.tp if self.sp else 1)), batch // self.dp
+        return (seq_length // (self.cp * self.ulysses * (self.tp if self.sp else 1)),
+                batch // self.dp)
 
-    def attention_layout(self) -> Layout:
+    def attention_layout(self) -> ActivationLayout:
         """The layout inside attention, after the SP all-gather: tp ranks replicate again."""
-        return Layout(tp=self.tp, sp=False, cp=self.cp, seq=self.seq, dp=self.dp)
+        return ActivationLayout(tp=self.tp, sp=False, cp=self.cp, ulysses=self.ulysses,
+                                dp=self.dp)
 
 
-def common_granularity(a: Layout, b: Layout) -> int:
+def common_granularity(a: ActivationLayout, b: ActivationLayout) -> int:
     """Finest chunk granularity both layouts are whole multiples of."""
     return math.lcm(a.seq_chunks(), b.seq_chunks())

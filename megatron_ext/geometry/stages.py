@@ -2,7 +2,7 @@
 
 Legend: s = sequence, b = micro-batch (all replicas), S = ranks per stage, vtp = plan.vocab.tp.
 
-- Layer l runs in `Layout.of(plan.layers[l])`.
+- Layer l runs in `ActivationLayout.of(plan.layers[l])`.
 - The embedding (first stage) and the output layer with its loss (last stage) run over the vocab
   tensor-parallel group of vtp ranks. When the neighbouring layer has tp == vtp they reuse that
   layer's layout (no re-layout, exactly Megatron's uniform case); otherwise the remaining S/vtp
@@ -19,9 +19,9 @@ from __future__ import annotations
 import dataclasses
 
 from megatron_ext.errors import PlanError
+from megatron_ext.geometry.activation import ActivationLayout
+from megatron_ext.geometry.vocab import vocab_parallel_layout
 from megatron_ext.plan import LayerStrategy, ParallelPlan
-from megatron_ext.runtime.layout import Layout
-from megatron_ext.runtime.vocab.layout import vocab_parallel_layout
 
 __all__ = [
     "boundary_layout",
@@ -38,10 +38,10 @@ def stage_of_rank(plan: ParallelPlan, rank: int) -> tuple[int, int]:
     return rank // plan.stage_width, rank % plan.stage_width
 
 
-def _vocab_layout(plan: ParallelPlan, neighbour: LayerStrategy) -> Layout:
+def _vocab_layout(plan: ParallelPlan, neighbour: LayerStrategy) -> ActivationLayout:
     vtp = plan.vocab.tp
     if neighbour.tp == vtp:
-        return Layout.of(neighbour)
+        return ActivationLayout.of(neighbour)
     rest = plan.stage_width // vtp
     dp = max(d for d in range(1, rest + 1) if rest % d == 0 and plan.micro_batch_size % d == 0)
     seq = rest // dp
@@ -52,15 +52,15 @@ def _vocab_layout(plan: ParallelPlan, neighbour: LayerStrategy) -> Layout:
             f"ranks that micro_batch_size={plan.micro_batch_size} leaves; use a micro-batch "
             f"size that is a multiple of {rest} or a seq_length divisible by {seq}"
         )
-    return Layout(tp=vtp, sp=sp, seq=seq, dp=dp)
+    return ActivationLayout(tp=vtp, sp=sp, ulysses=seq, dp=dp)
 
 
-def embedding_layout(plan: ParallelPlan) -> Layout:
+def embedding_layout(plan: ParallelPlan) -> ActivationLayout:
     """Layout of the embedding output on the first stage."""
     return _vocab_layout(plan, plan.layers[0])
 
 
-def output_layout(plan: ParallelPlan) -> Layout:
+def output_layout(plan: ParallelPlan) -> ActivationLayout:
     """Layout of the final norm, output layer and loss on the last stage.
 
     With pp = 1 it shares the embedding layout's sp flag: both run under one model config.
@@ -71,14 +71,14 @@ def output_layout(plan: ParallelPlan) -> Layout:
     return layout
 
 
-def boundary_layout(plan: ParallelPlan, stage: int) -> Layout:
+def boundary_layout(plan: ParallelPlan, stage: int) -> ActivationLayout:
     """Layout of the activation stage `stage` sends to stage `stage + 1`."""
-    return Layout.of(plan.layers[plan.stages[stage][1] - 1])
+    return ActivationLayout.of(plan.layers[plan.stages[stage][1] - 1])
 
 
-def chunk_boundary_layout(plan: ParallelPlan) -> Layout:
+def chunk_boundary_layout(plan: ParallelPlan) -> ActivationLayout:
     """The one layout every chunk boundary of an interleaved plan carries."""
-    return Layout.of(plan.layers[plan.stages[0][1] - 1])
+    return ActivationLayout.of(plan.layers[plan.stages[0][1] - 1])
 
 
 def chunk_shape(plan: ParallelPlan, hidden: int) -> tuple[int, int, int]:
@@ -88,11 +88,11 @@ def chunk_shape(plan: ParallelPlan, hidden: int) -> tuple[int, int, int]:
     return (s_loc, b_loc, hidden)
 
 
-def stage_layouts(plan: ParallelPlan, stage: int, *, vocab: bool = True) -> list[Layout]:
+def stage_layouts(plan: ParallelPlan, stage: int, *, vocab: bool = True) -> list[ActivationLayout]:
     """Distinct layouts used on `stage`, in first-use order (layers, then vocabulary layers;
     under vocabulary parallelism every stage also holds the vocabulary passes' layout;
     interleaved plans: the layers of all the stage's chunks and the chunk boundary layout)."""
-    found = [Layout.of(plan.layers[i]) for i in plan.stage_layers(stage)]
+    found = [ActivationLayout.of(plan.layers[i]) for i in plan.stage_layers(stage)]
     if plan.virtual_stages > 1:
         found.append(chunk_boundary_layout(plan))
     if vocab and plan.vocab.mode == "vocab_parallel":

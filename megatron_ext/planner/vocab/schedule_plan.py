@@ -22,8 +22,8 @@ from __future__ import annotations
 import bisect
 import dataclasses
 
-from megatron_ext.runtime.vocab.schedule_ops import Op, num_warmup, skeleton_1f1b
-from megatron_ext.runtime.vocab.schedule_sim import PassCosts, Timeline, simulate
+from megatron_ext.planner.vocab.schedule_ops import Op, num_warmup, skeleton_1f1b
+from megatron_ext.planner.vocab.schedule_sim import PassCosts, Timeline, simulate
 
 _MODES = ("slots", "open")
 """Candidate boundaries: "slots" = one per step (before F; the last stage: before B) plus those
