@@ -38,7 +38,7 @@ pytestmark = pytest.mark.dist
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE_PLAN = REPO / "examples" / "plans" / "tiny-llama_searched_cpu4.json"
-SEARCH_ARGV = [  # run from the repository root; the README shows the same command
+SEARCH_ARGV = [  # run from the repository root; docs/runtime.md shows the same command
     "search", "--model", "tiny-llama", "--cluster-profile", "examples/profiles/cpu-gloo-4.json",
     "--global-batch-size", "32", "--seq-length", "128", "--precision", "fp32",
     "--no-vocab-parallel", "--memory-gib", "1.045",

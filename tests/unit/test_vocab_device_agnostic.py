@@ -9,7 +9,7 @@ device or backend type, a CUDA-only API, worker threads (which would need per-th
 a device), or a collective issued synchronously by the passes. tests/dist/test_vocab_passes.py
 runs the passes and records the collectives they issue.
 
-This is not a GPU test: nothing here has run on a GPU (README, "Vocabulary parallelism").
+This is not a GPU test: nothing here has run on a GPU (docs/vocab-parallel.md).
 """
 
 from __future__ import annotations
