@@ -160,6 +160,8 @@ _BOOL = {"tie_word_embeddings", "attention_bias", "mlp_bias", "use_bias", "use_s
 _STR = {"model_type", "hidden_act", "hidden_activation", "activation_function", "norm_type",
         "mlp_type", "scoring_func", "topk_method"}
 _DICT = {"rope_parameters"}
+_JSON_KIND = {str: "a string", bool: "a boolean", int: "an integer", float: "a decimal number",
+              list: "a list", dict: "an object"}
 _LIST = {"layer_types", "mlp_only_layers"}
 
 
@@ -215,8 +217,8 @@ def _check_type(key: str, value: Any, where: str) -> None:
     if isinstance(value, str) and _parses(value, what):
         raise PlanError(f"{where} {key}={value!r} is a string; HuggingFace's config holds "
                         f"{what} there: write {value} without the quotes")
-    raise PlanError(f"{where} {key}={value!r} is a {type(value).__name__}; HuggingFace's "
-                    f"config holds {what} there")
+    raise PlanError(f"{where} {key}={value!r} is {_JSON_KIND.get(type(value), 'not JSON')}; "
+                    f"HuggingFace's config holds {what} there")
 
 
 def _parses(text: str, what: str) -> bool:

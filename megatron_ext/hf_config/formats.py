@@ -20,6 +20,7 @@ _ROPE_KEYS = {
     "llama3": {"rope_type", "type", "rope_theta", "partial_rotary_factor", "factor",
                "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
 }
+ROPE_FIELD = "_rope_field"
 _ROPE_REFUSED = {
     "yarn": "YaRN (Megatron-LM's --position-embedding-type yarn, which megatron_ext's model "
             "description does not carry)",
@@ -61,9 +62,7 @@ def _merge_rope(out: dict[str, Any], params: dict[str, Any], where: str) -> None
                         "...): per-layer RoPE is not something Megatron-LM's GPT model can "
                         "express")
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind not in _ROPE_KEYS:
-        raise rope_refusal(where, "rope_parameters", kind)
-    extra = sorted(set(params) - _ROPE_KEYS[kind])
+    extra = sorted(set(params) - _ROPE_KEYS.get(kind, set(params)))
     if extra:
         raise PlanError(f"{where} rope_parameters.{extra[0]}={params[extra[0]]!r} is not a "
                         f"field of rope_type {kind!r}; remove it")
@@ -72,11 +71,14 @@ def _merge_rope(out: dict[str, Any], params: dict[str, Any], where: str) -> None
             _same(out, key, params[key], where)
     scaling = {k: v for k, v in params.items()
                if k not in ("rope_theta", "partial_rotary_factor")}
+    old = out.get("rope_scaling")
+    old_kind = old.get("rope_type", old.get("type")) if isinstance(old, dict) else None
+    if old is not None and (old_kind, kind) != ("default", "default") and old != scaling:
+        raise PlanError(f"{where} rope_scaling={old!r} and rope_parameters {params!r} "
+                        "disagree; keep rope_parameters")
     if kind != "default":
-        if out.get("rope_scaling") not in (None, scaling):
-            raise PlanError(f"{where} rope_scaling={out['rope_scaling']!r} and rope_parameters "
-                            f"{params!r} disagree; keep rope_parameters")
         out["rope_scaling"] = scaling
+        out[ROPE_FIELD] = "rope_parameters"  # a refused rope_type is named as the file spells it
 
 
 def _same(out: dict[str, Any], key: str, value: Any, where: str) -> None:

@@ -23,7 +23,7 @@ from megatron_ext.hf_config.fields import (
     check_types,
     check_unknown,
 )
-from megatron_ext.hf_config.formats import rope_refusal, to_4x
+from megatron_ext.hf_config.formats import ROPE_FIELD, rope_refusal, to_4x
 from megatron_ext.hf_config.moe import moe_fields, moe_notes
 from megatron_ext.specs import ModelSpec
 
@@ -123,7 +123,7 @@ def _refuse_unsupported(data: dict[str, Any], where: str) -> None:
     if isinstance(scaling, dict):
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind not in ("default", "llama3"):
-            raise rope_refusal(where, "rope_scaling", kind)
+            raise rope_refusal(where, data.get(ROPE_FIELD, "rope_scaling"), kind)
     elif scaling is not None:
         raise PlanError(f"{where} rope_scaling={scaling!r} must be an object or null")
     if data.get("lm_head_bias"):
