@@ -1,5 +1,5 @@
 """Built-in model and cluster presets, and the model-file reader (HuggingFace `config.json`
-files through hf_config.py).
+files through the hf_config package).
 
 Model shapes are the published configurations. Cluster link bandwidths are achievable bus
 bandwidths per GPU (NCCL all-reduce busbw), not the marketing bidirectional figure:
@@ -158,7 +158,7 @@ def cluster_preset(name: str, *, num_nodes: int = 1,
 
 
 def model_from_file(path: str | Path) -> ModelSpec:
-    """A ModelSpec JSON (our field names) or a HuggingFace `config.json` (hf_config.py)."""
+    """A ModelSpec JSON (our field names) or a HuggingFace `config.json` (the hf_config package)."""
     return model_file_with_notes(path)[0]
 
 

@@ -154,6 +154,8 @@ _INT = {"num_hidden_layers", "n_layer", "hidden_size", "n_embd", "intermediate_s
 _NUMBER = {"rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_epsilon",
            "rope_theta", "partial_rotary_factor", "routed_scaling_factor", "aux_loss_alpha",
            "router_aux_loss_coef", "router_jitter_noise"}
+_ROPE_NUMBER = {"rope_theta", "partial_rotary_factor", "factor", "low_freq_factor",
+                "high_freq_factor", "original_max_position_embeddings"}
 _BOOL = {"tie_word_embeddings", "attention_bias", "mlp_bias", "use_bias", "use_sliding_window",
          "qkv_bias", "use_qk_norm", "lm_head_bias", "norm_topk_prob", "seq_aux",
          "is_encoder_decoder", "scale_attn_by_inverse_layer_idx", "add_cross_attention"}
@@ -192,15 +194,21 @@ def check_types(data: dict[str, Any], where: str) -> None:
     for key, value in data.items():
         if value is not None:
             _check_type(key, value, where)
+    for outer in ("rope_parameters", "rope_scaling"):  # RoPE's own fields, by their full name
+        inner = data.get(outer)
+        for key, value in (inner.items() if isinstance(inner, dict) else ()):
+            if key in _ROPE_NUMBER and value is not None:
+                _check_type(key, value, where, name=f"{outer}.{key}")
     for key, why in FALSE_ONLY.items():
         if data.get(key):
             raise PlanError(f"{where} {key}={data[key]!r}: {why}")
 
 
-def _check_type(key: str, value: Any, where: str) -> None:
-    if key in _INT:
+def _check_type(key: str, value: Any, where: str, *, name: str = "") -> None:
+    name = name or key
+    if key in _INT or key == "original_max_position_embeddings":
         ok, what = isinstance(value, int) and not isinstance(value, bool), "an integer"
-    elif key in _NUMBER:
+    elif key in _NUMBER or key in _ROPE_NUMBER:
         ok, what = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
     elif key in _BOOL:
         ok, what = isinstance(value, bool), "true or false"
@@ -215,9 +223,9 @@ def _check_type(key: str, value: Any, where: str) -> None:
     if ok:
         return
     if isinstance(value, str) and _parses(value, what):
-        raise PlanError(f"{where} {key}={value!r} is a string; HuggingFace's config holds "
+        raise PlanError(f"{where} {name}={value!r} is a string; HuggingFace's config holds "
                         f"{what} there: write {value} without the quotes")
-    raise PlanError(f"{where} {key}={value!r} is {_JSON_KIND.get(type(value), 'not JSON')}; "
+    raise PlanError(f"{where} {name}={value!r} is {_JSON_KIND.get(type(value), 'not JSON')}; "
                     f"HuggingFace's config holds {what} there")
 
 

@@ -62,7 +62,7 @@ def model_from_hf_config(data: dict[str, Any], label: str) -> HFModel:
     filled, defaulted, source = fill_defaults(to_4x(data, where), family)
     _refuse_unsupported(filled, where)
     check_unknown(data, family, where)
-    spec = _spec(filled, FAMILIES.get(family, {}), where, label)
+    spec = _spec(filled, FAMILIES.get(family or "", {}), where, label)
     notes = [f"{k}: {IGNORED[k]}" for k in data if k in IGNORED]
     if spec.moe is not None:
         notes += moe_notes(filled)
@@ -158,6 +158,11 @@ def _spec(data: dict[str, Any], implied: dict[str, Any], where: str, label: str)
     _required(data, where)
     hidden = first("hidden_size", "n_embd")
     heads = first("num_attention_heads", "n_head")
+    for keys, value in ((("hidden_size", "n_embd"), hidden),
+                        (("num_attention_heads", "n_head"), heads)):
+        if value < 1:
+            key = keys[0] if data.get(keys[0]) is not None else keys[1]
+            raise PlanError(f"{where} {key}={value} must be >= 1")
     head_dim = first("head_dim", default=hidden // heads if hidden % heads == 0 else None)
     if head_dim is None:
         raise PlanError(f"{where} hidden_size={hidden} is not a multiple of "

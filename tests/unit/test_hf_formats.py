@@ -165,3 +165,11 @@ def test_did_you_mean() -> None:
     with pytest.raises(PlanError) as err:
         model_preset("bert-base")
     assert "did you mean" not in str(err.value)
+
+
+def test_wrong_json_types_inside_rope_parameters() -> None:
+    _refused({**LLAMA, "rope_parameters": {"rope_theta": "1e6", "rope_type": "default"}},
+             "rope_parameters.rope_theta='1e6' is a string; HuggingFace's config holds a number "
+             "there: write 1e6 without the quotes")
+    _refused({**LLAMA, "rope_scaling": {"rope_type": "llama3", "factor": [8]}},
+             "rope_scaling.factor=[8] is a list; HuggingFace's config holds a number there")
