@@ -20,7 +20,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from megatron_ext.errors import PlanError
-from megatron_ext.hf_config.fields import REFUSED_FAMILIES
+from megatron_ext.hf_config.fields import REFUSED_FAMILIES, check_unknown
 from megatron_ext.planner.cost.compute import model_parameters
 from megatron_ext.presets import model_file_with_notes
 
@@ -122,3 +122,12 @@ def test_qwen25_72b_instruct_as_transformers_5_saves_it() -> None:
     with torch.device("meta"):
         reference = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
     assert model_parameters(model) == sum(p.numel() for p in reference.parameters())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_field_transformers_writes_is_known_to_the_family(family: str) -> None:
+    """Refused configs stop at their first refusal; every field of the family's 5.x and 4.x
+    files is still one the reader maps or ignores for that family (not only for some other)."""
+    v5 = AutoConfig.for_model(family).to_dict()
+    for data in (v5, _as_4x(v5)):
+        check_unknown(data, family, "x")
