@@ -1,5 +1,5 @@
 """Built-in model and cluster presets, and the model-file reader (HuggingFace `config.json`
-files through hf_config.py).
+files through the hf_config package).
 
 Model shapes are the published configurations. Cluster link bandwidths are achievable bus
 bandwidths per GPU (NCCL all-reduce busbw), not the marketing bidirectional figure:
@@ -13,6 +13,8 @@ Tables 1-2 (within 1-5%), 22 GB/s per GPU by SC'21 Table 2's ZeRO-3 runs (21-23 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import sys
 from pathlib import Path
 
 from megatron_ext.errors import PlanError
@@ -123,11 +125,17 @@ CLUSTER_PRESETS: dict[str, ClusterSpec] = {
 }
 
 
+def _did_you_mean(name: str, known: list[str]) -> str:
+    """"did you mean 'llama2-7b'? " for llama2_7b, or "" when nothing is close."""
+    close = difflib.get_close_matches(name.lower().replace("_", "-"), known, n=1, cutoff=0.6)
+    return f"did you mean {close[0]!r}? " if close else ""
+
+
 def model_preset(name: str) -> ModelSpec:
     if name not in MODEL_PRESETS:
         raise PlanError(
-            f"--model={name!r} is not a preset; use one of {', '.join(MODEL_PRESETS)} "
-            "or --model-config FILE"
+            f"--model={name!r} is not a preset; {_did_you_mean(name, list(MODEL_PRESETS))}"
+            f"use one of {', '.join(MODEL_PRESETS)} or --model-config FILE"
         )
     return MODEL_PRESETS[name]
 
@@ -136,8 +144,8 @@ def cluster_preset(name: str, *, num_nodes: int = 1,
                    memory_gib: float | None = None) -> ClusterSpec:
     if name not in CLUSTER_PRESETS:
         raise PlanError(
-            f"--cluster={name!r} is not a preset; use one of {', '.join(CLUSTER_PRESETS)} "
-            "or --cluster-profile FILE"
+            f"--cluster={name!r} is not a preset; {_did_you_mean(name, list(CLUSTER_PRESETS))}"
+            f"use one of {', '.join(CLUSTER_PRESETS)} or --cluster-profile FILE"
         )
     if num_nodes < 1:
         raise PlanError(f"--nodes={num_nodes} must be >= 1")
@@ -150,7 +158,7 @@ def cluster_preset(name: str, *, num_nodes: int = 1,
 
 
 def model_from_file(path: str | Path) -> ModelSpec:
-    """A ModelSpec JSON (our field names) or a HuggingFace `config.json` (hf_config.py)."""
+    """A ModelSpec JSON (our field names) or a HuggingFace `config.json` (the hf_config package)."""
     return model_file_with_notes(path)[0]
 
 
@@ -161,5 +169,8 @@ def model_file_with_notes(path: str | Path) -> tuple[ModelSpec, tuple[str, ...]]
         path = Path(path)  # .../Llama-2-7b-hf/config.json is labelled Llama-2-7b-hf
         label = path.parent.name if path.stem == "config" and path.parent.name else path.stem
         hf = model_from_hf_config(data, label)
+        defaults = hf.defaults_line(label)
+        if defaults:  # absent fields took the config class's defaults: say which
+            sys.stderr.write(defaults + "\n")
         return hf.spec, hf.notes
     return ModelSpec.from_dict(data, path="model"), ()

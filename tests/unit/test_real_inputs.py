@@ -138,6 +138,8 @@ HF_EXPECTED: dict[str, float | str] = {
     "Llama-3.1-8B": 8.03, "Llama-3.1-70B": 70.55, "Llama-3.2-1B": 1.24,
     "Mistral-7B-v0.3": 7.25, "Qwen2-0.5B": 0.49, "Qwen2-7B": 7.62, "Qwen2.5-3B": 3.09,
     "Qwen3-0.6B": 0.6, "Qwen3-1.7B": 1.7,
+    # as transformers 5 saves it (rope_parameters, dtype, layer_types): 72.7B on the card
+    "Qwen2.5-72B-Instruct": 72.7,
     # MoE, total parameters: mistralai/Mixtral-8x7B-v0.1 46.7B, Qwen/Qwen1.5-MoE-A2.7B 14.3B,
     # deepseek-ai/deepseek-moe-16b-base 16.4B, Qwen/Qwen3-30B-A3B 30.5B, Qwen/Qwen2-57B-A14B
     # 57.4B (the Hub's safetensors count; the card says 57B)
