@@ -120,7 +120,7 @@ def _model(args: argparse.Namespace) -> ModelSpec:
         raise PlanError(f"cannot read --model-config {path}: {err}; check the path") from None
     if text.lstrip().startswith("{"):
         model, notes = model_file_with_notes(path)
-        if notes:  # field: reason; the fields on one line, the reasons are in hf_config.py
+        if notes:  # field: reason; the fields on one line, the reasons are in hf_config/fields.py
             fields = ", ".join(note.split(":", 1)[0] for note in notes)
             sys.stderr.write(f"--model-config {path.name}: read, not part of the model's shape: "
                              f"{fields}\n")
