@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -244,21 +244,22 @@ class Prediction:
             key: get_float_list(data, key, path)
             for key in ("stage_peak_memory_gib", "stage_time_s")
         }
-        interval = None
+        interval: tuple[float, float] | None = None
         if "iteration_time_interval_s" in data:
-            interval = get_float_list(data, "iteration_time_interval_s", path)
-            if len(interval) != 2 or not 0 < interval[0] <= interval[1]:
+            values = get_float_list(data, "iteration_time_interval_s", path)
+            if len(values) != 2 or not 0 < values[0] <= values[1]:
                 raise PlanError(
-                    f"{path}.iteration_time_interval_s={list(interval)} must be [low, high] "
+                    f"{path}.iteration_time_interval_s={list(values)} must be [low, high] "
                     "seconds with 0 < low <= high; drop it or re-run search/evaluate"
                 )
+            interval = (values[0], values[1])
         runners_up = expect_list(data.get("runners_up", []), f"{path}.runners_up")
         return cls(
             iteration_time_s=get_float(data, "iteration_time_s", path, positive=True),
             tokens_per_s=get_float(data, "tokens_per_s", path, positive=True),
             mfu=get_float(data, "mfu", path, default=0.0),
             iteration_time_interval_s=interval,
-            runners_up=tuple(expect_object(r, f"{path}.runners_up[{i}]")
+            runners_up=tuple(dict(expect_object(r, f"{path}.runners_up[{i}]"))
                              for i, r in enumerate(runners_up)),
             **lists,
         )
@@ -391,11 +392,12 @@ class ParallelPlan:
                 f"{SCHEMA_VERSION}"
             )
         model = ModelSpec.from_dict(data.get("model"), "model")
-        optional = {
+        optional: dict[str, Callable[[Any], Any]] = {
             "vocab": VocabStrategy.from_dict, "flexsp": FlexSPConfig.from_dict,
             "cluster": ClusterSpec.from_dict, "prediction": Prediction.from_dict,
         }
-        extra = {k: fn(data[k]) for k, fn in optional.items() if data.get(k) is not None}
+        extra: dict[str, Any] = {k: fn(data[k]) for k, fn in optional.items()
+                                 if data.get(k) is not None}
         return cls(
             world_size=get_int(data, "world_size", "", minimum=1),
             pp=get_int(data, "pp", "", minimum=1),

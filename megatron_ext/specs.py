@@ -374,6 +374,10 @@ class LinkSpec:
         )
 
 
+
+ALL_TO_ALL_INTER_EFFICIENCY = (0.83, 0.71, 0.68)
+"""Default ClusterSpec.all_to_all_inter_efficiency."""
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ClusterSpec:
     """A homogeneous GPU cluster: nodes of equal GPUs, an intra-node and an inter-node link
@@ -397,7 +401,7 @@ class ClusterSpec:
         default_factory=lambda: LinkSpec(bandwidth_bytes_per_s=45e9, latency_s=1e-5)
     )
     """Network between nodes, bandwidth per GPU."""
-    all_to_all_inter_efficiency: tuple[float, ...] = (0.83, 0.71, 0.68)
+    all_to_all_inter_efficiency: tuple[float, ...] = ALL_TO_ALL_INTER_EFFICIENCY
     """Share of inter_node bandwidth an all-to-all spanning 2, 4, 8 (the last value: and more)
     nodes achieves. Default: FlexSP's measured all-to-all on 8 x 8 A100, 400 Gb/s IB per node
     (planner/flexsp/cost.py derives it). Only the FlexSP cost model reads it."""
@@ -441,5 +445,5 @@ class ClusterSpec:
             intra_node=LinkSpec.from_dict(data["intra_node"], f"{path}.intra_node"),
             inter_node=LinkSpec.from_dict(data["inter_node"], f"{path}.inter_node"),
             all_to_all_inter_efficiency=get_float_list(data, "all_to_all_inter_efficiency", path)
-            or cls.__dataclass_fields__["all_to_all_inter_efficiency"].default,
+            or ALL_TO_ALL_INTER_EFFICIENCY,
         )

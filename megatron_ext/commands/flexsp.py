@@ -14,11 +14,15 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from megatron_ext.errors import PlanError
 from megatron_ext.presets import cluster_preset, model_preset
+
+if TYPE_CHECKING:
+    from megatron_ext.planner.flexsp import FlexSPCostModel
 
 DEFAULT_MODEL = "llama2-7b"
 DEFAULT_CLUSTER = "dgx-h100"
@@ -102,16 +106,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compare_static(lengths: np.ndarray, cost, flexsp_s: float) -> None:
+def _compare_static(lengths: np.ndarray, cost: FlexSPCostModel, flexsp_s: float) -> None:
     from megatron_ext.planner.flexsp import plan_step
 
-    times = {}
+    times: dict[int, float] = {}
     need = cost.min_degree_for(int(lengths.max()))
     for degree in cost.degrees:
         if degree >= need and cost.num_gpus % degree == 0:
             times[degree] = plan_step(lengths, cost, fixed_degree=degree).predicted_time_s
     line = "  ".join(f"{d}: {t:.3f} s" for d, t in times.items())
-    best = min(times, key=times.get)
+    best = min(times, key=lambda d: times[d])
     sys.stderr.write(f"static Ulysses degree (same micro-batching and assignment): {line}\n"
                      f"flexsp {flexsp_s:.3f} s vs best static (degree {best}) "
                      f"{times[best]:.3f} s: {times[best] / flexsp_s:.2f}x\n")

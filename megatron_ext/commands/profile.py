@@ -78,12 +78,15 @@ def run_hardware(args: argparse.Namespace) -> int:
         dist.init_process_group("nccl" if gpu else "gloo")
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     rank = dist.get_rank()
-    progress = (lambda msg: sys.stderr.write(f"profile hardware: {msg}\n")) if rank == 0 else None
+    def progress(msg: str) -> None:
+        sys.stderr.write(f"profile hardware: {msg}\n")
+
+    progress_fn = progress if rank == 0 else None
     try:
         profile = profile_hardware(world=dist.group.WORLD, device=device,
                                    local_world_size=args.ranks_per_node,
                                    min_bytes=args.min_bytes, max_bytes=args.max_bytes,
-                                   repeats=args.repeats, progress=progress)
+                                   repeats=args.repeats, progress=progress_fn)
     except ValueError as err:
         raise PlanError(f"profile hardware: {err}") from None
     if rank == 0:

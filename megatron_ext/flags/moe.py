@@ -241,9 +241,9 @@ def moe_from_args(ns: argparse.Namespace, derived: set[str] | frozenset[str] | N
     _single(ns, "moe_router_load_balancing_type", "--moe-router-load-balancing-type")
     _single(ns, "moe_aux_loss_coeff", "--moe-aux-loss-coeff")
     freq = ns.moe_layer_freq
-    if derived is None:
-        derived = getattr(ns, "derived_args", frozenset())
-    derived_ffn = "moe_ffn_hidden_size" in derived
+    derived_set: set[str] | frozenset[str] = (
+        getattr(ns, "derived_args", frozenset()) if derived is None else derived)
+    derived_ffn = "moe_ffn_hidden_size" in derived_set
     return MoESpec(
         num_experts=ns.num_experts,
         router_topk=ns.moe_router_topk,

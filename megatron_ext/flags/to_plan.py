@@ -125,7 +125,7 @@ def model_from_args(ns: argparse.Namespace, *, vocab_size: int | None = None) ->
             "reads it from the tokenizer files); add --vocab-size N"
         )
     heads = _need(ns, "num_attention_heads")
-    derived = getattr(ns, "derived_args", frozenset())
+    derived: frozenset[str] = getattr(ns, "derived_args", frozenset())
     try:
         return ModelSpec(
             num_layers=_need(ns, "num_layers"), hidden_size=_need(ns, "hidden_size"),

@@ -117,6 +117,7 @@ class ActivationLayout:
         granularity = own if granularity is None else granularity
         assert granularity % own == 0, (granularity, self)
         c = self.coords(local_rank)
+        units: tuple[int, ...]
         if self.cp > 1:
             units = (c.cp, 2 * self.cp - 1 - c.cp)
             per_unit = own // (2 * self.cp)

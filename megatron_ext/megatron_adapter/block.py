@@ -16,6 +16,7 @@ global layer index, so plain state dicts carry global keys too.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -44,7 +45,7 @@ class GlobalLayerList(torch.nn.ModuleDict):
     """`ModuleList` behaviour (iteration over layers, positional int indexing, as megatron-core
     code such as `set_current_microbatch` expects) with global layer indices as keys."""
 
-    def __iter__(self):  # type: ignore[override]
+    def __iter__(self) -> Iterator[torch.nn.Module]:  # type: ignore[override]
         return iter(self._modules.values())
 
     def __getitem__(self, key: int | str) -> torch.nn.Module:  # type: ignore[override]

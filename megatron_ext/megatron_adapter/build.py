@@ -237,9 +237,9 @@ def build_model(
     keeps megatron-core's own init.
     """
     check_runtime_support(plan, embedding=embedding, output_layer=output_layer)
-    config = _resolve_config(plan, config)
+    resolved = _resolve_config(plan, config)
     if plan.model.moe is not None:
-        check_moe_support(plan, config)
+        check_moe_support(plan, resolved)
     if groups is None:
         check_world_size(plan, dist.get_world_size())
     prepare_megatron()
@@ -248,7 +248,7 @@ def build_model(
     tensor_parallel.model_parallel_cuda_manual_seed(seed, tp_rank=groups.local_rank, ep_rank=0,
                                                     etp_rank=0, force_reset_rng=True)
     interleaved = plan.virtual_stages > 1
-    models = [_stage_model(plan, config, groups, embedding=embedding, output=output_layer,
+    models = [_stage_model(plan, resolved, groups, embedding=embedding, output=output_layer,
                            final_norm=final_norm, use_te=use_te,
                            divisible_by=make_vocab_size_divisible_by, options=model_options,
                            vp_stage=c if interleaved else None)
@@ -256,9 +256,10 @@ def build_model(
     model = models[0]
     if vocab_groups is not None and embedding:
         model.attach_vocab(VocabParallelLayers(
-            config=model.config, vocab_size=model.vocab_size, hidden_size=config.hidden_size,
+            config=model.config, vocab_size=model.vocab_size, hidden_size=resolved.hidden_size,
             group=vocab_groups.vocab, tie_embeddings=plan.model.tied_embeddings,
-            init_method=config.init_method, max_position_embeddings=_vocab_positions(plan, groups),
+            init_method=resolved.init_method,
+            max_position_embeddings=_vocab_positions(plan, groups),
             position_tp_group=model.pg_collection.tp), vocab_groups)
     for model in models:
         if init == "plan_invariant":

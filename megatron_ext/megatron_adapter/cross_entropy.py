@@ -10,6 +10,8 @@ the group is a parameter (upstream HEAD added `tp_group=`, which retires this fi
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
@@ -20,7 +22,8 @@ __all__ = ["group_vocab_parallel_cross_entropy"]
 
 class _GroupVocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group):  # type: ignore[override]
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor,  # type: ignore[override]
+                group: dist.ProcessGroup) -> torch.Tensor:
         logits, logits_max = VocabParallelCrossEntropy.calculate_logits_max(logits)  # [s, b, v/tp]
         dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)  # [s, b]
         start, end = VocabUtility.vocab_range_from_per_partition_vocab_size(
@@ -40,7 +43,7 @@ class _GroupVocabParallelCrossEntropy(torch.autograd.Function):
         return loss  # [s, b]
 
     @staticmethod
-    def backward(ctx, grad_output):  # type: ignore[override]
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         softmax, target_mask, masked_target_1d = ctx.saved_tensors
         grad_2d, arange_1d, update, grad_input = (
             VocabParallelCrossEntropy.prepare_gradient_calculation_operands(softmax, target_mask)

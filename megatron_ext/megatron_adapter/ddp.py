@@ -125,7 +125,7 @@ def moe_parts(layer: torch.nn.Module) -> tuple[list[torch.nn.Module], torch.nn.M
     """(the layer's modules other than its routed experts, the experts or None)."""
     mlp = getattr(layer, "mlp", None)
     experts = getattr(mlp, "experts", None) if hasattr(mlp, "router") else None
-    if experts is None:
+    if experts is None or mlp is None:
         return [layer], None
     rest = [m for name, m in layer.named_children() if name != "mlp"]
     rest += [m for name, m in mlp.named_children() if name != "experts"]
@@ -139,7 +139,7 @@ def grad_classes(model: HeteroGPTModel) -> list[GradClass]:
     found: dict[tuple, tuple[list[torch.nn.Module], ProcessGroupCollection]] = {}
 
     def add(tp: int, zero: int, module: torch.nn.Module | None, pgc: ProcessGroupCollection,
-            expert: tuple[int, int] | None = None):
+            expert: tuple[int, int] | None = None) -> None:
         if module is not None and any(p.requires_grad for p in module.parameters()):
             found.setdefault((tp, zero, expert), ([], pgc))[0].append(module)
 

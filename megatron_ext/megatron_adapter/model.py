@@ -131,6 +131,7 @@ class HeteroGPTModel(GPTModel):
             batch = hidden.shape[1] * vocab_parallel_layout(self.plan).dp // self.batch_shard[1]
             position_ids = torch.arange(seq_length, device=hidden.device).expand(batch, -1)
         positions = self.vocab_tokens(position_ids)  # [b_loc, s_loc]
+        assert self.vocab is not None and self.vocab.position_embeddings is not None
         pos = self.vocab.position_embeddings(positions).transpose(0, 1)  # [s_loc, b_loc, h]
         self.decoder.set_input_tensor(hidden + pos)
 
@@ -187,6 +188,7 @@ class HeteroGPTModel(GPTModel):
         """Full `[b, s]` input_ids/labels -> per-token loss `[b_loc, s_loc]` (with labels),
         logits `[b_loc, s_loc, v/vtp]` (without), or hidden states (no output layer)."""
         if decoder_input is None and self.pre_process:
+            assert input_ids is not None, "the first stage reads token ids"
             ids = self.local_tokens(input_ids, at_input=True)  # [b_loc, s_loc]
             if position_ids is None:
                 position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)

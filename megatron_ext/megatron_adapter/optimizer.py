@@ -108,7 +108,7 @@ class HeteroChainedOptimizer(ChainedOptimizer):
         # ChainedOptimizer.__init__ asserts equal configs; ours differ in use_distributed_optimizer.
         self.chained_optimizers = chained
         self.config = config
-        self.model_chunks = []
+        self.model_chunks: list[torch.nn.Module] = []
         for opt in chained:
             for chunk in getattr(opt, "model_chunks", []):
                 if chunk not in self.model_chunks:

@@ -12,10 +12,11 @@ expert tp group.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from megatron.core.transformer import TransformerConfig
 
 __all__ = ["full_shape", "init_plan_invariant", "load_full_state_dict", "local_shard",
            "param_shards"]
@@ -92,7 +93,7 @@ def load_full_state_dict(model: torch.nn.Module, full: dict[str, torch.Tensor]) 
         param.copy_(shard.to(param.dtype))
 
 
-def _init_fn(name: str, config: object):
+def _init_fn(name: str, config: TransformerConfig) -> Callable[[torch.Tensor], object]:
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return config.output_layer_init_method
     if name.startswith(("embedding.", "output_layer.")):

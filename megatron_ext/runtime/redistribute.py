@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -174,12 +175,14 @@ class _Redistribute(torch.autograd.Function):
     """Forward: exchange src -> dst. Backward: exchange dst -> src of the gradient."""
 
     @staticmethod
-    def forward(ctx, x, src, dst, group, seq_length, batch, rank):  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, src: ActivationLayout,  # type: ignore[override]
+                dst: ActivationLayout, group: dist.ProcessGroup, seq_length: int, batch: int,
+                rank: int) -> torch.Tensor:
         ctx.args = (src, dst, group, seq_length, batch, rank)
         return _exchange(x, exchange_plan(src, dst, seq_length, batch, rank), group)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         src, dst, group, seq_length, batch, rank = ctx.args
         plan = exchange_plan(dst, src, seq_length, batch, rank)
         return _exchange(grad.contiguous(), plan, group), None, None, None, None, None, None

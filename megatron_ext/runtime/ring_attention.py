@@ -15,6 +15,8 @@ is used instead.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -66,7 +68,8 @@ def _finite(lse: torch.Tensor) -> torch.Tensor:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale):  # type: ignore[override]
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,  # type: ignore[override]
+                group: dist.ProcessGroup, scale: float) -> torch.Tensor:
         cp, rank = dist.get_world_size(group), dist.get_rank(group)
         s, _, n, _ = q.shape
         qh = _acc(q).permute(1, 2, 0, 3)  # [b, n, s, d]
@@ -93,7 +96,7 @@ class _RingAttention(torch.autograd.Function):
         return out.permute(2, 0, 1, 3).to(q.dtype)  # [s, b, n, d]
 
     @staticmethod
-    def backward(ctx, dout):  # type: ignore[override]
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         group, scale = ctx.group, ctx.scale
         cp, rank = dist.get_world_size(group), dist.get_rank(group)

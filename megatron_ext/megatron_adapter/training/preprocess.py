@@ -100,6 +100,7 @@ def preprocess(args: argparse.Namespace) -> dict[str, int]:
     init_args = (tokenizer_kwargs, list(args.json_keys), bool(args.append_eod))
     counts = dict.fromkeys(args.json_keys, 0)
     start_s = time.monotonic()
+    results: Iterator[tuple[int, dict[str, list[int]] | str, int]]
     if args.workers > 1:
         pool = multiprocessing.get_context("spawn").Pool(args.workers, _init_worker, init_args)
         results = pool.imap(_encode, _lines(args.input), chunksize=32)

@@ -95,7 +95,7 @@ def forward_backward_vocab_parallel(
 ) -> list:
     """One iteration of vocabulary-parallel 1F1B; returns the last stage's forward_data_store."""
     model = _single(model, "model")
-    data_iterator = _single(data_iterator, "data_iterator")
+    batches_in: Iterator = _single(data_iterator, "data_iterator")
     config = get_model_config(model)
     if config.overlap_p2p_comm or adjust_tensor_shapes_fn is not None:
         raise ValueError("vocabulary-parallel 1F1B supports neither overlap_p2p_comm nor "
@@ -106,7 +106,7 @@ def forward_backward_vocab_parallel(
                                tp_group=pgc.tp, cp_group=pgc.cp)
     run = VocabIteration(
         model=model, config=config, p2p=p2p, pgc=pgc, options=options, shape=tuple(shapes[0]),
-        batches=[next(data_iterator) for _ in range(num_microbatches)],
+        batches=[next(batches_in) for _ in range(num_microbatches)],
         forward_step_func=forward_step_func, forward_only=forward_only,
         collect_non_loss_data=collect_non_loss_data, first_val_step=first_val_step,
         order_fn=_pass_order)

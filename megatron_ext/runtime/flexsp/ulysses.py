@@ -19,6 +19,7 @@ use: the least duplication that keeps the exchange uniform (FlexSP repeats to al
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -77,24 +78,26 @@ def _heads_to_seq(x: torch.Tensor, group: dist.ProcessGroup, counts: list[int],
 
 class _SeqToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, counts):  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup,  # type: ignore[override]
+                counts: list[int]) -> torch.Tensor:
         ctx.group, ctx.counts = group, counts
         return _seq_to_heads(x, group, counts)
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         rank = dist.get_rank(ctx.group)
         return _heads_to_seq(grad, ctx.group, ctx.counts, rank), None, None
 
 
 class _HeadsToSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, counts):  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup,  # type: ignore[override]
+                counts: list[int]) -> torch.Tensor:
         ctx.group, ctx.counts = group, counts
         return _heads_to_seq(x, group, counts, dist.get_rank(group))
 
     @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         return _seq_to_heads(grad, ctx.group, ctx.counts), None, None
 
 

@@ -14,6 +14,7 @@ materialise a dense [v, h] gradient per micro-batch instead.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -59,12 +60,12 @@ class _AddGrad(torch.autograd.Function):
     """Identity-free autograd edge: backward hands a precomputed gradient to `weight`."""
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, weight: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         ctx.grad = grad
         return weight.new_empty(0)
 
     @staticmethod
-    def backward(ctx, _: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, None]:
         return ctx.grad, None
 
 
