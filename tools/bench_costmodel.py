@@ -72,7 +72,7 @@ from bench_costmodel_runs import (
 from load_check import LoadLog
 
 from megatron_ext.megatron_adapter.profile_model import ProfileGrid, profile_model
-from megatron_ext.plan import ParallelPlan
+from megatron_ext.plan import ParallelPlan, PlanLayout
 from megatron_ext.planner.cost.model import CostModel
 from megatron_ext.planner.profile.cost import ProfiledCostModel, predict_iteration_s
 from megatron_ext.planner.profile.load import ProbeReading, at_machine_state, machine_state
@@ -164,8 +164,8 @@ def collect(args: argparse.Namespace, load: LoadLog
 
 
 def predict(plan: ParallelPlan, cm: CostModel) -> float:
-    return predict_iteration_s(cm, pp=plan.pp, stages=plan.stages, layers=plan.layers,
-                               vocab=plan.vocab, micro_batch_size=plan.micro_batch_size)
+    return predict_iteration_s(cm, PlanLayout(pp=plan.pp, stages=plan.stages, layers=plan.layers,
+                               vocab=plan.vocab, micro_batch_size=plan.micro_batch_size))
 
 
 def summarize(pred: list[float], meas: list[float]) -> dict[str, float]:
