@@ -3,9 +3,10 @@
 
     commands -> megatron_adapter -> runtime -> planner -> plan -> specs -> schema -> errors
     commands, megatron_adapter -> flags -> plan
+    calibration -> flags, planner
 
-Only megatron_adapter imports megatron; the planner and the flags import neither torch nor
-megatron, so `megatron-ext search`/`args` never need them.
+Only megatron_adapter imports megatron; the planner, the flags and the calibration import
+neither torch nor megatron, so `megatron-ext search`/`args` never need them.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ ALLOWED = {
     "plan": {"errors", "schema", "specs", "plan"},  # plan <-> plan_checks is type-only
     "planner": {"errors", "schema", "specs", "presets", "hf_config", "plan", "planner"},
     "flags": {"errors", "schema", "specs", "presets", "hf_config", "plan", "flags"},
+    # the cost model's calibration on published runs: builds their plans from Megatron flags
+    "calibration": {"errors", "schema", "specs", "presets", "hf_config", "plan", "planner",
+                    "flags", "calibration"},
     "runtime": {"errors", "schema", "specs", "presets", "plan", "planner", "runtime"},
     "megatron_adapter": {"errors", "schema", "specs", "presets", "hf_config", "plan", "planner",
                          "flags", "runtime", "megatron_adapter"},
@@ -35,7 +39,8 @@ ALLOWED = {
     "cli": {"errors", "commands"},
     "__init__": set(),
 }
-NO_TORCH = ("planner", "flags", "plan", "specs", "schema", "errors", "presets", "hf_config")
+NO_TORCH = ("planner", "flags", "calibration", "plan", "specs", "schema", "errors", "presets",
+            "hf_config")
 
 
 def _module_name(path: Path) -> str:

@@ -151,7 +151,7 @@ def plan_training(plan: ParallelPlan, *, flash_attention: bool = True, dropout: 
                   engine: Engine = "megatron", moe_imbalance: float | None = None
                   ) -> TrainingSpec:
     """The training settings a plan is scored with (`megatron-ext evaluate` and the published
-    runs' benchmark, planner/calibration): its batch, sequence and precision, and how the run
+    runs' benchmark, megatron_ext/calibration): its batch, sequence and precision, and how the run
     executes, which the plan does not record (--no-flash-attention, --no-dropout, --engine)."""
     return TrainingSpec(
         global_batch_size=plan.global_batch_size,
