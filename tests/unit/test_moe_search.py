@@ -223,7 +223,7 @@ def test_uniform_moe_baseline_is_one_megatron_layout() -> None:
     assert dataclasses.replace(m, ep=1, etp=None) == d  # same TP/CP/DP/ZeRO/recompute
     assert BIG_EXPERTS.moe.num_experts % m.ep == 0 and m.width % (m.ep * m.expert_tp) == 0
     assert m.tp == 1 or m.sp
-    again = evaluate(cm, layout.layout)
+    again = evaluate(cm, layout)
     assert again.iteration_s == pytest.approx(ev.iteration_s, rel=1e-12)
 
 
