@@ -6,10 +6,11 @@ Each row of the data file (default tools/data/published_runs_a100.json, `about` 
 holds; every row cites its source and quotes it) is one measured run of a dense GPT model with
 its layout. For every row this
   1. writes the run as Megatron-LM flags and builds its plan with plan-from-args (ZeRO-3 rows:
-     --use-distributed-optimizer, then zero=3 on every layer, see build_plan);
-  2. predicts the iteration time with the cost model on the cluster preset the run used
-     (dgx-a100-80g, or dgx-a100-40g for 40 GB GPUs and the 2020 DGX A100), with Megatron's
-     interleaved schedule priced approximately where the run used it (`virtual_stages`);
+     --use-distributed-optimizer, then zero=3 on every layer, see build_plan; interleaved runs:
+     --num-virtual-stages-per-pipeline-rank);
+  2. predicts the iteration time as `megatron-ext evaluate` does, on the cluster preset the run
+     used (dgx-a100-80g, or dgx-a100-40g for 40 GB GPUs and the 2020 DGX A100) with how the run
+     executed (rows.evaluate_flags: --no-flash-attention, --no-dropout, --engine deepspeed);
   3. converts the measured figure to seconds per iteration with the source's own convention
      (`measured_unit`, `flops_convention`): TFLOP/s per GPU under Narayanan et al. eq. (3)
      -> F / (TFLOP/s x GPUs); tokens/s -> global batch x seq / tokens/s; or the iteration time.
@@ -17,6 +18,7 @@ It prints per row predicted/measured, then the median |error|, how many rows are
 (predicted faster) or pessimistic, memory false negatives (runs that ran but are predicted not
 to fit), and Spearman's rank correlation of predicted vs measured GPU-seconds per token among
 the layouts of one model within one source (per-token GPU time, not iteration time, so runs on
+different GPU counts compare on efficiency, not on size).
 
 The fixed rules that fill in what the rows do not state are in
 megatron_ext/calibration/rows.py; vTrain's runs (tools/data/vtrain/, --no-vtrain leaves

@@ -1,7 +1,6 @@
 """A published run (one row of the published-runs schema) as what the cost model scores: its
 Megatron-LM flags and plan, the cluster it ran on, how it executed, and its measured time.
 
-
 What the rows do not state is filled in by fixed rules (no per-row choice):
   - micro-batch size not stated -> 1 (what SC'21 Table 2 and Korthikanti et al. use at scale);
   - interleaving "degree not stated" -> the largest divisor of layers-per-stage <= 3
@@ -10,7 +9,8 @@ What the rows do not state is filled in by fixed rules (no per-row choice):
   - flash attention only where the source says so (MosaicML, or a row's `flash_attention`);
     sources from 2020-2022 without it keep the attention scores unless recomputed;
   - dropout on (Megatron's 0.1) except MosaicML MPT (dropout 0) or a row's `dropout: false`;
-  - DeepSpeed ZeRO-3 rows hold at most DeepSpeed's default 1e9 gathered parameters
+  - every DeepSpeed row runs on DeepSpeed's engine (TrainingSpec.engine "deepspeed", evaluate
+    --engine deepspeed): ZeRO-3 rows hold at most its default 1e9 gathered parameters
     (stage3_max_live_parameters), FSDP rows two whole layers;
   - Megatron rows keep plain DDP (zero=0, the 2020-2022 code had no distributed optimizer in
     these runs); DeepSpeed ZeRO-3 and PyTorch FSDP FULL_SHARD rows are zero=3; DeepSpeed ZeRO-1
@@ -20,7 +20,6 @@ What the rows do not state is filled in by fixed rules (no per-row choice):
     from the cluster's published spec) is priced on the GPU preset with that inter-node
     bandwidth, and forms its own cluster (`cluster_label`) in sweeps and intervals; a row's
     `run_date` splits a sweep where the source says the cluster changed between days.
-
 """
 
 from __future__ import annotations
