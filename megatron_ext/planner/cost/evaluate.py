@@ -34,7 +34,7 @@ from megatron_ext.planner.cost.pipeline import (
 )
 from megatron_ext.planner.cost.vocab import stage_extras
 from megatron_ext.planner.space import StrategyTable
-from megatron_ext.planner.training import Engine, TrainingSpec
+from megatron_ext.planner.training import DEFAULT_MOE_IMBALANCE, Engine, TrainingSpec
 
 if TYPE_CHECKING:
     from megatron_ext.planner.cost.model import CostModel
@@ -161,7 +161,7 @@ def plan_training(plan: ParallelPlan, *, flash_attention: bool = True, dropout: 
         flash_attention=flash_attention,
         dropout=dropout,
         engine=engine,
-        **({} if moe_imbalance is None else {"moe_imbalance": moe_imbalance}),
+        moe_imbalance=DEFAULT_MOE_IMBALANCE if moe_imbalance is None else moe_imbalance,
     )
 
 
