@@ -266,6 +266,30 @@ class Prediction:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class PlanLayout:
+    """What the cost model scores of a plan: its pipeline, per-layer strategies, vocabulary
+    layers and micro-batch (model, cluster and batch come with the cost model)."""
+
+    pp: int
+    """Pipeline stages."""
+    stages: tuple[tuple[int, int], ...]
+    """Half-open layer range per stage, or per model chunk when virtual_stages > 1 (as
+    ParallelPlan.stages)."""
+    layers: tuple[LayerStrategy, ...]
+    """One strategy per layer."""
+    vocab: VocabStrategy = VocabStrategy()
+    """Vocabulary layers."""
+    micro_batch_size: int
+    """Samples per micro-batch over a stage's replicas."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank; stages then lists pp * virtual_stages chunk ranges."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stages", tuple((int(a), int(b)) for a, b in self.stages))
+        object.__setattr__(self, "layers", tuple(self.layers))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelPlan:
     """A full parallel layout: pipeline stages, per-layer strategies, vocabulary layers, batch."""
 
@@ -310,6 +334,13 @@ class ParallelPlan:
     @property
     def num_microbatches(self) -> int:
         return self.global_batch_size // self.micro_batch_size
+
+    @property
+    def layout(self) -> PlanLayout:
+        """The part of the plan the cost model scores (planner/cost/evaluate.py)."""
+        return PlanLayout(pp=self.pp, stages=self.stages, layers=self.layers, vocab=self.vocab,
+                          micro_batch_size=self.micro_batch_size,
+                          virtual_stages=self.virtual_stages)
 
     @property
     def stage_width(self) -> int:

@@ -29,12 +29,13 @@
    Spearman rank correlation. JSON top level: `summary` {median_abs_error, spearman, num_plans}
    (probed), `profile_time_summary`, `analytic_summary`.
 
-Load (tools/load_check.py): before the first round, after each phase of each round and at the
-end, the 1-minute load average and a fixed single-process reference loop are recorded (`load`
-in the JSON, a table on stdout). When the slowest reference loop exceeds the fastest by more
-than --max-load-swing (default 1.5x) the benchmark prints the plan table marked as not
-comparable, writes `summary: null`, and exits 4 (--report-anyway reports regardless): the
-probes follow the compute side of a load change, not the collective curves profiled before it.
+Load (megatron_ext/calibration/load_check.py): before the first round, after each phase
+of each round and at the end, the 1-minute load average and a fixed single-process reference
+loop are recorded (`load` in the JSON, a table on stdout). When the slowest reference loop
+exceeds the fastest by more than --max-load-swing (default 1.5x) the benchmark prints the plan
+table marked as not comparable, writes `summary: null`, and exits 4 (--report-anyway reports
+regardless): the probes follow the compute side of a load change, not the collective curves
+profiled before it.
 
 --quick: one round and one model-profiler repeat instead of two of each (same plans, grid and
 steps; the hardware profiler keeps at least HARDWARE_REPEATS samples per collective):
@@ -69,8 +70,8 @@ from bench_costmodel_runs import (
     measure_rank,
     profile_hardware_rank,
 )
-from load_check import LoadLog
 
+from megatron_ext.calibration.load_check import LoadLog
 from megatron_ext.megatron_adapter.profile_model import ProfileGrid, profile_model
 from megatron_ext.plan import ParallelPlan
 from megatron_ext.planner.cost.model import CostModel
@@ -164,8 +165,7 @@ def collect(args: argparse.Namespace, load: LoadLog
 
 
 def predict(plan: ParallelPlan, cm: CostModel) -> float:
-    return predict_iteration_s(cm, pp=plan.pp, stages=plan.stages, layers=plan.layers,
-                               vocab=plan.vocab, micro_batch_size=plan.micro_batch_size)
+    return predict_iteration_s(cm, plan.layout)
 
 
 def summarize(pred: list[float], meas: list[float]) -> dict[str, float]:

@@ -3,7 +3,8 @@
     python tools/bench_entry.py [--repeats 3] [--json bench_entry.json]
 
 Rows (median wall time of --repeats launches each, with the load average and the reference loop
-of tools/load_check.py before and after, since on a shared machine both move):
+of megatron_ext/calibration/load_check.py before and after, since on a shared machine
+both move):
   typo, 1 process         python examples/pretrain_gpt.py --num-layerz 2
   typo, torchrun x4       torchrun --standalone --nproc_per_node 4 examples/pretrain_gpt.py ...
   torchrun x4, no-op      the same torchrun launching a script that exits 2 at once: torchrun's
@@ -25,9 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from load_check import LoadLog  # noqa: E402
+from megatron_ext.calibration.load_check import LoadLog
 
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = str(REPO / "examples" / "pretrain_gpt.py")

@@ -162,7 +162,7 @@ def _published_model(name: str):
 def run_published(run: Published, imbalance: float) -> dict:
     """Predicted tokens/s/GPU of a published layout (uniform, 1F1B, even stages as Megatron's
     default split) against the published figure."""
-    from megatron_ext.plan import LayerStrategy, VocabStrategy
+    from megatron_ext.plan import LayerStrategy, PlanLayout, VocabStrategy
     from megatron_ext.planner.cost.evaluate import evaluate
 
     model = _published_model(run.model)
@@ -178,9 +178,9 @@ def run_published(run: Published, imbalance: float) -> dict:
     layers = tuple(expert if model.is_moe_layer(i) else base for i in range(model.num_layers))
     sizes = [model.num_layers // run.pp + (k < model.num_layers % run.pp) for k in range(run.pp)]
     bounds = [0, *itertools.accumulate(sizes)]
-    ev = evaluate(cm, pp=run.pp, stages=tuple(zip(bounds[:-1], bounds[1:])), layers=layers,
-                  vocab=VocabStrategy(mode="tp", tp=run.tp),
-                  micro_batch_size=run.micro_batch_size * dp)
+    ev = evaluate(cm, PlanLayout(pp=run.pp, stages=tuple(zip(bounds[:-1], bounds[1:])),
+                                 layers=layers, vocab=VocabStrategy(mode="tp", tp=run.tp),
+                                 micro_batch_size=run.micro_batch_size * dp))
     predicted = ev.tokens_per_s / cluster.num_gpus
     return {"run": run.name, "imbalance": imbalance, "published": round(run.tokens_per_s_per_gpu),
             "predicted": round(predicted), "error": round(predicted / run.tokens_per_s_per_gpu - 1,

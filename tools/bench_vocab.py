@@ -278,7 +278,7 @@ def _even_stages(num_layers: int, pp: int, last: int | None = None) -> list[tupl
 
 def cost_model_gains(gpus: int, seq: int, vocab: int) -> dict[str, float]:
     """Search cost model (planner/cost/evaluate.py): pp = gpus, tp = dp = 1, 128 x mbs 1."""
-    from megatron_ext.plan import LayerStrategy, VocabStrategy
+    from megatron_ext.plan import LayerStrategy, PlanLayout, VocabStrategy
     from megatron_ext.planner.cost.evaluate import evaluate
     from megatron_ext.planner.cost.model import CostModel
     from megatron_ext.planner.training import TrainingSpec
@@ -297,8 +297,8 @@ def cost_model_gains(gpus: int, seq: int, vocab: int) -> dict[str, float]:
 
     def iteration_s(stages: list[tuple[int, int]], mode: str) -> float:
         vocab_strategy = VocabStrategy(mode=mode, algorithm=1)  # type: ignore[arg-type]
-        return evaluate(cm, pp=gpus, stages=stages, layers=strategies, vocab=vocab_strategy,
-                        micro_batch_size=1).iteration_s
+        return evaluate(cm, PlanLayout(pp=gpus, stages=stages, layers=strategies,
+                                       vocab=vocab_strategy, micro_batch_size=1)).iteration_s
 
     base = iteration_s(_even_stages(layers, gpus), "tp")
     # layer redistribution: 0 .. L/p layers on the last stage (the paper's "redis" goes to 0)

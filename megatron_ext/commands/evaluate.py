@@ -18,12 +18,16 @@ import argparse
 import dataclasses
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_ext.errors import PlanError
 from megatron_ext.plan import ParallelPlan
 from megatron_ext.presets import CLUSTER_PRESETS, cluster_preset
 from megatron_ext.specs import ClusterSpec
+
+if TYPE_CHECKING:
+    from megatron_ext.planner.cost.breakdown import Breakdown
+    from megatron_ext.planner.cost.model import CostModel
 
 GIB = 2**30
 EXIT_DOES_NOT_FIT = 3
@@ -70,6 +74,20 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
     """The cluster and output flags `evaluate` and `plan-from-args --evaluate` share."""
     add_cluster_arguments(p, default_cluster="the plan's cluster",
                           default_nodes="the plan's world size / GPUs per node")
+    p.add_argument(
+        "--no-flash-attention", dest="flash_attention", action="store_false",
+        help="the run keeps the attention scores (no flash / fused attention kernel)",
+    )
+    p.add_argument(
+        "--no-dropout", dest="dropout", action="store_false",
+        help="the run has no dropout (--hidden-dropout 0 --attention-dropout 0)",
+    )
+    p.add_argument(
+        "--engine", choices=["megatron", "deepspeed"], default="megatron",
+        help="what runs the step: megatron (default) overlaps the gradient reduction with the "
+        "backward pass; deepspeed (Megatron-DeepSpeed) reduces after the last backward and caps "
+        "ZeRO-3's gathered parameters at 1e9 (stage3_max_live_parameters)",
+    )
     p.add_argument(
         "--against-search",
         action="store_true",
@@ -177,18 +195,13 @@ def _cluster(plan: ParallelPlan, args: argparse.Namespace) -> tuple[ClusterSpec,
     return cluster, profile
 
 
-def _cost_model(plan: ParallelPlan, args: argparse.Namespace):
+def _cost_model(plan: ParallelPlan, args: argparse.Namespace) -> CostModel:
+    from megatron_ext.planner.cost.evaluate import plan_training
     from megatron_ext.planner.cost.model import CostModel
-    from megatron_ext.planner.training import TrainingSpec
 
     cluster, profile = _cluster(plan, args)
-    training = TrainingSpec(
-        global_batch_size=plan.global_batch_size,
-        seq_length=plan.seq_length,
-        precision=plan.precision,
-        allow_zero3=any(s.zero >= 2 for s in plan.layers),
-        **({} if args.moe_imbalance is None else {"moe_imbalance": args.moe_imbalance}),
-    )
+    training = plan_training(plan, flash_attention=args.flash_attention, dropout=args.dropout,
+                             engine=args.engine, moe_imbalance=args.moe_imbalance)
     if profile is None and not args.model_profile:
         return CostModel(plan.model, cluster, training)
     from megatron_ext.planner.profile.cost import ProfiledCostModel
@@ -200,18 +213,10 @@ def _cost_model(plan: ParallelPlan, args: argparse.Namespace):
     )
 
 
-def _breakdown(cm, plan: ParallelPlan):
+def _breakdown(cm: CostModel, plan: ParallelPlan) -> Breakdown:
     from megatron_ext.planner.cost.breakdown import breakdown
 
-    return breakdown(
-        cm,
-        pp=plan.pp,
-        stages=plan.stages,
-        layers=plan.layers,
-        vocab=plan.vocab,
-        micro_batch_size=plan.micro_batch_size,
-        virtual_stages=plan.virtual_stages,
-    )
+    return breakdown(cm, plan.layout)
 
 
 def _interval(plan: ParallelPlan, b, cluster: str) -> tuple[float, float, tuple[str, ...]]:

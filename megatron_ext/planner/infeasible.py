@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from megatron_ext.planner.cost.model import CostModel
 from megatron_ext.planner.cost.moe import kind_costs, layer_kinds, valid_for
 from megatron_ext.planner.cost.vocab import stage_extras
 from megatron_ext.planner.space import divisors, layer_strategies, vocab_options
@@ -48,7 +49,7 @@ def _min_max_bytes(
     return hi
 
 
-def min_allocated_bytes(cm) -> float:
+def min_allocated_bytes(cm: CostModel) -> float:
     """Least peak allocated memory per GPU (reserve excluded) of any layout on this cluster."""
     model, cluster, t = cm.model, cm.cluster, cm.training
     best = math.inf
@@ -81,7 +82,7 @@ def min_allocated_bytes(cm) -> float:
     return best
 
 
-def _least_memory_costs(cm, table, mbs: int):
+def _least_memory_costs(cm: CostModel, table, mbs: int):
     """The layer costs whose memory bounds every layer's from below: a dense model's own; for
     MoE models each strategy's smallest state, activation and transient bytes over the layer
     kinds the model has that may use it (inf where none may: the strategy is never chosen)."""
@@ -98,7 +99,7 @@ def _least_memory_costs(cm, table, mbs: int):
     return dataclasses.replace(per_kind[int(used[-1])], **least)
 
 
-def min_memory_gib(cm) -> float:
+def min_memory_gib(cm: CostModel) -> float:
     """Smallest --memory-gib at which some layout fits (the reserve grows with memory)."""
     need = min_allocated_bytes(cm) / GIB
     if not math.isfinite(need):
@@ -108,7 +109,7 @@ def min_memory_gib(cm) -> float:
     return (need + 1.0) / 0.96  # memory - (1 + 0.04 memory) >= need
 
 
-def min_nodes(cm, max_gpus: int = 65536) -> int | None:
+def min_nodes(cm: CostModel, max_gpus: int = 65536) -> int | None:
     """Fewest nodes (same GPUs) at which some layout fits; doubling, then bisection."""
 
     def fits(nodes: int) -> bool:
@@ -126,7 +127,7 @@ def min_nodes(cm, max_gpus: int = 65536) -> int | None:
     return hi
 
 
-def verified_min_memory_gib(cm, fits: Callable[[float], bool]) -> float:
+def verified_min_memory_gib(cm: CostModel, fits: Callable[[float], bool]) -> float:
     """min_memory_gib, raised in 2% steps until `fits(memory_gib)` (the search itself, whose DP
     rounds memory up) really finds a layout there; inf if three steps do not suffice."""
     memory = math.ceil(min_memory_gib(cm) * 10) / 10
@@ -139,7 +140,7 @@ def verified_min_memory_gib(cm, fits: Callable[[float], bool]) -> float:
     return math.inf
 
 
-def explain_infeasible(cm, fits: Callable[[float], bool]) -> str:
+def explain_infeasible(cm: CostModel, fits: Callable[[float], bool]) -> str:
     """One line: what does not fit and the smallest memory or GPU count that would.
 
     `fits(memory_gib)` says whether the search finds a layout with that much memory per GPU."""

@@ -39,10 +39,10 @@ from typing import Literal
 import numpy as np
 
 from megatron_ext.errors import InfeasiblePlanError
-from megatron_ext.plan import ParallelPlan, VocabStrategy
+from megatron_ext.plan import ParallelPlan, PlanLayout, VocabStrategy
 from megatron_ext.plan_checks import check_sequence
 from megatron_ext.planner.bounds import combo_bound, combo_bound_kinds
-from megatron_ext.planner.cost.evaluate import Evaluation
+from megatron_ext.planner.cost.evaluate import Evaluation, evaluate
 from megatron_ext.planner.cost.interval import overlap_relax, search_relax, with_interval
 from megatron_ext.planner.cost.model import CostModel, LayerCosts
 from megatron_ext.planner.cost.moe import kind_costs, layer_kinds, per_layer_costs, valid_for
@@ -59,7 +59,6 @@ from megatron_ext.planner.space import (
     vocab_options,
 )
 from megatron_ext.planner.uniform import (
-    Layout,
     interleave_bound,
     score_uniform_each,
     search_uniform,
@@ -138,8 +137,8 @@ def search(
     start = time.perf_counter()
     stats = {"combos": 0, "combos_pruned": 0, "dp_runs": 0, "exact_evaluations": 0}
     uniform = search_uniform(cm, progress=progress)
-    best: tuple[Layout, Evaluation] | None = uniform
-    seen: list[tuple[Layout, Evaluation]] = [uniform] if uniform else []
+    best: tuple[PlanLayout, Evaluation] | None = uniform
+    seen: list[tuple[PlanLayout, Evaluation]] = [uniform] if uniform else []
     if not options.uniform_only:
         found = _layerwise(
             cm, options, uniform[1].iteration_s if uniform else math.inf, stats, progress, seen
@@ -168,9 +167,9 @@ def search(
 def _near_candidates(
     cm: CostModel,
     options: SearchOptions,
-    best: tuple[Layout, Evaluation],
+    best: tuple[PlanLayout, Evaluation],
     stats: dict[str, int],
-    seen: list[tuple[Layout, Evaluation]],
+    seen: list[tuple[PlanLayout, Evaluation]],
 ) -> None:
     """Add to `seen` the best uniform layout per (pp, micro-batch) whose interval could overlap
     the fastest layout's (predicted faster than its upper end x overlap_relax: the overlap note
@@ -185,7 +184,7 @@ def _near_candidates(
     for pp in [p for p in divisors(cm.cluster.num_gpus) if p <= cm.model.num_layers]:
         for mbs in divisors(cm.training.global_batch_size):
             for _, layout in score_uniform_each(cm, pp, mbs, near):  # one per chunk count
-                seen.append((layout, layout.evaluate(cm)))
+                seen.append((layout, evaluate(cm, layout)))
     if options.objective == "p90" and not options.uniform_only:
         _layerwise(cm, options, bound, stats, None, seen)
 
@@ -197,14 +196,14 @@ def _upper(plan: ParallelPlan) -> float:
 
 def _rank_candidates(
     cm: CostModel,
-    best: tuple[Layout, Evaluation],
-    seen: list[tuple[Layout, Evaluation]],
+    best: tuple[PlanLayout, Evaluation],
+    seen: list[tuple[PlanLayout, Evaluation]],
     options: SearchOptions,
 ) -> list[tuple[ParallelPlan, Evaluation]]:
     """The exactly scored layouts as plans with intervals, best first by the objective (ties:
     the faster point prediction); the chosen plan's prediction lists the runners-up whose
     interval overlaps its own."""
-    unique: dict[tuple, tuple[Layout, Evaluation]] = {}
+    unique: dict[tuple, tuple[PlanLayout, Evaluation]] = {}
     for layout, ev in [best, *seen]:
         if ev.feasible:
             key = (layout.pp, layout.virtual_stages, layout.stages, layout.layers,
@@ -251,7 +250,7 @@ def _fits_with_memory(cm: CostModel, memory_gib: float) -> bool:
     return True
 
 
-def layout_to_plan(cm: CostModel, layout: Layout, evaluation: Evaluation) -> ParallelPlan:
+def layout_to_plan(cm: CostModel, layout: PlanLayout, evaluation: Evaluation) -> ParallelPlan:
     t = cm.training
     return with_interval(ParallelPlan(
         world_size=cm.cluster.num_gpus,
@@ -276,18 +275,18 @@ def _layerwise(
     best_s: float,
     stats: dict[str, int],
     progress: Progress | None,
-    seen: list[tuple[Layout, Evaluation]] | None = None,
-) -> tuple[Layout, Evaluation] | None:
+    seen: list[tuple[PlanLayout, Evaluation]] | None = None,
+) -> tuple[PlanLayout, Evaluation] | None:
     combos = sorted(_combos(cm), key=lambda c: c.bound_s)
     stats["combos"] = len(combos)
-    best: tuple[Layout, Evaluation] | None = None
+    best: tuple[PlanLayout, Evaluation] | None = None
     for i, combo in enumerate(combos):
         if combo.bound_s >= best_s:
             stats["combos_pruned"] = len(combos) - i
             break
         for found in _solve_combo(cm, combo, options, best_s, stats):
             for layout in [found, *interleaved_variants(cm, found)]:
-                ev = layout.evaluate(cm)
+                ev = evaluate(cm, layout)
                 stats["exact_evaluations"] += 1
                 if seen is not None and ev.feasible:
                     seen.append((layout, ev))
@@ -301,7 +300,7 @@ def _layerwise(
     return best
 
 
-def interleaved_variants(cm: CostModel, layout: Layout) -> list[Layout]:
+def interleaved_variants(cm: CostModel, layout: PlanLayout) -> list[PlanLayout]:
     """The layout's per-layer strategies on the interleaved schedule: for every allowed v, the
     layers cut into pp * v contiguous chunks of near-equal forward + backward time (chunk j
     ends where the running time first reaches (j + 1) / (pp v) of the total, at least one layer
@@ -496,7 +495,7 @@ def _levels(
 
 def _solve_combo(
     cm: CostModel, combo: _Combo, options: SearchOptions, best_s: float, stats: dict[str, int]
-) -> list[Layout]:
+) -> list[PlanLayout]:
     """Steps 2-5 of the module docstring for one (pp, micro-batch size)."""
     model, t = cm.model, cm.training
     pp, mbs = combo.pp, combo.micro_batch_size
@@ -745,7 +744,7 @@ class _ExactStage:
             picks[best_move[0]] = best_move[1]
         return picks
 
-    def layout(self, picks: list[list[int]], vocab: VocabStrategy, ex: StageExtras) -> Layout:
+    def layout(self, picks: list[list[int]], vocab: VocabStrategy, ex: StageExtras) -> PlanLayout:
         """The backtracked layout, repaired stage by stage (the better of the two exactly)."""
         first = self._to_layout(picks, vocab)
         repaired, start = [], 0
@@ -757,17 +756,17 @@ class _ExactStage:
         if repaired == picks:
             return first
         second = self._to_layout(repaired, vocab)
-        a, b = first.evaluate(self.cm), second.evaluate(self.cm)
+        a, b = evaluate(self.cm, first), evaluate(self.cm, second)
         if b.feasible and (not a.feasible or b.iteration_s < a.iteration_s):
             return second
         return first
 
-    def _to_layout(self, picks: list[list[int]], vocab: VocabStrategy) -> Layout:
+    def _to_layout(self, picks: list[list[int]], vocab: VocabStrategy) -> PlanLayout:
         layers, stages = [], []
         for p in picks:
             stages.append((len(layers), len(layers) + len(p)))
             layers += [self.table.strategies[i] for i in p]
-        return Layout(
+        return PlanLayout(
             pp=len(picks),
             micro_batch_size=self.mbs,
             stages=tuple(stages),

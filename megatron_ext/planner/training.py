@@ -8,6 +8,11 @@ from typing import Literal
 from megatron_ext.errors import PlanError
 
 Precision = Literal["bf16", "fp16", "fp32"]
+Engine = Literal["megatron", "deepspeed"]
+
+DEEPSPEED_MAX_LIVE_PARAMS = 1e9
+"""DeepSpeed ZeRO-3's default stage3_max_live_parameters: it gathers module by module and holds
+at most this many parameters gathered, where FSDP2 and Megatron-FSDP hold two whole layers."""
 
 DEFAULT_MOE_IMBALANCE = 1.2
 """Default MoE load-imbalance factor rho: tokens the busiest rank's experts receive over the
@@ -55,6 +60,14 @@ class TrainingSpec:
     """Hidden dropout is on (Megatron's default 0.1): one byte of mask per activation element."""
     moe_imbalance: float = DEFAULT_MOE_IMBALANCE
     """MoE load-imbalance factor (DEFAULT_MOE_IMBALANCE); read only for models with experts."""
+    engine: Engine = "megatron"
+    """What runs the step. megatron: Megatron-LM / megatron_ext, the gradient reduction and
+    ZeRO-1's weight all-gather overlap the backward pass, ZeRO-3 gathers two whole layers.
+    deepspeed: Megatron-DeepSpeed's engine, with or without its pipeline module: at ZeRO stage
+    0-1 gradients are reduced and ZeRO-1's weights gathered after the last micro-batch's
+    backward, not overlapped (overlap_comm is off by default there); at stage 3 the
+    reduce-scatter overlaps as with FSDP, and at most DEEPSPEED_MAX_LIVE_PARAMS parameters are
+    held gathered (stage3_max_live_parameters)."""
     reserve_gib: float | None = None
     """Memory per GPU kept free for the CUDA context, NCCL buffers and allocator fragmentation;
     None means 1 GiB + 4% of the GPU's memory."""
@@ -71,6 +84,8 @@ class TrainingSpec:
         if not self.moe_imbalance >= 1.0:
             raise PlanError(f"--moe-imbalance={self.moe_imbalance} must be >= 1 (busiest rank's "
                             "routed tokens over the mean; 1 = balanced)")
+        if self.engine not in ("megatron", "deepspeed"):
+            raise PlanError(f"--engine={self.engine!r} must be megatron or deepspeed")
         if self.reserve_gib is not None and self.reserve_gib < 0:
             raise PlanError(f"reserve_gib={self.reserve_gib} must be >= 0")
 

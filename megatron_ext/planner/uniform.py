@@ -15,11 +15,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_ext.plan import LayerStrategy, VocabStrategy
+from megatron_ext.plan import PlanLayout, VocabStrategy
 from megatron_ext.planner.cost.evaluate import Evaluation, evaluate
 from megatron_ext.planner.cost.model import CostModel
 from megatron_ext.planner.cost.moe import MOE, kind_costs, layer_kinds, valid_for
@@ -31,37 +30,12 @@ from megatron_ext.planner.cost.pipeline import (
 from megatron_ext.planner.cost.vocab import stage_extras
 from megatron_ext.planner.space import divisors, layer_strategies
 
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Layout:
-    """A complete layout: everything a ParallelPlan needs besides model, cluster and batch."""
-
-    pp: int
-    """Pipeline stages."""
-    micro_batch_size: int
-    """Samples per micro-batch over a stage's replicas."""
-    stages: tuple[tuple[int, int], ...]
-    """Half-open layer range per stage."""
-    layers: tuple[LayerStrategy, ...]
-    """One strategy per layer."""
-    vocab: VocabStrategy
-    """Vocabulary layers."""
-    virtual_stages: int = 1
-    """Model chunks per pipeline rank; stages then lists pp * virtual_stages chunk ranges."""
-
-    def evaluate(self, cm: CostModel) -> Evaluation:
-        """The exact cost-model evaluation of this layout."""
-        return evaluate(cm, pp=self.pp, stages=self.stages, layers=self.layers, vocab=self.vocab,
-                        micro_batch_size=self.micro_batch_size,
-                        virtual_stages=self.virtual_stages)
-
-
 MAX_VIRTUAL_STAGES = 8
 """Most chunks per rank the search tries (each one more point-to-point message per micro-batch
 and rank; the bubble gain beyond 8 is below 1/(8 m) of the iteration)."""
 
 
-def virtual_stage_options(cm, pp: int, micro_batch_size: int, *,
+def virtual_stage_options(cm: CostModel, pp: int, micro_batch_size: int, *,
                           even_only: bool) -> list[int]:
     """Chunks per rank v > 1 the interleaved schedule may use at (pp, micro-batch size): pp > 1,
     the micro-batch count a multiple of pp (megatron-core's interleaved schedule), at least one
@@ -97,8 +71,8 @@ def _partitions(num_layers: int, pp: int) -> np.ndarray:
 
 
 def score_uniform(
-    cm, pp: int, micro_batch_size: int, bound_s: float = np.inf, *, fsdp: bool = False,
-) -> tuple[float, Layout] | None:
+    cm: CostModel, pp: int, micro_batch_size: int, bound_s: float = np.inf, *, fsdp: bool = False,
+) -> tuple[float, PlanLayout] | None:
     """Best uniform layout at this (pp, micro-batch size) faster than bound_s, or None.
     fsdp=True also tries ZeRO-3 everywhere (FSDP2), which Megatron-LM allows with pp=1 and
     untied embeddings only. Every allowed chunk count (`virtual_stage_options`, even chunks) is
@@ -111,9 +85,9 @@ def score_uniform(
 
 
 def score_uniform_each(
-    cm, pp: int, micro_batch_size: int, bound_s: float = np.inf, *, fsdp: bool = False,
+    cm: CostModel, pp: int, micro_batch_size: int, bound_s: float = np.inf, *, fsdp: bool = False,
     prune: bool = False,
-) -> list[tuple[float, Layout]]:
+) -> list[tuple[float, PlanLayout]]:
     """`score_uniform`'s best layout for each chunk count v that has one faster than bound_s
     (prune: only those faster than every v scored before them)."""
     model, cluster = cm.model, cm.cluster
@@ -130,7 +104,7 @@ def score_uniform_each(
     if len(table) == 0:
         return []
     per_kind = kind_costs(cm, table, micro_batch_size)
-    out: list[tuple[float, Layout]] = []
+    out: list[tuple[float, PlanLayout]] = []
     for v in [1, *virtual_stage_options(cm, pp, micro_batch_size, even_only=True)]:
         bound = min([bound_s, *(f[0] for f in out)]) if prune else bound_s
         found = _score_uniform_v(cm, table, per_kind, pp, micro_batch_size, bound, v)
@@ -139,8 +113,8 @@ def score_uniform_each(
     return out
 
 
-def _score_uniform_v(cm, table, per_kind, pp: int, micro_batch_size: int, bound_s: float,
-                     v: int) -> tuple[float, Layout] | None:
+def _score_uniform_v(cm: CostModel, table, per_kind, pp: int, micro_batch_size: int, bound_s: float,
+                     v: int) -> tuple[float, PlanLayout] | None:
     model = cm.model
     usable = valid_for(model, table)[-1]  # the MoE layers' rules (dense models: all)
     kinds = layer_kinds(model)
@@ -151,7 +125,7 @@ def _score_uniform_v(cm, table, per_kind, pp: int, micro_batch_size: int, bound_
         parts = np.full((1, pp), model.num_layers / pp)
     counts = _kind_counts(kinds, parts, len(per_kind), pp, v)  # [K, P, pp]
     totals = [float(np.sum(kinds == k)) for k in range(len(per_kind))]
-    best: tuple[float, Layout] | None = None
+    best: tuple[float, PlanLayout] | None = None
     for key in sorted({(int(tp), min(int(z), 1)) for tp, z in zip(table.tp, table.zero)}):
         ex = stage_extras(cm, VocabStrategy(mode="tp", tp=key[0]), pp, micro_batch_size, m, key[1],
                           virtual_stages=v)
@@ -176,7 +150,7 @@ def _score_uniform_v(cm, table, per_kind, pp: int, micro_batch_size: int, bound_
             dense = dataclasses.replace(chosen, ep=1, etp=None)
             best = (
                 found[0],
-                Layout(
+                PlanLayout(
                     pp=pp,
                     micro_batch_size=micro_batch_size,
                     stages=tuple((int(bounds[k]), int(bounds[k + 1]))
@@ -214,7 +188,7 @@ def _kind_counts(kinds: np.ndarray, parts: np.ndarray, num_kinds: int, pp: int,
 
 
 def _best_of(
-    cm, per_kind, sel: np.ndarray, ex, counts: np.ndarray, m: int, v: int = 1
+    cm: CostModel, per_kind, sel: np.ndarray, ex, counts: np.ndarray, m: int, v: int = 1
 ) -> tuple[float, int, int] | None:
     """(iteration, strategy index, partition index) of the fastest feasible pair in sel x parts;
     `per_kind` the LayerCosts of each layer kind, `counts` [K, P, pp] layers of each kind per
@@ -262,12 +236,12 @@ def _best_of(
 
 
 def search_uniform(
-    cm, *, progress: Callable[[str], None] | None = None, fsdp: bool = False
-) -> tuple[Layout, Evaluation] | None:
+    cm: CostModel, *, progress: Callable[[str], None] | None = None, fsdp: bool = False
+) -> tuple[PlanLayout, Evaluation] | None:
     """The fastest uniform layout over every pp and micro-batch size; None if nothing fits.
     fsdp=True widens the baseline with Megatron-LM's FSDP2 (ZeRO-3 everywhere, pp=1)."""
     model, cluster = cm.model, cm.cluster
-    best: tuple[float, Layout] | None = None
+    best: tuple[float, PlanLayout] | None = None
     for pp in [p for p in divisors(cluster.num_gpus) if p <= model.num_layers]:
         for mbs in divisors(cm.training.global_batch_size):
             found = score_uniform(cm, pp, mbs, best[0] if best else np.inf, fsdp=fsdp)
@@ -278,6 +252,6 @@ def search_uniform(
     if best is None:
         return None
     layout = best[1]
-    ev = layout.evaluate(cm)
+    ev = evaluate(cm, layout)
     assert abs(ev.iteration_s - best[0]) <= 1e-9 * best[0], (ev.iteration_s, best[0])
     return layout, ev

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_ext.plan import LayerStrategy, VocabStrategy
+from megatron_ext.plan import LayerStrategy, PlanLayout, VocabStrategy
 from megatron_ext.planner.cost.evaluate import evaluate
 from megatron_ext.planner.cost.pipeline import one_f_one_b
 from megatron_ext.planner.cost.vocab import stage_extras
@@ -167,11 +167,11 @@ def check_against_evaluate(cm, layout: OracleLayout) -> None:
     """The oracle's vectorised score of `layout` is evaluate's."""
     ev = evaluate(
         cm,
-        pp=layout.pp,
+        PlanLayout(pp=layout.pp,
         stages=layout.stages,
         layers=layout.layers,
         vocab=layout.vocab,
-        micro_batch_size=layout.micro_batch_size,
+        micro_batch_size=layout.micro_batch_size),
     )
     assert ev.feasible
     assert math.isclose(ev.iteration_s, layout.iteration_s, rel_tol=1e-9), (

@@ -7,11 +7,20 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.tool_modules import load_tool
+from megatron_ext.calibration.ranking import ranking
+from megatron_ext.calibration.residuals import GEMM_EFFICIENCY_GRID, fit_score
+from megatron_ext.calibration.rows import build_plan, cluster_of, measured_iteration_s
+from megatron_ext.calibration.scoring import predict, run
+from megatron_ext.calibration.sources import DEFAULT_DATA
+from megatron_ext.calibration.vtrain import VTRAIN_SOURCES, vtrain_rows
+
+TOOLS = Path(__file__).resolve().parents[2] / "tools"
 
 ROWS = [
     {
@@ -79,15 +88,15 @@ ROWS = [
 ]
 
 
-def _tool():
-    return load_tool("bench_published.py")
 
-
-def test_bench_published_two_rows(tmp_path, capsys):
+def test_bench_published_two_rows(tmp_path):
     data = tmp_path / "runs.json"
     data.write_text(json.dumps({"about": "two rows", "rows": ROWS}))
     out_path = tmp_path / "out.json"
-    assert _tool().main(["--data", str(data), "--json", str(out_path), "--no-vtrain"]) == 0
+    done = subprocess.run(
+        [sys.executable, str(TOOLS / "bench_published.py"), "--data", str(data), "--json",
+         str(out_path), "--no-vtrain"], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
     out = json.loads(out_path.read_text())
     by_id = {r["id"]: r for r in out["rows"]}
     for row in ROWS:
@@ -99,18 +108,17 @@ def test_bench_published_two_rows(tmp_path, capsys):
     # Measured 20.8 s vs 66.7 s: ZeRO-3's per-layer traffic over 192 nodes dominates.
     assert z3["predicted_s"] > 2 * ptd["predicted_s"]
     assert out["rank_groups"][0]["rows"] == 2
-    assert "median |error|" in capsys.readouterr().out
+    assert "median |error|" in done.stdout
 
 
 def test_ranking_metrics_by_hand():
-    tool = _tool()
     # predicted order 0 < 1 < 2, measured 0 < 2 < 1: pairs (0,1) (0,2) right, (1,2) wrong.
-    r = tool.ranking([1.0, 2.0, 3.0], [1.0, 3.0, 2.0])
+    r = ranking([1.0, 2.0, 3.0], [1.0, 3.0, 2.0])
     assert r["spearman"] == pytest.approx(0.5)
     assert r["top1_regret"] == 0.0
     assert r["pairs_ordered"] == pytest.approx(2 / 3)
     # the predicted-best layout measured 1.1x the measured-best one: 10% regret
-    r = tool.ranking([1.0, 2.0], [1.1, 1.0])
+    r = ranking([1.0, 2.0], [1.1, 1.0])
     assert r["top1_regret"] == pytest.approx(0.1)
     assert r["pairs_ordered"] == 0.0
 
@@ -118,22 +126,21 @@ def test_ranking_metrics_by_hand():
 def test_sweep_metrics_and_leave_one_source_out(tmp_path):
     """The two SC'21 rows are one sweep (same model, cluster, batch, sequence); a third, copied
     into another source, lets every source be held out once."""
-    tool = _tool()
     other = dict(ROWS[0], id="copy-PTD", source="a second source")
-    out = tool.run(ROWS + [other])
+    out = run(ROWS + [other])
     (sweep,) = out["sweeps"]
     assert sweep["layouts"] == 3 and sweep["top1_regret"] == 0.0
     held = out["leave_one_source_out"]
     assert {e["source"] for e in held["sources"]} == {ROWS[0]["source"], "a second source"}
     for e in held["sources"]:
-        assert e["gemm_efficiency"] in tool.GEMM_EFFICIENCY_GRID
+        assert e["gemm_efficiency"] in GEMM_EFFICIENCY_GRID
     for r in out["rows"]:  # the held-out prediction is one of the grid's predictions
         assert r["loso_predicted_s"] > 0
     assert 0.0 <= held["interval_coverage"] <= 1.0
 
 
-def _all_rows(tool):
-    return json.loads(Path(tool.DEFAULT_DATA).read_text())["rows"] + tool.vtrain_rows()
+def _all_rows():
+    return json.loads(Path(DEFAULT_DATA).read_text())["rows"] + vtrain_rows()
 
 
 def test_residual_file_is_the_tools_output():
@@ -142,12 +149,11 @@ def test_residual_file_is_the_tools_output():
     published row and vTrain run."""
     from megatron_ext.planner.cost import interval as iv
 
-    tool = _tool()
     data = json.loads(iv.TABLE_PATH.read_text())
     assert data["run_fields"] == ["id", "source", "features", "gemm_efficiency", "log_residual"]
     runs = [(dict(zip(data["features"], r[2])), r[4]) for r in data["runs"]]
     rebuilt = iv.build_table(runs)
-    assert [r[0] for r in data["runs"]] == [r["id"] for r in _all_rows(tool)]
+    assert [r[0] for r in data["runs"]] == [r["id"] for r in _all_rows()]
     assert rebuilt["runs"] == data["table"]["runs"] == len(data["runs"])
     for feature, groups in rebuilt["groups"].items():
         for name, g in groups.items():
@@ -167,19 +173,18 @@ def test_residual_file_matches_the_cost_model():
     from megatron_ext.planner.cost import interval as iv
     from megatron_ext.planner.cost.compute import ComputeProfile
 
-    tool = _tool()
-    rows = _all_rows(tool)
+    rows = _all_rows()
     shipped = json.loads(iv.TABLE_PATH.read_text())["runs"]
     assert [r[0] for r in shipped] == [r["id"] for r in rows]
-    vtrain = [i for i, r in enumerate(rows) if r["source"] in tool.VTRAIN_SOURCES]
-    sample = [i for i, r in enumerate(rows) if r["source"] not in tool.VTRAIN_SOURCES]
+    vtrain = [i for i, r in enumerate(rows) if r["source"] in VTRAIN_SOURCES]
+    sample = [i for i, r in enumerate(rows) if r["source"] not in VTRAIN_SOURCES]
     sample += vtrain[::16]
     stale = []
     for i in sample:
         row, (_, _, _, eff, stored) = rows[i], shipped[i]
         compute = dataclasses.replace(ComputeProfile(), gemm_efficiency=eff)
-        pred = tool.predict(row, tool.build_plan(row), compute)["predicted_s"]
-        fresh = math.log(tool.measured_iteration_s(row)[0] / pred)
+        pred = predict(row, build_plan(row), compute)["predicted_s"]
+        fresh = math.log(measured_iteration_s(row)[0] / pred)
         if abs(fresh - stored) > 1e-4:
             stale.append(f"{row['id']}: {stored:.4f} -> {fresh:.4f}")
     assert len(sample) > 170 and not stale, (
@@ -191,12 +196,11 @@ def test_residual_file_matches_the_cost_model():
 def test_refit_counts_every_source_once():
     """The held-out refit minimises the mean of the training sources' median |error|: a source
     of many rows weighs as much as one of a single row."""
-    tool = _tool()
     meas = [1.0] * 101
     pred = [2.0] * 100 + [1.1]  # source a: 100 rows 100% off; source b: 1 row 10% off
     sources = ["a"] * 100 + ["b"]
-    assert tool.fit_score(pred, meas, sources, list(range(101))) == pytest.approx(0.55)
-    assert tool.fit_score(pred, meas, sources, [100]) == pytest.approx(0.1)
+    assert fit_score(pred, meas, sources, list(range(101))) == pytest.approx(0.55)
+    assert fit_score(pred, meas, sources, [100]) == pytest.approx(0.1)
 
 
 def test_deepspeed_pipeline_and_stated_network_rows():
@@ -204,19 +208,18 @@ def test_deepspeed_pipeline_and_stated_network_rows():
     node): zero=1 layers; its gradient reduction is unhidden (the same run priced as Megatron-LM,
     which overlaps it, is faster); the stated inter-node bandwidth replaces the preset's (the
     DGX network is faster again); its cluster label and run date make it its own sweep."""
-    tool = _tool()
-    rows = json.loads(Path(tool.DEFAULT_DATA).read_text())["rows"]
+    rows = json.loads(Path(DEFAULT_DATA).read_text())["rows"]
     row = next(r for r in rows if r["id"] == "bloom-prequel-181B-tp4pp6dp16-mb2-gbs2048")
-    plan = tool.build_plan(row)
+    plan = build_plan(row)
     assert {layer.zero for layer in plan.layers} == {1}
-    assert tool.cluster_of(row).inter_node.bandwidth_bytes_per_s == 5.5e9
-    deepspeed = tool.predict(row, plan)["predicted_s"]
+    assert cluster_of(row).inter_node.bandwidth_bytes_per_s == 5.5e9
+    deepspeed = predict(row, plan)["predicted_s"]
     megatron = dict(row, dp_sharding="ZeRO-1 (distributed optimizer)")
-    assert tool.predict(megatron, plan)["predicted_s"] < deepspeed
+    assert predict(megatron, plan)["predicted_s"] < deepspeed
     dgx = {k: v for k, v in row.items() if k not in ("inter_node_bytes_per_s_per_gpu",
                                                       "cluster_label")}
-    assert tool.predict(dgx, plan)["predicted_s"] < deepspeed
+    assert predict(dgx, plan)["predicted_s"] < deepspeed
     earlier = dict(row, id="same layout, other day", run_date="2022-02-21")
-    out = tool.run([row, earlier], loso=False)
+    out = run([row, earlier], loso=False)
     assert out["rows"][0]["cluster"] == "jean-zay-a100-80g"
     assert out["sweeps"] == []  # one layout per (model, cluster, date, batch, seq)

@@ -1,45 +1,49 @@
-"""tools/bench_tp_gap.py: the chronicle's single-node rows it adds are what the chronicle printed
-(its TFLOPs column is eq.(3) of GBS 512 and the stated iteration time, not of the GBS 2048 its
-table header says), the candidates' patches are undone, and the noise ceiling is 1 without
-noise. The what-if results themselves are recorded in docs/benchmarks.md."""
+"""tools/bench_tp_gap.py (megatron_ext/calibration/tp_gap.py): the chronicle's single-node
+rows it adds are what the chronicle printed (its TFLOPs column is eq.(3) of GBS 512 and the
+stated iteration time, not of the GBS 2048 its table header says), the candidates' patches are
+undone, and the noise ceiling is 1 without noise. The what-if results themselves are recorded in
+docs/benchmarks.md."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from tests.tool_modules import load_tool
-
-TOOLS = Path(__file__).resolve().parents[2] / "tools"
-
-
-def _tool():
-    return load_tool("bench_tp_gap.py")
+from megatron_ext.calibration import scoring
+from megatron_ext.calibration.rows import build_plan, eq3_flops
+from megatron_ext.calibration.sources import DEFAULT_DATA
+from megatron_ext.calibration.tp_gap import (
+    JEAN_ZAY,
+    jean_zay_intra,
+    noise_ceiling,
+    single_node_rows,
+    wave_quantized_gemm_s,
+    with_efficiency,
+    with_patch,
+)
+from megatron_ext.planner.cost import compute
 
 
 def test_single_node_rows_reproduce_the_printed_tflops():
-    tool = _tool()
-    rows = json.loads(Path(tool.bp.DEFAULT_DATA).read_text())["rows"]
-    template = next(r for r in rows if r.get("cluster_label") == tool.JEAN_ZAY)
-    extra = tool.single_node_rows(template)
+    rows = json.loads(Path(DEFAULT_DATA).read_text())["rows"]
+    template = next(r for r in rows if r.get("cluster_label") == JEAN_ZAY)
+    extra = single_node_rows(template)
     assert len(extra) == 3
     for r in extra:
         printed = float(r["quote"].split("|")[-3])
-        tflops = tool.bp.eq3_flops(r) / (r["iter_time_s"] * r["num_gpus"]) / 1e12
+        tflops = eq3_flops(r) / (r["iter_time_s"] * r["num_gpus"]) / 1e12
         # 0.05%: the rows use BLOOM's 250,680-token vocabulary, the run's own (padded) size
         # is not printed; a GBS of 2048 would be off by 4x
         assert abs(tflops / printed - 1) < 5e-4, (r["id"], tflops, printed)
         assert (r["tp"], r["pp"], r["dp"], r["hidden_size"], r["num_heads"]) == (8, 1, 1, 14336, 64)
-        assert tool.bp.build_plan(r).pp == 1
+        assert build_plan(r).pp == 1
 
 
 def test_patches_are_undone_and_noise_free_ceiling_is_one():
-    tool = _tool()
-    before = (tool.bp.cluster_of, tool.compute.layer_gemm_forward_s, tool.bp.predict)
-    tool.with_patch(tool.bp, "cluster_of", tool.jean_zay_intra(bandwidth=1e9), lambda: None)
-    tool.with_patch(tool.compute, "layer_gemm_forward_s", tool.wave_quantized_gemm_s(256, 128),
-                    lambda: None)
-    tool.with_patch(tool.bp, "predict", tool.with_efficiency(0.8), lambda: None)
-    assert (tool.bp.cluster_of, tool.compute.layer_gemm_forward_s, tool.bp.predict) == before
-    (c,) = tool.noise_ceiling([1.0, 2.0, 3.0, 4.0], [0.0], trials=10)
+    before = (scoring.cluster_of, compute.layer_gemm_forward_s, scoring.predict)
+    with_patch(scoring, "cluster_of", jean_zay_intra(bandwidth=1e9), lambda: None)
+    with_patch(compute, "layer_gemm_forward_s", wave_quantized_gemm_s(256, 128), lambda: None)
+    with_patch(scoring, "predict", with_efficiency(0.8), lambda: None)
+    assert (scoring.cluster_of, compute.layer_gemm_forward_s, scoring.predict) == before
+    (c,) = noise_ceiling([1.0, 2.0, 3.0, 4.0], [0.0], trials=10)
     assert c["median_spearman"] == 1.0

@@ -57,8 +57,7 @@ def test_parts_add_up_to_the_score(path):
     plan = ParallelPlan.load(path)
     assert plan.world_size % 8 == 0  # the A100 preset has whole 8-GPU nodes
     cm = _cost_model(plan)
-    b = breakdown(cm, pp=plan.pp, stages=plan.stages, layers=plan.layers, vocab=plan.vocab,
-                  micro_batch_size=plan.micro_batch_size)
+    b = breakdown(cm, plan.layout)
     ev = b.evaluation
     for k, stage in enumerate(b.stages):
         assert set(stage.memory_bytes) == set(MEMORY_PARTS)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from megatron_ext.errors import PlanError
-from megatron_ext.plan import LayerStrategy, VocabStrategy
+from megatron_ext.plan import LayerStrategy, PlanLayout, VocabStrategy
 from megatron_ext.planner.cost import compute as C
 from megatron_ext.planner.cost.evaluate import evaluate
 from megatron_ext.planner.cost.model import CostModel
@@ -74,8 +74,8 @@ def test_fixed_cost_scales_with_layers_times_microbatches():
     def iteration(layers: int, m: int, compute: C.ComputeProfile) -> float:
         cm = CostModel(tiny(layers), cluster,
                        TrainingSpec(global_batch_size=8 * m, seq_length=32), compute=compute)
-        return evaluate(cm, pp=1, stages=((0, layers),), layers=(s,) * layers, vocab=vocab,
-                        micro_batch_size=8).iteration_s
+        return evaluate(cm, PlanLayout(pp=1, stages=((0, layers),), layers=(s,) * layers,
+                                       vocab=vocab, micro_batch_size=8)).iteration_s
 
     t = TrainingSpec(global_batch_size=8, seq_length=32)
     host = prof.host_for(cluster)

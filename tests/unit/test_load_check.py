@@ -10,10 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.tool_modules import load_tool
+from megatron_ext.calibration import load_check
 
 REPO = Path(__file__).resolve().parents[2]
-load_check = load_tool("load_check.py")
 
 
 def _log(refs_ms: list[float], loads: list[float], max_swing: float = 1.5):

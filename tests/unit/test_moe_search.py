@@ -12,7 +12,7 @@ import itertools
 import numpy as np
 import pytest
 
-from megatron_ext.plan import LayerStrategy, VocabStrategy
+from megatron_ext.plan import LayerStrategy, PlanLayout, VocabStrategy
 from megatron_ext.planner.cost import moe as M
 from megatron_ext.planner.cost.compute import model_flops_per_token, model_parameters
 from megatron_ext.planner.cost.evaluate import evaluate
@@ -205,8 +205,7 @@ def test_search_picks_expert_parallelism_when_experts_do_not_fit_replicated() ->
     assert all(s.zero <= 1 for s in moe) and plan.vocab.mode == "tp"
     # ... and the same plan without expert parallelism is slower or does not fit
     plain = tuple(dataclasses.replace(x, ep=1, etp=None) for x in plan.layers)
-    without = evaluate(cm, pp=plan.pp, stages=plan.stages, layers=plain, vocab=plan.vocab,
-                       micro_batch_size=plan.micro_batch_size)
+    without = evaluate(cm, dataclasses.replace(plan.layout, layers=plain))
     assert not without.feasible or without.iteration_s > result.evaluation.iteration_s
     assert result.evaluation.feasible
     assert result.evaluation.iteration_s <= result.uniform_evaluation.iteration_s + 1e-12
@@ -224,8 +223,7 @@ def test_uniform_moe_baseline_is_one_megatron_layout() -> None:
     assert dataclasses.replace(m, ep=1, etp=None) == d  # same TP/CP/DP/ZeRO/recompute
     assert BIG_EXPERTS.moe.num_experts % m.ep == 0 and m.width % (m.ep * m.expert_tp) == 0
     assert m.tp == 1 or m.sp
-    again = evaluate(cm, pp=layout.pp, stages=layout.stages, layers=layout.layers,
-                     vocab=layout.vocab, micro_batch_size=layout.micro_batch_size)
+    again = evaluate(cm, layout)
     assert again.iteration_s == pytest.approx(ev.iteration_s, rel=1e-12)
 
 
@@ -240,8 +238,8 @@ def test_stages_are_priced_by_their_layer_kinds() -> None:
     s = LayerStrategy(tp=1, dp=4, zero=1)
     moe_s = dataclasses.replace(s, ep=4)
     layers = (moe_s, moe_s, s, s)
-    ev = evaluate(cm, pp=2, stages=((0, 2), (2, 4)), layers=layers,
-                  vocab=VocabStrategy(mode="tp", tp=1), micro_batch_size=16)
+    ev = evaluate(cm, PlanLayout(pp=2, stages=((0, 2), (2, 4)), layers=layers,
+                  vocab=VocabStrategy(mode="tp", tp=1), micro_batch_size=16))
     rows = M.per_layer_costs(cm, StrategyTable.of([s, moe_s]), 16, np.array([1, 1, 0, 0]))
     assert rows.forward_s[0] > 1.5 * rows.forward_s[2]  # top-2 of 8192-wide experts vs 8192 MLP
     assert ev.stage_busy_s[0] > ev.stage_busy_s[1]

@@ -4,11 +4,12 @@
     commands -> megatron_adapter -> runtime -> planner -> geometry -> plan -> specs
              -> schema -> errors
     commands, megatron_adapter -> flags -> plan
+    calibration -> flags, planner
 
 geometry (which ranks hold which part of an activation or of the vocabulary, from the plan alone)
 sits below the planner so that the planner, `evaluate` and the runtime share one answer.
-Only megatron_adapter imports megatron; the planner, the geometry and the flags import neither
-torch nor megatron, so `megatron-ext search`/`args` never need them.
+Only megatron_adapter imports megatron; the planner, the geometry, the flags and the calibration
+import neither torch nor megatron, so `megatron-ext search`/`args` never need them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ ALLOWED = {
     "planner": {"errors", "schema", "specs", "presets", "hf_config", "plan", "geometry",
                 "planner"},
     "flags": {"errors", "schema", "specs", "presets", "hf_config", "plan", "flags"},
+    # the cost model's calibration on published runs: builds their plans from Megatron flags
+    "calibration": {"errors", "schema", "specs", "presets", "hf_config", "plan", "geometry",
+                    "planner", "flags", "calibration"},
     "runtime": {"errors", "schema", "specs", "presets", "plan", "geometry", "planner",
                 "runtime"},
     "megatron_adapter": {"errors", "schema", "specs", "presets", "hf_config", "plan", "geometry",
@@ -41,8 +45,8 @@ ALLOWED = {
     "cli": {"errors", "commands"},
     "__init__": set(),
 }
-NO_TORCH = ("planner", "geometry", "flags", "plan", "specs", "schema", "errors", "presets",
-            "hf_config")
+NO_TORCH = ("planner", "geometry", "flags", "calibration", "plan", "specs", "schema", "errors",
+            "presets", "hf_config")
 
 
 def _module_name(path: Path) -> str:

@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from megatron_ext.plan import LayerStrategy, VocabStrategy
+from megatron_ext.plan import LayerStrategy, PlanLayout, VocabStrategy
 from megatron_ext.planner.cost.comm import AlphaBetaComm, GroupLayout, group_layout
 from megatron_ext.planner.cost.evaluate import evaluate
 from megatron_ext.planner.cost.memory import (
@@ -215,12 +215,12 @@ def test_uniform_vectorised_score_equals_evaluate():
         layout = found[1]
         ev = evaluate(
             cm,
-            pp=pp,
+            PlanLayout(pp=pp,
             stages=layout.stages,
             layers=layout.layers,
             vocab=layout.vocab,
             micro_batch_size=mbs,
-            virtual_stages=layout.virtual_stages,  # the best may be interleaved
+            virtual_stages=layout.virtual_stages),  # the best may be interleaved
         )
         assert ev.feasible
         assert ev.iteration_s == pytest.approx(found[0], rel=1e-12)
@@ -235,15 +235,16 @@ def test_vocabulary_parallel_balances_the_last_stage():
     layers = [LayerStrategy(tp=1, dp=2, zero=1)] * 32
     stages = [(8 * k, 8 * k + 8) for k in range(4)]
     tp_mode = evaluate(
-        cm, pp=4, stages=stages, layers=layers, vocab=VocabStrategy(tp=1), micro_batch_size=2
+        cm, PlanLayout(pp=4, stages=stages, layers=layers, vocab=VocabStrategy(tp=1),
+                       micro_batch_size=2)
     )
     vp_mode = evaluate(
         cm,
-        pp=4,
+        PlanLayout(pp=4,
         stages=stages,
         layers=layers,
         vocab=VocabStrategy(mode="vocab_parallel", tp=1),
-        micro_batch_size=2,
+        micro_batch_size=2),
     )
     spread = lambda ev: max(ev.stage_busy_s) / min(ev.stage_busy_s)
     assert spread(vp_mode) < spread(tp_mode)
@@ -286,9 +287,9 @@ def test_interleaved_evaluation_trades_bubble_for_memory_and_messages():
                    TrainingSpec(global_batch_size=16, seq_length=2048))
     s = LayerStrategy(tp=2, sp=True, dp=1)
     kw = {"pp": 4, "layers": (s,) * 32, "vocab": VocabStrategy(tp=2), "micro_batch_size": 1}
-    plain = evaluate(cm, stages=tuple((8 * k, 8 * k + 8) for k in range(4)), **kw)
+    plain = evaluate(cm, PlanLayout(stages=tuple((8 * k, 8 * k + 8) for k in range(4)), **kw))
     chunks = tuple((4 * j, 4 * j + 4) for j in range(8))
-    inter = evaluate(cm, stages=chunks, virtual_stages=2, **kw)
+    inter = evaluate(cm, PlanLayout(stages=chunks, virtual_stages=2, **kw))
     assert inter.breakdown["pipeline_bubble_s"] < plain.breakdown["pipeline_bubble_s"]
     assert inter.breakdown["p2p_s"] == pytest.approx(2 * plain.breakdown["p2p_s"])
     costs = cm.layer_costs(StrategyTable.of([s]), 1)
@@ -319,5 +320,5 @@ def test_uniform_baseline_considers_interleaving():
     layout_off, ev_off = search_uniform(CostModel(cm.model, cm.cluster, off))
     assert layout_off.virtual_stages == 1
     assert ev.iteration_s < ev_off.iteration_s
-    again = layout.evaluate(cm)
+    again = evaluate(cm, layout)
     assert again.iteration_s == pytest.approx(ev.iteration_s, rel=1e-12)

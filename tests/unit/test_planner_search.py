@@ -44,12 +44,7 @@ def check_emitted(result, cm: CostModel) -> None:
     assert plan.prediction is not None and plan.cluster == cm.cluster
     ev = evaluate(
         cm,
-        pp=plan.pp,
-        stages=plan.stages,
-        layers=plan.layers,
-        vocab=plan.vocab,
-        micro_batch_size=plan.micro_batch_size,
-        virtual_stages=plan.virtual_stages,
+        plan.layout,
     )
     assert ev.feasible
     assert ev.iteration_s == pytest.approx(plan.prediction.iteration_time_s, rel=1e-12)

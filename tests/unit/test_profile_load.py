@@ -12,7 +12,7 @@ import pytest
 from test_profiles import MODEL, cluster_profile, model_profile
 
 from megatron_ext.errors import PlanError
-from megatron_ext.plan import LayerStrategy, VocabStrategy
+from megatron_ext.plan import LayerStrategy, PlanLayout, VocabStrategy
 from megatron_ext.planner.profile.cost import ProfiledCostModel, predict_iteration_s, stage_work
 from megatron_ext.planner.profile.fit import LAYER_PHASES, VOCAB_PHASES
 from megatron_ext.planner.profile.load import (
@@ -94,27 +94,27 @@ def test_a_hog_beside_the_run_moves_the_prediction_by_the_probed_sharing():
     cluster = dataclasses.replace(cluster_profile().cluster, num_nodes=1, gpus_per_node=4)
     comm = dataclasses.replace(cluster_profile(), cluster=cluster)
     training = TrainingSpec(global_batch_size=8, seq_length=64, precision="fp32")
-    layout = {"pp": 1, "stages": ((0, 4),), "layers": (LayerStrategy(tp=2, dp=2),) * 4,
-              "vocab": VocabStrategy(), "micro_batch_size": 4}
+    layout = PlanLayout(pp=1, stages=((0, 4),), layers=(LayerStrategy(tp=2, dp=2),) * 4,
+                        vocab=VocabStrategy(), micro_batch_size=4)
     prof = shared_profile(slowdown=2.0, alone_s=0.1)
     quiet = ProfiledCostModel(MODEL, cluster, training, comm=comm, model_profile=prof)
-    w = stage_work(quiet, **layout)
+    w = stage_work(quiet, layout)
     m = 2
     compute = float((m * (w.forward_compute_s + w.backward_compute_s) + w.optimizer_s)[0])
     comm_s = float((m * (w.forward_comm_s + w.backward_comm_s) + w.tail_comm_s)[0])
     assert comm_s > 0
-    assert predict_iteration_s(quiet, **layout) == pytest.approx(2.0 * compute + comm_s,
+    assert predict_iteration_s(quiet, layout) == pytest.approx(2.0 * compute + comm_s,
                                                                  rel=1e-9)
     state = machine_state([reading(0.1, 0.25)] * 2, prof.sharing_alone_s)
     assert (state.solo_factor, state.sharing_slowdown) == (pytest.approx(1.0), pytest.approx(2.5))
     hog = ProfiledCostModel(MODEL, cluster, training, comm=comm,
                             model_profile=at_machine_state(prof, state))
-    assert predict_iteration_s(hog, **layout) == pytest.approx(2.5 * compute + comm_s, rel=1e-9)
+    assert predict_iteration_s(hog, layout) == pytest.approx(2.5 * compute + comm_s, rel=1e-9)
     # other work that also slows one rank alone by 20%: solo compute x 1.2 as well
     busy = machine_state([reading(0.12, 0.3)], prof.sharing_alone_s)
     cm = ProfiledCostModel(MODEL, cluster, training, comm=comm,
                            model_profile=at_machine_state(prof, busy))
-    assert predict_iteration_s(cm, **layout) == pytest.approx(2.5 * 1.2 * compute + comm_s,
+    assert predict_iteration_s(cm, layout) == pytest.approx(2.5 * 1.2 * compute + comm_s,
                                                               rel=1e-9)
 
 

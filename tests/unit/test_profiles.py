@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from megatron_ext.errors import PlanError
-from megatron_ext.plan import LayerStrategy, VocabStrategy
+from megatron_ext.plan import LayerStrategy, PlanLayout, VocabStrategy
 from megatron_ext.planner.cost.comm import GroupLayout
 from megatron_ext.planner.cost.compute import HostConstants
 from megatron_ext.planner.cost.evaluate import evaluate
@@ -250,8 +250,8 @@ def test_profiled_cost_model_uses_measured_layer_times():
     np.testing.assert_allclose(costs.forward_s, [fwd] * 3, rtol=1e-6)
     np.testing.assert_allclose(costs.backward_s, [bwd, bwd + rc, bwd + sel], rtol=1e-6)
     np.testing.assert_allclose(costs.recompute_s, [0.0, rc, sel], rtol=1e-6, atol=1e-12)
-    ev = evaluate(cm, pp=1, stages=((0, 4),), layers=(strategies[0],) * 4, vocab=VocabStrategy(),
-                  micro_batch_size=8)
+    ev = evaluate(cm, PlanLayout(pp=1, stages=((0, 4),), layers=(strategies[0],) * 4,
+                                 vocab=VocabStrategy(), micro_batch_size=8))
     assert ev.iteration_s > 4 * (fwd + bwd)  # one micro-batch through 4 layers, plus the rest
 
 
@@ -284,23 +284,23 @@ def test_shared_compute_iteration_time():
     m = 2
     two_stages = {**layout, "layers": (LayerStrategy(tp=2, dp=1),) * 4}  # 2 ranks per stage
     for pp, stages, lay in ((1, ((0, 4),), layout), (2, ((0, 1), (1, 4)), two_stages)):
-        ev = evaluate(cm, pp=pp, stages=stages, **lay)
-        w = stage_work(cm, pp=pp, stages=stages, **lay)
+        ev = evaluate(cm, PlanLayout(pp=pp, stages=stages, **lay))
+        w = stage_work(cm, PlanLayout(pp=pp, stages=stages, **lay))
         busy = m * (w.forward_compute_s + w.forward_comm_s + w.backward_compute_s
                     + w.backward_comm_s) + w.tail_comm_s + w.optimizer_s
         np.testing.assert_allclose(busy, ev.stage_busy_s, rtol=1e-9)
     assert float(w.forward_comm_s.min()) > 0  # tp2 all-reduces are communication
-    w = stage_work(cm, pp=1, stages=((0, 4),), **layout)
+    w = stage_work(cm, PlanLayout(pp=1, stages=((0, 4),), **layout))
     compute = m * (w.forward_compute_s + w.backward_compute_s) + w.optimizer_s
     comm_s = m * (w.forward_comm_s + w.backward_comm_s) + w.tail_comm_s
-    assert predict_iteration_s(cm, pp=1, stages=((0, 4),), **layout) == pytest.approx(
+    assert predict_iteration_s(cm, PlanLayout(pp=1, stages=((0, 4),), **layout)) == pytest.approx(
         float(4 / 2 * compute[0] + comm_s[0]), rel=1e-9)
     # no sharing measured anywhere: the planner's time
     alone = ProfiledCostModel(MODEL, cluster, training, comm=comm,
                               model_profile=dataclasses.replace(model_profile(), concurrency=1))
     assert alone.compute_slots_per_node() is None
-    assert predict_iteration_s(alone, pp=2, stages=((0, 1), (1, 4)), **two_stages) == (
-        evaluate(alone, pp=2, stages=((0, 1), (1, 4)), **two_stages).iteration_s)
+    assert predict_iteration_s(alone, PlanLayout(pp=2, stages=((0, 1), (1, 4)), **two_stages)) == (
+        evaluate(alone, PlanLayout(pp=2, stages=((0, 1), (1, 4)), **two_stages)).iteration_s)
     # the cluster profile's slots apply when the model profile measured no sharing
     with_slots = dataclasses.replace(comm, compute_slots_per_node=2.0)
     cm2 = ProfiledCostModel(MODEL, cluster, training, comm=with_slots,

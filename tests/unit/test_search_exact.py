@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from megatron_ext.errors import InfeasiblePlanError
+from megatron_ext.plan import PlanLayout
 from megatron_ext.planner.cost.evaluate import evaluate
 from megatron_ext.planner.cost.model import CostModel
 from megatron_ext.planner.infeasible import min_memory_gib
@@ -115,10 +116,10 @@ def test_no_recomputed_layer_could_keep_its_activations():
         layers[i] = dataclasses.replace(layers[i], recompute="none")
         ev = evaluate(
             cm,
-            pp=plan.pp,
+            PlanLayout(pp=plan.pp,
             stages=plan.stages,
             layers=layers,
             vocab=plan.vocab,
-            micro_batch_size=plan.micro_batch_size,
+            micro_batch_size=plan.micro_batch_size),
         )
         assert not ev.feasible, f"layer {i} fits without recomputation"

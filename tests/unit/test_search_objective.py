@@ -12,6 +12,7 @@ import pytest
 from megatron_ext.cli import main
 from megatron_ext.errors import PlanError
 from megatron_ext.plan import ParallelPlan, Prediction
+from megatron_ext.planner.cost.evaluate import evaluate
 from megatron_ext.planner.cost.interval import with_interval
 from megatron_ext.planner.cost.model import CostModel
 from megatron_ext.planner.search import SearchOptions, layout_to_plan, search
@@ -78,7 +79,7 @@ def test_p90_bound_drops_no_uniform_layout_with_a_lower_upper_end():
             found = score_uniform(cm, pp, mbs)
             if found is not None:
                 layout = found[1]
-                uppers.append(_upper(layout_to_plan(cm, layout, layout.evaluate(cm))))
+                uppers.append(_upper(layout_to_plan(cm, layout, evaluate(cm, layout))))
     assert min(uppers) == pytest.approx(_upper(robust.plan))
 
 

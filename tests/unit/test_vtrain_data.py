@@ -10,24 +10,28 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ext.calibration import vtrain
+from megatron_ext.calibration.inputs import benchmark_rows
+from megatron_ext.calibration.ranking import baseline_steps, sweep_summary
+from megatron_ext.calibration.rows import build_plan, cluster_name, is_deepspeed_pipeline
+from megatron_ext.calibration.sources import git_blob_id
+from megatron_ext.calibration.vtrain import (
+    VTRAIN_DIR,
+    VTRAIN_RULES,
+    check_vtrain_files,
+    vtrain_rows,
+)
 from megatron_ext.errors import PlanError
-from tests.tool_modules import load_tool
-
-
-def _tool():
-    return load_tool("bench_published.py", "bench_published_vtrain")
 
 
 def test_copies_are_the_upstream_blobs():
-    tool = _tool()
-    assert tool.check_vtrain_files() == []
+    assert check_vtrain_files() == []
     # git's blob id of a known text, so the check itself is git's (`git hash-object`)
-    assert tool.git_blob_id(b"hello\n") == "ce013625030ba8dba906f756967f9e9ca394464a"
+    assert git_blob_id(b"hello\n") == "ce013625030ba8dba906f756967f9e9ca394464a"
 
 
 def test_rows_count_and_hand_checked_values():
-    tool = _tool()
-    rows = tool.vtrain_rows()
+    rows = vtrain_rows()
     single = [r for r in rows if r["source"] == "vTrain single node"]
     multi = [r for r in rows if r["source"] == "vTrain multi node"]
     # 1,440 single-node lines; 109 multi-node lines of which one repeats a layout
@@ -67,16 +71,16 @@ def test_rows_count_and_hand_checked_values():
     assert r["iter_time_s"] == pytest.approx((53.9096 + 53.9379) / 2, rel=1e-12)
 
     # the fixed rules, the same on every row
-    for key, value in tool.VTRAIN_RULES.items():
+    for key, value in VTRAIN_RULES.items():
         assert {str(x[key]) for x in rows} == {str(value)}
-    tp4 = tool.build_plan(r)
+    tp4 = build_plan(r)
     assert {layer.zero for layer in tp4.layers} == {0} and tp4.precision == "fp16"
-    assert tool.cluster_name(r) == "dgx-a100-80g" and tool.is_deepspeed_pipeline(r)
+    assert cluster_name(r) == "dgx-a100-80g" and is_deepspeed_pipeline(r)
 
 
 def _damaged(tmp_path: Path, name: str, old: bytes, new: bytes) -> Path:
     directory = tmp_path / "vtrain"
-    shutil.copytree(_tool().VTRAIN_DIR, directory)
+    shutil.copytree(VTRAIN_DIR, directory)
     path = directory / name
     data = path.read_bytes()
     assert old in data
@@ -95,41 +99,40 @@ def _damaged(tmp_path: Path, name: str, old: bytes, new: bytes) -> Path:
      b"3.6,64,512,8,3072,32,30,2048,1,64,1", ["line 2", "11 fields"]),
     ("ground_truth_multi.csv", b"micro batch", b"micro batch size", ["line 1", "header"]),
 ])
-def test_damaged_file_is_one_line_naming_the_field(tmp_path, capsys, name, old, new, words):
-    tool = _tool()
+def test_damaged_file_is_one_line_naming_the_field(tmp_path, name, old, new, words):
     directory = _damaged(tmp_path, name, old, new)
     with pytest.raises(PlanError) as err:
-        tool.vtrain_rows(directory)
+        vtrain_rows(directory)
     message = str(err.value)
     assert "\n" not in message and name in message
     for word in words:
         assert word in message
-    # the tool prints it as one line and exits 2 (before predicting anything)
-    assert tool.main(["--vtrain-dir", str(directory), "--no-loso"]) == 2
-    assert capsys.readouterr().err.strip().count("\n") == 0
+    # the benchmark refuses it in one line (tools/bench_published.py prints it and exits 2)
+    # before predicting anything
+    with pytest.raises(PlanError) as err:
+        benchmark_rows(vtrain_dir=directory, with_lucie=False)
+    assert "\n" not in str(err.value)
 
 
-def test_changed_copy_is_refused(tmp_path, monkeypatch, capsys):
+def test_changed_copy_is_refused(tmp_path, monkeypatch):
     """A changed byte in the shipped copy is caught by the blob check (the bench refuses)."""
-    tool = _tool()
     directory = _damaged(tmp_path, "ground_truth_multi.csv", b"3566.5", b"3566.6")
-    monkeypatch.setattr(tool, "VTRAIN_DIR", directory.resolve())
-    assert tool.check_vtrain_files() == ["ground_truth_multi.csv"]
-    assert tool.main(["--no-loso"]) == 2
-    assert "differ from the upstream" in capsys.readouterr().err
+    monkeypatch.setattr(vtrain, "VTRAIN_DIR", directory.resolve())
+    assert check_vtrain_files() == ["ground_truth_multi.csv"]
+    with pytest.raises(PlanError, match="differ from the upstream"):
+        benchmark_rows(with_lucie=False)
 
 
 def test_reference_predictor_and_sweep_summary():
-    tool = _tool()
     # 1F1B with m micro-batches on pp stages: m + pp - 1 steps of ceil(L / pp) layers
-    assert tool.baseline_steps(8, 1, 24) == 8 * 24
-    assert tool.baseline_steps(8, 4, 24) == 11 * 6
-    assert tool.baseline_steps(1, 3, 20) == 3 * 7
+    assert baseline_steps(8, 1, 24) == 8 * 24
+    assert baseline_steps(8, 4, 24) == 11 * 6
+    assert baseline_steps(1, 3, 20) == 3 * 7
     sweep = {"layouts": 9, "spearman": 0.9, "top1_regret": 0.01, "pairs_ordered": 0.9,
              "baseline": {"spearman": 0.5, "top1_regret": 0.2, "pairs_ordered": 0.6}}
     small = dict(sweep, layouts=3, spearman=-1.0)
     missed = dict(sweep, top1_regret=0.06)
-    s = tool.sweep_summary([sweep, small, missed])
+    s = sweep_summary([sweep, small, missed])
     assert (s["sweeps"], s["big_sweeps"], s["meeting_targets"]) == (3, 2, 1)
     assert s["median_spearman"] == pytest.approx(0.9)
     assert s["baseline_median_spearman"] == pytest.approx(0.5)

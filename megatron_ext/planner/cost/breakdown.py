@@ -20,13 +20,17 @@ The bottleneck is the stage with the longest 1F1B slot (f + b + 2c), which sets 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from megatron_ext.plan import LayerStrategy, VocabStrategy
+from megatron_ext.plan import PlanLayout
 from megatron_ext.planner.cost.evaluate import Evaluation, evaluate, pipeline_of, stage_sums
 from megatron_ext.planner.cost.moe import per_layer_costs, per_layer_weight_grad_bytes
 from megatron_ext.planner.space import StrategyTable
+
+if TYPE_CHECKING:
+    from megatron_ext.planner.cost.model import CostModel
 
 MEMORY_PARTS = (
     "weights",
@@ -83,41 +87,25 @@ class Breakdown:
     """One line: which stage limits the iteration and by what."""
 
 
-def breakdown(
-    cm,
-    *,
-    pp: int,
-    stages: tuple[tuple[int, int], ...] | list[tuple[int, int]],
-    layers: tuple[LayerStrategy, ...] | list[LayerStrategy],
-    vocab: VocabStrategy,
-    micro_batch_size: int,
-    virtual_stages: int = 1,
-) -> Breakdown:
+def breakdown(cm: CostModel, layout: PlanLayout) -> Breakdown:
     """Score a layout with `cm` and split its memory and time per stage (module docstring);
     with virtual_stages > 1 a stage is a pipeline rank with all its chunks."""
-    kw = {
-        "pp": pp,
-        "stages": stages,
-        "layers": layers,
-        "vocab": vocab,
-        "micro_batch_size": micro_batch_size,
-        "virtual_stages": virtual_stages,
-    }
-    ev = evaluate(cm, **kw)
-    sums = stage_sums(cm, **kw)
+    pp, stages, layers = layout.pp, layout.stages, layout.layers
+    ev = evaluate(cm, layout)
+    sums = stage_sums(cm, layout)
     pipe = pipeline_of(cm, sums)
     arr, ex, m = sums.arr, sums.extras, sums.num_microbatches
     distinct = list(dict.fromkeys(layers))
     table = StrategyTable.of(distinct)
     index = np.array([distinct.index(s) for s in layers], dtype=np.int64)
-    costs = per_layer_costs(cm, table, micro_batch_size, index)  # one row per layer
+    costs = per_layer_costs(cm, table, layout.micro_batch_size, index)  # one row per layer
     t = cm.training
     weights, grads = per_layer_weight_grad_bytes(cm, table, index)
     reserve = t.reserve_bytes(cm.cluster.memory_gib)
     iteration = float(ev.iteration_s)
     busy = np.asarray(pipe.stage_busy_s, dtype=float)
     out = []
-    v = virtual_stages
+    v = layout.virtual_stages
     for k in range(pp):
         chunks = [stages[c * pp + k] for c in range(v)]
         ids = np.concatenate([np.arange(s, e) for s, e in chunks])  # per-layer rows

@@ -19,11 +19,11 @@ max over the schedule's forwards of sum_c inflight[t, k, c] * activations of chu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from megatron_ext.plan import LayerStrategy, Prediction, VocabStrategy
+from megatron_ext.plan import ParallelPlan, PlanLayout, Prediction
 from megatron_ext.planner.cost.compute import model_flops_per_token
 from megatron_ext.planner.cost.moe import per_layer_costs
 from megatron_ext.planner.cost.pipeline import (
@@ -34,6 +34,10 @@ from megatron_ext.planner.cost.pipeline import (
 )
 from megatron_ext.planner.cost.vocab import stage_extras
 from megatron_ext.planner.space import StrategyTable
+from megatron_ext.planner.training import DEFAULT_MOE_IMBALANCE, Engine, TrainingSpec
+
+if TYPE_CHECKING:
+    from megatron_ext.planner.cost.model import CostModel
 
 GIB = 2**30
 
@@ -80,20 +84,14 @@ class StageSums:
     """Micro-batches per iteration."""
     virtual_stages: int = 1
     """Model chunks per stage (interleaved schedule when > 1)."""
+    max_zero: int = 0
+    """The highest ZeRO stage of the layers."""
 
 
-def stage_sums(
-    cm,
-    *,
-    pp: int,
-    stages: tuple[tuple[int, int], ...] | list[tuple[int, int]],
-    layers: tuple[LayerStrategy, ...] | list[LayerStrategy],
-    vocab: VocabStrategy,
-    micro_batch_size: int,
-    virtual_stages: int = 1,
-) -> StageSums:
+def stage_sums(cm: CostModel, layout: PlanLayout) -> StageSums:
     """The per-stage sums `evaluate` scores (also read by planner.profile.cost.stage_work)."""
-    v = virtual_stages
+    pp, stages, layers = layout.pp, layout.stages, layout.layers
+    micro_batch_size, v = layout.micro_batch_size, layout.virtual_stages
     distinct = list(dict.fromkeys(layers))
     table = StrategyTable.of(distinct)
     index = np.array([distinct.index(s) for s in layers], dtype=np.int64)
@@ -101,7 +99,8 @@ def stage_sums(
     switch = cm.transition_s(table, micro_batch_size)
     m = cm.training.global_batch_size // micro_batch_size
     vocab_zero = 1 if any(s.zero >= 1 for s in distinct) else 0
-    ex = stage_extras(cm, vocab, pp, micro_batch_size, m, vocab_zero, virtual_stages=v)
+    ex = stage_extras(cm, layout.vocab, pp, micro_batch_size, m, vocab_zero,
+                      virtual_stages=v)
     names = ("f", "b", "sync", "gather", "opt", "mem", "rc", "comm", "act")
     arr = {k: np.zeros(pp) for k in names}
     chunk_act = np.zeros((pp, v))
@@ -144,44 +143,59 @@ def stage_sums(
                              + transient[k])
         else:
             arr["mem"][k] += ex.fixed_bytes[k] + arr["act"][k] + transient[k]
-    return StageSums(arr=arr, extras=ex, num_microbatches=m, virtual_stages=v)
+    return StageSums(arr=arr, extras=ex, num_microbatches=m, virtual_stages=v,
+                     max_zero=max((s.zero for s in distinct), default=0))
 
 
-def evaluate(
-    cm,
-    *,
-    pp: int,
-    stages: tuple[tuple[int, int], ...] | list[tuple[int, int]],
-    layers: tuple[LayerStrategy, ...] | list[LayerStrategy],
-    vocab: VocabStrategy,
-    micro_batch_size: int,
-    virtual_stages: int = 1,
-) -> Evaluation:
+def plan_training(plan: ParallelPlan, *, flash_attention: bool = True, dropout: bool = True,
+                  engine: Engine = "megatron", moe_imbalance: float | None = None
+                  ) -> TrainingSpec:
+    """The training settings a plan is scored with (`megatron-ext evaluate` and the published
+    runs' benchmark, megatron_ext/calibration): its batch, sequence and precision, and how the run
+    executes, which the plan does not record (--no-flash-attention, --no-dropout, --engine)."""
+    return TrainingSpec(
+        global_batch_size=plan.global_batch_size,
+        seq_length=plan.seq_length,
+        precision=plan.precision,
+        allow_zero3=any(s.zero >= 2 for s in plan.layers),
+        flash_attention=flash_attention,
+        dropout=dropout,
+        engine=engine,
+        moe_imbalance=DEFAULT_MOE_IMBALANCE if moe_imbalance is None else moe_imbalance,
+    )
+
+
+def evaluate(cm: CostModel, layout: PlanLayout) -> Evaluation:
     """Score a layout with CostModel `cm` (see the module docstring)."""
-    sums = stage_sums(cm, pp=pp, stages=stages, layers=layers, vocab=vocab,
-                      micro_batch_size=micro_batch_size, virtual_stages=virtual_stages)
+    sums = stage_sums(cm, layout)
     return _finish(cm, pipeline_of(cm, sums), sums.arr, sums.extras, sums.num_microbatches,
                    sums.virtual_stages)
 
 
-def pipeline_of(cm, sums: StageSums) -> PipelineTime:
+def pipeline_of(cm: CostModel, sums: StageSums) -> PipelineTime:
     """The 1F1B schedule of the stage sums (what `evaluate` scores; cost/breakdown.py reads it
-    too)."""
+    too). DeepSpeed's engine (TrainingSpec.engine) at ZeRO stage 0-1 reduces the gradients and
+    gathers ZeRO-1's weights after the last backward: the tail runs them unhidden, with the
+    optimizer step (stage 3 overlaps its reduce-scatter: overlap_comm is on by default there)."""
     arr, ex = sums.arr, sums.extras
+    sync, gather, opt = arr["sync"], arr["gather"], arr["opt"]
+    if cm.training.engine == "deepspeed" and sums.max_zero < 3:
+        sync, gather, opt = 0.0 * sync, 0.0 * gather, opt + sync + gather
     return one_f_one_b(
         arr["f"],
         arr["b"],
         ex.p2p_s,
-        arr["sync"],
-        arr["gather"],
-        arr["opt"],
+        sync,
+        gather,
+        opt,
         sums.num_microbatches,
         overlap_slowdown=cm.overlap_slowdown,
         virtual_stages=sums.virtual_stages,
     )
 
 
-def _finish(cm, pipe, arr: dict[str, np.ndarray], ex, m: int, v: int = 1) -> Evaluation:
+def _finish(cm: CostModel, pipe: PipelineTime, arr: dict[str, np.ndarray], ex, m: int,
+            v: int = 1) -> Evaluation:
     t = cm.training
     iteration = float(pipe.iteration_s)
     tokens_per_s = t.global_batch_size * t.seq_length / iteration

@@ -34,7 +34,7 @@ from megatron_ext.planner.cost.memory import (
 from megatron_ext.planner.cost.pipeline import OVERLAP_SLOWDOWN
 from megatron_ext.planner.dp import MaxSwitch
 from megatron_ext.planner.space import StrategyTable
-from megatron_ext.planner.training import TrainingSpec
+from megatron_ext.planner.training import DEEPSPEED_MAX_LIVE_PARAMS, TrainingSpec
 from megatron_ext.specs import ClusterSpec, ModelSpec
 
 GRAD_BYTES = 4
@@ -100,10 +100,6 @@ class CostModel:
         self.layer_params = C.layer_params(model)
         self.overlap_slowdown = float(getattr(self.comm, "overlap_slowdown", OVERLAP_SLOWDOWN))
         """Slowdown of overlapped communication: measured by a cluster profile, else default."""
-        self.zero3_live_params: float | None = None
-        """Most parameters ZeRO-3 holds gathered at once; None: two whole layers (FSDP2 and
-        Megatron-FSDP gather layer by layer). DeepSpeed ZeRO-3 caps it
-        (stage3_max_live_parameters, 1e9 by default)."""
 
     def with_cluster(self, cluster: ClusterSpec) -> CostModel:
         """The same cost model on another cluster (more nodes, other memory); measured
@@ -115,6 +111,13 @@ class CostModel:
         return other
 
     # ---- small helpers --------------------------------------------------------------------
+
+    @property
+    def zero3_live_params(self) -> float | None:
+        """Most parameters ZeRO-3 holds gathered at once; None: two whole layers (FSDP2 and
+        Megatron-FSDP gather layer by layer). DeepSpeed's engine caps it
+        (stage3_max_live_parameters, training.DEEPSPEED_MAX_LIVE_PARAMS by default)."""
+        return DEEPSPEED_MAX_LIVE_PARAMS if self.training.engine == "deepspeed" else None
 
     @property
     def element_bytes(self) -> int:

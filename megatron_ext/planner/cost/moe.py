@@ -59,7 +59,7 @@ from megatron_ext.planner.cost.compute import (  # noqa: F401  (the MoE shape, r
 )
 from megatron_ext.planner.cost.memory import layer_activation_bytes, layer_transient_bytes
 from megatron_ext.planner.cost.memory import state_bytes_per_param as _per_param
-from megatron_ext.planner.cost.model import LayerCosts
+from megatron_ext.planner.cost.model import CostModel, LayerCosts
 from megatron_ext.specs import LinkSpec, ModelSpec
 
 DENSE, MOE = 0, 1
@@ -89,7 +89,8 @@ def _gemm_s(profile, tokens, k, n, peak: float):
     return 2.0 * tokens * k * n / (peak * C.gemm_efficiency(profile, smallest))
 
 
-def ep_all_to_all_s(cm, num_bytes: np.ndarray, ep: np.ndarray, stride: np.ndarray) -> np.ndarray:
+def ep_all_to_all_s(cm: CostModel, num_bytes: np.ndarray, ep: np.ndarray, stride: np.ndarray
+                    ) -> np.ndarray:
     """One all-to-all of `num_bytes` per rank's send buffer over EP groups of ranks `stride`
     apart. Under the alpha-beta model a group spanning n nodes sends its inter-node share at
     inter_node bandwidth x all_to_all_inter_efficiency[n] (2, 4, 8+ nodes); a measured comm
@@ -113,7 +114,7 @@ def ep_all_to_all_s(cm, num_bytes: np.ndarray, ep: np.ndarray, stride: np.ndarra
     return out
 
 
-def moe_layer_costs(cm, table, micro_batch_size: int):
+def moe_layer_costs(cm: CostModel, table, micro_batch_size: int):
     """LayerCosts of one MoE layer under every strategy of `table` (module docstring).
     Strategies an MoE layer cannot use (tp > 1 without sp) are priced as if they could; the
     search masks them (`valid_for`)."""
@@ -256,7 +257,7 @@ def valid_for(model: ModelSpec, table) -> np.ndarray:  # [K, S] bool
     return np.stack([dense, moe])
 
 
-def kind_costs(cm, table, micro_batch_size: int) -> list:
+def kind_costs(cm: CostModel, table, micro_batch_size: int) -> list:
     """[dense LayerCosts, MoE LayerCosts] of `table` (just [dense] for a dense model)."""
     dense = cm.layer_costs(table, micro_batch_size)
     if cm.model.moe is None:
@@ -264,7 +265,7 @@ def kind_costs(cm, table, micro_batch_size: int) -> list:
     return [dense, moe_layer_costs(cm, table, micro_batch_size)]
 
 
-def per_layer_costs(cm, table, micro_batch_size: int, index: np.ndarray):
+def per_layer_costs(cm: CostModel, table, micro_batch_size: int, index: np.ndarray):
     """LayerCosts with one row per layer: layer i priced under table strategy index[i] as its
     kind (dense or MoE)."""
     per = kind_costs(cm, table, micro_batch_size)
@@ -278,7 +279,8 @@ def per_layer_costs(cm, table, micro_batch_size: int, index: np.ndarray):
     })
 
 
-def per_layer_weight_grad_bytes(cm, table, index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def per_layer_weight_grad_bytes(cm: CostModel, table, index: np.ndarray
+                                ) -> tuple[np.ndarray, np.ndarray]:
     """(weights, gradients) bytes per GPU of each layer (rows as `per_layer_costs`), the
     parts of its state bytes that memory.state_bytes_breakdown names; the rest is optimizer."""
     from megatron_ext.planner.cost.memory import state_bytes_breakdown

@@ -23,6 +23,7 @@ plans set it when any transformer layer uses zero >= 1 (Megatron's global flag).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -31,6 +32,9 @@ from megatron_ext.planner.cost import compute as C
 from megatron_ext.planner.cost.comm import GroupLayout
 from megatron_ext.planner.cost.memory import state_bytes_per_param
 from megatron_ext.planner.cost.pipeline import interleaved_inflight
+
+if TYPE_CHECKING:
+    from megatron_ext.planner.cost.model import CostModel
 
 GRAD_BYTES = 4
 
@@ -68,7 +72,7 @@ def inflight_microbatches(pp: int, num_microbatches: int, vocab: VocabStrategy) 
 
 
 def stage_extras(
-    cm, vocab: VocabStrategy, pp: int, micro_batch_size: int, num_microbatches: int,
+    cm: CostModel, vocab: VocabStrategy, pp: int, micro_batch_size: int, num_microbatches: int,
     vocab_zero: int, virtual_stages: int = 1,
 ) -> StageExtras:
     """Per-stage vocabulary costs of `vocab` (cm is the CostModel). With virtual_stages v > 1
@@ -108,7 +112,8 @@ def stage_extras(
     )
 
 
-def _place(cm, vocab: VocabStrategy, pp: int, width: int, tokens: float, inflight: np.ndarray):
+def _place(cm: CostModel, vocab: VocabStrategy, pp: int, width: int, tokens: float,
+           inflight: np.ndarray):
     """(params, forward s, backward s, activation bytes, side-stream comm s) per stage [pp]."""
     model, e, tv = cm.model, cm.element_bytes, vocab.tp
     spread = pp if vocab.mode == "vocab_parallel" else 1
@@ -153,7 +158,7 @@ def _place(cm, vocab: VocabStrategy, pp: int, width: int, tokens: float, infligh
     return params, fwd, bwd, fixed, overlap
 
 
-def _vocab_parallel_comm_s(cm, pp: int, width: int, tv: int, hidden: float) -> float:
+def _vocab_parallel_comm_s(cm: CostModel, pp: int, width: int, tv: int, hidden: float) -> float:
     """Per micro-batch: broadcast of the hidden state over the pp ranks, fp32 input-gradient
     all-reduce and embedding all-reduce over the p * t_v vocabulary group, gradient broadcast
     back to every stage."""
@@ -168,7 +173,7 @@ def _vocab_parallel_comm_s(cm, pp: int, width: int, tv: int, hidden: float) -> f
 
 
 def _vocab_data_parallel(
-    cm,
+    cm: CostModel,
     params: np.ndarray,
     dpv: int,
     tv: int,

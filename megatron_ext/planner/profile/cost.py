@@ -28,7 +28,7 @@ import dataclasses
 import numpy as np
 
 from megatron_ext.errors import PlanError
-from megatron_ext.plan import LayerStrategy, VocabStrategy
+from megatron_ext.plan import PlanLayout
 from megatron_ext.planner.cost import compute as C
 from megatron_ext.planner.cost.comm import CommModel
 from megatron_ext.planner.cost.evaluate import evaluate, stage_sums
@@ -133,28 +133,22 @@ class ProfiledCostModel(CostModel):
             return prof.concurrency / prof.sharing_slowdown
         return getattr(self.comm, "compute_slots_per_node", None)
 
-    def shared_iteration_s(self, *, pp: int, stages: tuple[tuple[int, int], ...],
-                           layers: tuple[LayerStrategy, ...], vocab: VocabStrategy,
-                           micro_batch_size: int) -> float | None:
+    def shared_iteration_s(self, layout: PlanLayout) -> float | None:
         """Iteration time of a layout when ranks share compute (planner.profile.pipeline's 1F1B
         simulation on `compute_slots_per_node` slots per node), None with a device per rank."""
         slots = self.compute_slots_per_node()
         if slots is None:
             return None
-        work = stage_work(self, pp=pp, stages=stages, layers=layers, vocab=vocab,
-                          micro_batch_size=micro_batch_size)
-        m = self.training.global_batch_size // micro_batch_size
+        work = stage_work(self, layout)
+        m = self.training.global_batch_size // layout.micro_batch_size
         return shared_one_f_one_b_s(work, m, slots * self.cluster.num_nodes)
 
 
-def stage_work(cm: CostModel, *, pp: int, stages: tuple[tuple[int, int], ...],
-               layers: tuple[LayerStrategy, ...], vocab: VocabStrategy,
-               micro_batch_size: int) -> StageWork:
+def stage_work(cm: CostModel, layout: PlanLayout) -> StageWork:
     """Per-stage compute and exposed communication of one micro-batch, as `evaluate` sums them
     (layers, half the layer-switch costs, vocabulary work, exposed side-stream vocabulary
     communication), split into compute and communication; plus the gradient tail."""
-    sums = stage_sums(cm, pp=pp, stages=stages, layers=layers, vocab=vocab,
-                      micro_batch_size=micro_batch_size)
+    sums = stage_sums(cm, layout)
     arr, ex = sums.arr, sums.extras
     f, b = arr["f"], arr["b"]
     share_f = f / np.maximum(f + b, 1e-30)  # communication split between passes by duration
@@ -163,19 +157,15 @@ def stage_work(cm: CostModel, *, pp: int, stages: tuple[tuple[int, int], ...],
     return StageWork(forward_compute_s=f - comm_f, forward_comm_s=comm_f,
                      backward_compute_s=b - comm_b, backward_comm_s=comm_b, p2p_s=ex.p2p_s,
                      tail_comm_s=tail, optimizer_s=arr["opt"],
-                     width=cm.cluster.num_gpus // pp)
+                     width=cm.cluster.num_gpus // layout.pp)
 
 
-def predict_iteration_s(cm: CostModel, *, pp: int, stages: tuple[tuple[int, int], ...],
-                        layers: tuple[LayerStrategy, ...], vocab: VocabStrategy,
-                        micro_batch_size: int, virtual_stages: int = 1) -> float:
+def predict_iteration_s(cm: CostModel, layout: PlanLayout) -> float:
     """Predicted seconds per optimizer step of a layout (shared compute included; the shared
     simulation plays 1F1B, so interleaved layouts keep the closed form)."""
-    ev = evaluate(cm, pp=pp, stages=stages, layers=layers, vocab=vocab,
-                  micro_batch_size=micro_batch_size, virtual_stages=virtual_stages)
-    if isinstance(cm, ProfiledCostModel) and virtual_stages == 1:
-        shared = cm.shared_iteration_s(pp=pp, stages=stages, layers=layers, vocab=vocab,
-                                       micro_batch_size=micro_batch_size)
+    ev = evaluate(cm, layout)
+    if isinstance(cm, ProfiledCostModel) and layout.virtual_stages == 1:
+        shared = cm.shared_iteration_s(layout)
         if shared is not None:
             return shared
     return ev.iteration_s

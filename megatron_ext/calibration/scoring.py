@@ -1,0 +1,144 @@
+"""Every published run predicted by the cost model, the way `megatron-ext evaluate` scores a plan:
+the run's plan (rows.build_plan) on its cluster (rows.cluster_of) with its execution settings
+(rows.run_settings) through planner.cost.evaluate's plan_training and evaluate, the function
+the command calls; then the errors, rankings and the held-out refit of all of them (`run`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Any
+
+from megatron_ext.calibration.ranking import (
+    BIG_SWEEP,
+    gpu_s_per_token,
+    model_summaries,
+    spearman,
+    sweep_fields,
+    sweep_summary,
+    sweeps,
+)
+from megatron_ext.calibration.residuals import (
+    GEMM_EFFICIENCY_GRID,
+    leave_one_source_out,
+)
+from megatron_ext.calibration.rows import (
+    build_plan,
+    cluster_label,
+    cluster_of,
+    measured_iteration_s,
+    run_settings,
+)
+from megatron_ext.plan import ParallelPlan
+from megatron_ext.planner.cost import interval as iv
+from megatron_ext.planner.cost.compute import ComputeProfile
+from megatron_ext.planner.cost.evaluate import evaluate, plan_training
+from megatron_ext.planner.cost.model import CostModel
+
+GIB = 2**30
+
+
+def predict(row: dict[str, Any], plan: ParallelPlan,
+            compute: ComputeProfile | None = None) -> dict[str, Any]:
+    """Predicted iteration time and peak memory of the plan on the row's cluster (`compute`: the
+    calibrated kernel constants, default the cost model's): what `megatron-ext evaluate
+    PLAN.json` with rows.evaluate_flags(row) prints for the plan on cluster_of(row)."""
+    cm = CostModel(plan.model, cluster_of(row), plan_training(plan, **run_settings(row)),
+                   compute=compute)
+    ev = evaluate(cm, plan.layout)
+    peak = max(ev.stage_peak_bytes)
+    return {
+        "predicted_s": ev.iteration_s,
+        "peak_gib": peak / GIB,
+        "cap_gib": cm.memory_cap_bytes / GIB,
+        "fits": ev.feasible,
+        "num_microbatches": plan.num_microbatches,
+    }
+
+
+def run(rows: list[dict[str, Any]], *, loso: bool = True) -> dict[str, Any]:
+    """Every row predicted once per gemm_efficiency of the grid (the shipped value's prediction
+    is the grid's, not a second one); the held-out refits reuse these predictions."""
+    default = ComputeProfile()
+    profiles = ([dataclasses.replace(default, gemm_efficiency=g) for g in GEMM_EFFICIENCY_GRID]
+                if loso and len({r["source"] for r in rows}) > 1 else [])
+    shipped = profiles.index(default) if default in profiles else None
+    results: list[dict[str, Any]] = []
+    grid_pred: list[list[float]] = [[] for _ in profiles]
+    for row in rows:
+        plan = build_plan(row)
+        measured, how = measured_iteration_s(row)
+        preds = [predict(row, plan, c) for c in profiles]
+        for k, p in enumerate(preds):
+            grid_pred[k].append(p["predicted_s"])
+        pred = preds[shipped] if shipped is not None else predict(row, plan)
+        fields = sweep_fields(row, measured_s=measured, num_microbatches=pred["num_microbatches"],
+                              pp=plan.pp, num_layers=plan.model.num_layers)
+        results.append({
+            "id": row["id"], **fields,
+            "features": iv.plan_features(num_gpus=row["num_gpus"],
+                                         micro_batch_size=iv.replica_micro_batch(plan),
+                                         pp=plan.pp,
+                                         precision=plan.precision, cluster=cluster_label(row)),
+            "not_for_calibration": row.get("not_for_calibration"),
+            "measured_s": measured, "measured_from": how, **pred,
+            "ratio": pred["predicted_s"] / measured,
+            "predicted_gpu_s_per_token": pred["predicted_s"] * gpu_s_per_token(row),
+            "grid_predicted_s": [p["predicted_s"] for p in preds],
+        })
+    errors = [abs(r["ratio"] - 1) for r in results]
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for r in results:
+        groups.setdefault((r["source"], r["model"]), []).append(r)
+    rank = []
+    for (source, model), members in groups.items():
+        if len({m["layout"] for m in members}) < 2:
+            continue
+        rank.append({
+            "source": source, "model": model, "rows": len(members),
+            "spearman": spearman([m["predicted_gpu_s_per_token"] for m in members],
+                                 [m["measured_gpu_s_per_token"] for m in members]),
+        })
+    held_out: dict[str, Any] = {}
+    if profiles:
+        held_out = leave_one_source_out(results, grid_pred)
+    sw, sw_gpus = sweeps(results), sweeps(results, per_gpu_count=True)
+    held_sw = held_out.get("sweeps", [])
+    by_source = {src: sweep_summary([g for g in sw if g["source"] == src])
+                 for src in sorted({g["source"] for g in sw})}
+    by_source_gpus = {src: sweep_summary([g for g in sw_gpus if g["source"] == src])
+                      for src in sorted({g["source"] for g in sw_gpus})}
+    return {
+        "rows": results,
+        "sweep_summary": {
+            "all": sweep_summary(sw), "held_out": sweep_summary(held_sw), "by_source": by_source,
+            "one_gpu_count": sweep_summary(sw_gpus),
+            "one_gpu_count_held_out": sweep_summary(held_out.get("sweeps_one_gpu_count", [])),
+            "one_gpu_count_by_source": by_source_gpus,
+        },
+        "model_summaries": model_summaries(results, sw, held_sw, sw_gpus),
+        "summary": {
+            "rows": len(results),
+            "median_abs_error": statistics.median(errors) if errors else float("nan"),
+            "mean_abs_error": statistics.fmean(errors) if errors else float("nan"),
+            "within_15pct": sum(e <= 0.15 for e in errors),
+            "optimistic": sum(r["ratio"] < 1 for r in results),
+            "pessimistic": sum(r["ratio"] > 1 for r in results),
+            "median_ratio": statistics.median(r["ratio"] for r in results) if results else 1.0,
+            "memory_false_negatives": [r["id"] for r in results if not r["fits"]],
+            "min_group_spearman": min((g["spearman"] for g in rank), default=float("nan")),
+            "min_sweep_spearman": min((g["spearman"] for g in sw), default=float("nan")),
+            "max_sweep_top1_regret": max((g["top1_regret"] for g in sw), default=float("nan")),
+            "min_big_sweep_spearman": min((g["spearman"] for g in sw if g["layouts"] >= BIG_SWEEP),
+                                          default=float("nan")),
+            "max_big_sweep_top1_regret": max(
+                (g["top1_regret"] for g in sw if g["layouts"] >= BIG_SWEEP), default=float("nan")),
+            "loso_median_abs_error": held_out.get("median_abs_error", float("nan")),
+            "loso_interval_coverage": held_out.get("interval_coverage", float("nan")),
+        },
+        "rank_groups": rank,
+        "sweeps": sw,
+        "sweeps_one_gpu_count": sw_gpus,
+        "leave_one_source_out": held_out,
+    }
