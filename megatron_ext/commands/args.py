@@ -137,13 +137,19 @@ def run_plan_from_args(args: argparse.Namespace) -> int:
 
 EVALUATE_FLAGS = ("cluster", "cluster_profile", "model_profile", "nodes", "memory_gib",
                   "against_search", "json")
+EVALUATE_SETTINGS = {"flash_attention": ("--no-flash-attention", True),
+                     "dropout": ("--no-dropout", True), "engine": ("--engine", "megatron")}
+"""Evaluate options with a default: dest -> (flag, default)."""
 
 
 def _check_evaluate_flags(args: argparse.Namespace) -> None:
     """The evaluate flags mean something only with --evaluate; --json - needs stdout free."""
-    given = [name for name in EVALUATE_FLAGS if getattr(args, name) not in (None, False)]
+    given = ["--" + name.replace("_", "-") for name in EVALUATE_FLAGS
+             if getattr(args, name) not in (None, False)]
+    given += [flag for name, (flag, default) in EVALUATE_SETTINGS.items()
+              if getattr(args, name) != default]
     if given and not args.evaluate:
-        flag = "--" + given[0].replace("_", "-")
+        flag = given[0]
         raise PlanError(f"{flag} is an option of --evaluate; add --evaluate or drop {flag}")
     if args.evaluate and args.json == "-" and not args.out:
         raise PlanError("--json - and the plan would both go to stdout; add --out PLAN.json or "

@@ -146,3 +146,6 @@ def test_plan_from_args_evaluate(tmp_path, capsys):
     assert main(["plan-from-args", "--world-size", "8", "--cluster", "dgx-h100", "--",
                  *argv]) == 2
     assert "--cluster is an option of --evaluate" in capsys.readouterr().err
+    for flag in (["--no-flash-attention"], ["--no-dropout"], ["--engine", "deepspeed"]):
+        assert main(["plan-from-args", "--world-size", "8", *flag, "--", *argv]) == 2
+        assert f"{flag[0]} is an option of --evaluate" in capsys.readouterr().err

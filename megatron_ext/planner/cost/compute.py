@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -214,13 +213,6 @@ def model_parameters(model: ModelSpec) -> int:
     positions = model.max_position_embeddings * h if learned else 0
     final_norm = h * (2 if model.normalization == "LayerNorm" else 1)
     return model.num_layers * layer_params(model) + embedding + positions + final_norm
-
-
-def padded_vocab_size(vocab_size: int, num_shards: int, divisible_by: int = 128) -> int:
-    """Megatron-LM's padding: a multiple of --make-vocab-size-divisible-by x (ranks sharing the
-    vocabulary). The one copy: the planner's cost model and the adapter's model builders use it."""
-    multiple = divisible_by * num_shards
-    return math.ceil(vocab_size / multiple) * multiple
 
 
 def model_flops_per_token(model: ModelSpec, seq_length: int) -> float:

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from megatron_ext.geometry.vocab_partition import padded_vocab_size
 from megatron_ext.plan import VocabStrategy
 from megatron_ext.planner.cost import compute as C
 from megatron_ext.planner.cost.comm import GroupLayout
@@ -117,7 +118,7 @@ def _place(cm: CostModel, vocab: VocabStrategy, pp: int, width: int, tokens: flo
     """(params, forward s, backward s, activation bytes, side-stream comm s) per stage [pp]."""
     model, e, tv = cm.model, cm.element_bytes, vocab.tp
     spread = pp if vocab.mode == "vocab_parallel" else 1
-    shard_rows = C.padded_vocab_size(model.vocab_size, tv * spread) / (tv * spread)
+    shard_rows = padded_vocab_size(model.vocab_size, tv * spread) / (tv * spread)
     weight_params = shard_rows * model.hidden_size
     pos = model.max_position_embeddings * model.hidden_size
     pos = pos if model.position_embedding == "learned_absolute" else 0

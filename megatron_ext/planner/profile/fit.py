@@ -27,11 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import nnls
 
-from megatron_ext.planner.cost.compute import (
-    layer_matmul_params,
-    padded_vocab_size,
-    q_dim,
-)
+from megatron_ext.geometry.vocab_partition import padded_vocab_size
+from megatron_ext.planner.cost.compute import layer_matmul_params, q_dim
 from megatron_ext.specs import ModelSpec
 
 ArrayLike = float | np.ndarray
