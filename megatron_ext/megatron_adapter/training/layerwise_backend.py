@@ -94,7 +94,7 @@ class LayerwiseBackend(Backend):
     """Per-layer strategies on megatron-core's schedules (module docstring)."""
 
     name: ClassVar[BackendName] = "layerwise"
-    chain_format: ClassVar = "layerwise"
+    chain_format: ClassVar[ChainFormat] = "layerwise"
 
     groups: PlanGroups
     """This rank's process groups of the plan."""
