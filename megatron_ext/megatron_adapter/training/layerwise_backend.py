@@ -44,7 +44,12 @@ from megatron_ext.megatron_adapter.losses import forward_step, global_loss, laye
 from megatron_ext.megatron_adapter.model import HeteroGPTModel
 from megatron_ext.megatron_adapter.moe_logging import clear_router_losses, router_losses
 from megatron_ext.megatron_adapter.optimizer import build_optimizer
-from megatron_ext.megatron_adapter.training.backend import Backend, BackendName, Batch
+from megatron_ext.megatron_adapter.training.backend import (
+    Backend,
+    BackendName,
+    Batch,
+    ChainFormat,
+)
 from megatron_ext.megatron_adapter.training.data import DataShard
 from megatron_ext.megatron_adapter.training.model_config import (
     ddp_config,
