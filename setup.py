@@ -30,7 +30,7 @@ setup(
         "plot": ["matplotlib"],
         # transformers: the HuggingFace config tests build configs with the real library (it
         # does not require torch, so installing it keeps the torch build already there)
-        "dev": ["pytest", "hypothesis", "ruff", "transformers>=5,<6"],
+        "dev": ["pytest", "hypothesis", "ruff", "mypy", "transformers>=5,<6"],
     },
     entry_points={"console_scripts": ["megatron-ext=megatron_ext.cli:main"]},
 )

@@ -105,11 +105,11 @@ def fast_row(row: dict[str, Any], plan: ParallelPlan, compute: C.ComputeProfile)
     lc = cm.layer_costs(table, plan.micro_batch_size)
     unit_k = C.HostConstants(kernel_s=1.0)
     unit_s = C.HostConstants(collective_step_s=1.0)
-    kw = {"tp": table.tp, "flash_attention": training.flash_attention,
-          "dropout": training.dropout,
-          "fused_softmax": cm.fused_softmax(table, plan.micro_batch_size / table.dp)}
-    kf, kb, _ = C.layer_host_s(plan.model, unit_k, **kw)
-    sf, sb, _ = C.layer_host_s(plan.model, unit_s, **kw)
+    fused = cm.fused_softmax(table, plan.micro_batch_size / table.dp)
+    kf, kb, _ = C.layer_host_s(plan.model, unit_k, tp=table.tp, fused_softmax=fused,
+                               flash_attention=training.flash_attention, dropout=training.dropout)
+    sf, sb, _ = C.layer_host_s(plan.model, unit_s, tp=table.tp, fused_softmax=fused,
+                               flash_attention=training.flash_attention, dropout=training.dropout)
     assert float(sf[0]) == float(sb[0])
     rc = float(lc.recompute_s[0])
     return FastRow(
@@ -148,8 +148,8 @@ def profile_with(base: C.ComputeProfile, c: dict[str, float]) -> C.ComputeProfil
     return dataclasses.replace(base, **c)
 
 
-def check_fast_path(rows, plans, fast, base: C.ComputeProfile, c: dict[str, float],
-                    sample: int = 12) -> float:
+def check_fast_path(rows: list[dict[str, Any]], plans: list[ParallelPlan], fast: list[FastRow],
+                    base: C.ComputeProfile, c: dict[str, float], sample: int = 12) -> float:
     """Largest relative difference between fast_predict and scoring.predict."""
     step = max(1, len(rows) // sample)
     worst = 0.0
@@ -178,7 +178,8 @@ def fit(fast: list[FastRow], start: dict[str, float], rounds: int = 6, *, polish
     others = [n for n in HOST_FIELDS if n not in JOINT]
     for _ in range(rounds):
         moved = False
-        blocks = [[(a, b) for a in GRIDS[JOINT[0]] for b in GRIDS[JOINT[1]]]]
+        blocks: list[list[tuple[float, ...]]] = [
+            [(a, b) for a in GRIDS[JOINT[0]] for b in GRIDS[JOINT[1]]]]
         names = [JOINT] + [(n,) for n in others]
         blocks += [[(v,) for v in GRIDS[n]] for n in others]
         for block_names, values in zip(names, blocks):
@@ -207,7 +208,7 @@ def polish(fast: list[FastRow], start: dict[str, float], start_loss: float
 
     names = [n for n in HOST_FIELDS if len(GRIDS[n]) > 1]  # a constant pinned (--ablate) stays
 
-    def unpack(x) -> dict[str, float]:
+    def unpack(x: np.ndarray) -> dict[str, float]:
         out = dict(start)
         for n, v in zip(names, x):
             out[n] = max(1.0, float(v)) if n == "host_overlap_power" else max(0.0, float(v))
@@ -270,7 +271,8 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
             "median_ratio": statistics.median(r["ratio"] for r in results)}
 
 
-def check(rows, plans, profile: C.ComputeProfile) -> dict[str, Any]:
+def check(rows: list[dict[str, Any]], plans: list[ParallelPlan], profile: C.ComputeProfile
+          ) -> dict[str, Any]:
     """The benchmark's prediction of `rows` under `profile`: median |error| by source group."""
     out: dict[str, list[float]] = {}
     for row, plan in zip(rows, plans):

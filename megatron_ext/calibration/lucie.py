@@ -44,7 +44,7 @@ LUCIE_EXPERIMENTS = {  # expe -> (vocab column, vocabulary, model name, the run 
 }
 """The experiments whose script states the whole run. Lines of any other `expe` are left out
 (3_recompute_activation: its script is in no commit, so what it recomputed is unknown)."""
-LUCIE_RULES = {
+LUCIE_RULES: dict[str, Any] = {  # fields of a published row (JSON values)
     "gpu_type": "A100 80GB SXM (Jean Zay gpu_p5, 8 per node; scripts: --constraint=a100)",
     "gpus_per_node": 8,
     "cluster_label": "jean-zay-a100-80g-2024",

@@ -91,7 +91,7 @@ def run(rows: list[dict[str, Any]], *, loso: bool = True) -> dict[str, Any]:
     groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for r in results:
         groups.setdefault((r["source"], r["model"]), []).append(r)
-    rank = []
+    rank: list[dict[str, Any]] = []
     for (source, model), members in groups.items():
         if len({m["layout"] for m in members}) < 2:
             continue

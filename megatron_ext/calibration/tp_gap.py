@@ -40,7 +40,10 @@ import numpy as np
 from megatron_ext.calibration import scoring
 from megatron_ext.calibration.ranking import spearman
 from megatron_ext.calibration.rows import build_plan
+from megatron_ext.plan import ParallelPlan
 from megatron_ext.planner.cost import compute
+from megatron_ext.planner.cost.compute import ArrayLike, ComputeProfile
+from megatron_ext.specs import ClusterSpec, ModelSpec
 
 JEAN_ZAY = "jean-zay-a100-80g"
 A100_SMS = 108
@@ -102,10 +105,11 @@ def with_patch(target: Any, name: str, value: Callable[..., Any], fn: Callable[[
         setattr(target, name, old)
 
 
-def jean_zay_intra(bandwidth: float | None = None, latency: float | None = None):
+def jean_zay_intra(bandwidth: float | None = None, latency: float | None = None
+                   ) -> Callable[[dict[str, Any]], ClusterSpec]:
     orig = scoring.cluster_of
 
-    def cluster_of(row: dict[str, Any]):
+    def cluster_of(row: dict[str, Any]) -> ClusterSpec:
         c = orig(row)
         if row.get("cluster_label") != JEAN_ZAY:
             return c
@@ -119,11 +123,12 @@ def jean_zay_intra(bandwidth: float | None = None, latency: float | None = None)
     return cluster_of
 
 
-def wave_quantized_gemm_s(tile_m: int, tile_n: int):
+def wave_quantized_gemm_s(tile_m: int, tile_n: int) -> Callable[..., ArrayLike]:
     orig = compute.layer_gemm_forward_s
 
-    def layer_gemm_forward_s(model, profile, *, tokens, tp, peak):
-        total = 0.0
+    def layer_gemm_forward_s(model: ModelSpec, profile: compute.ComputeProfile, *,
+                             tokens: ArrayLike, tp: ArrayLike, peak: float) -> ArrayLike:
+        total: ArrayLike = 0.0
         for k, n in compute.layer_gemms(model, tp):
             smallest = np.minimum(np.minimum(tokens, k), n)
             tiles = np.ceil(tokens / tile_m) * np.ceil(n / tile_n)
@@ -139,11 +144,12 @@ def wave_quantized_gemm_s(tile_m: int, tile_n: int):
 REFIT_GRID = tuple(round(0.72 + 0.02 * i, 2) for i in range(8))
 
 
-def with_efficiency(g: float):
+def with_efficiency(g: float) -> Callable[..., dict[str, Any]]:
     orig = scoring.predict
     profile = compute.ComputeProfile(gemm_efficiency=g)
 
-    def predict(row, plan, compute=None):
+    def predict(row: dict[str, Any], plan: ParallelPlan,
+                compute: ComputeProfile | None = None) -> dict[str, Any]:
         return orig(row, plan, profile)
 
     return predict
@@ -191,14 +197,15 @@ def candidates(rows: list[dict[str, Any]]
             compute, "layer_gemm_forward_s", wave, lambda: score(rows, extra)))
         # the same with gemm_efficiency refitted on the other sources (BLOOM held out)
         others = [r for r in rows if r.get("cluster_label") != JEAN_ZAY]
-        fit = {}
+        fit: dict[float, float] = {}
         for g in REFIT_GRID:
-            fit[g] = with_patch(compute, "layer_gemm_forward_s", wave, lambda g=g, o=others: (
+            # mypy cannot infer a lambda whose parameters all have defaults (bound loop values)
+            fit[g] = with_patch(compute, "layer_gemm_forward_s", wave, lambda g=g, o=others: (  # type: ignore[misc]
                 with_patch(scoring, "predict", with_efficiency(g), lambda: scoring.run(
                     o, loso=False)["summary"]["median_abs_error"])))
         g = min(fit, key=lambda k: fit[k])
         add(f"  + gemm_efficiency {g:.2f} fitted without BLOOM", with_patch(
-            compute, "layer_gemm_forward_s", wave, lambda g=g: with_patch(
+            compute, "layer_gemm_forward_s", wave, lambda g=g: with_patch(  # type: ignore[misc]
                 scoring, "predict", with_efficiency(g), lambda: score(rows, extra))))
     for lat in (50e-6, 100e-6, 200e-6):
         add(f"jean-zay intra-node latency {lat * 1e6:.0f} us per ring step", with_patch(

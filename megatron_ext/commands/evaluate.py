@@ -18,6 +18,7 @@ import argparse
 import dataclasses
 import json
 import sys
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from megatron_ext.errors import PlanError
@@ -28,6 +29,7 @@ from megatron_ext.specs import ClusterSpec
 if TYPE_CHECKING:
     from megatron_ext.planner.cost.breakdown import Breakdown
     from megatron_ext.planner.cost.model import CostModel
+    from megatron_ext.planner.profile.profiles import ClusterProfile
 
 GIB = 2**30
 EXIT_DOES_NOT_FIT = 3
@@ -154,13 +156,14 @@ def evaluate_plan(plan: ParallelPlan, args: argparse.Namespace, *, label: str) -
     return 0 if mine.evaluation.feasible else EXIT_DOES_NOT_FIT
 
 
-def _cluster(plan: ParallelPlan, args: argparse.Namespace) -> tuple[ClusterSpec, Any]:
+def _cluster(plan: ParallelPlan, args: argparse.Namespace
+             ) -> tuple[ClusterSpec, ClusterProfile | None]:
     """(cluster, measured profile or None): --cluster-profile, --cluster, else the plan's."""
     if args.nodes is not None and args.nodes < 1:
         raise PlanError(f"--nodes={args.nodes} must be >= 1")
     if args.memory_gib is not None and not args.memory_gib > 0:
         raise PlanError(f"--memory-gib={args.memory_gib} must be > 0")
-    profile = None
+    profile: ClusterProfile | None = None
     if args.cluster_profile:
         from megatron_ext.planner.profile.profiles import ClusterProfile
 
@@ -219,14 +222,15 @@ def _breakdown(cm: CostModel, plan: ParallelPlan) -> Breakdown:
     return breakdown(cm, plan.layout)
 
 
-def _interval(plan: ParallelPlan, b, cluster: str) -> tuple[float, float, tuple[str, ...]]:
+def _interval(plan: ParallelPlan, b: Breakdown, cluster: str
+              ) -> tuple[float, float, tuple[str, ...]]:
     """90% interval of the evaluated iteration time (planner/cost/interval.py)."""
     from megatron_ext.planner.cost.interval import plan_interval
 
     return plan_interval(plan, b.evaluation.iteration_s, cluster)
 
 
-def report_dict(plan: ParallelPlan, b, *, cluster: str = "custom") -> dict[str, Any]:
+def report_dict(plan: ParallelPlan, b: Breakdown, *, cluster: str = "custom") -> dict[str, Any]:
     """The machine-readable evaluation of one plan (GiB and seconds)."""
     ev = b.evaluation
     low, high, unseen = _interval(plan, b, cluster)
@@ -264,7 +268,7 @@ def report_dict(plan: ParallelPlan, b, *, cluster: str = "custom") -> dict[str, 
     }
 
 
-def _table(rows: list[tuple[str, ...]]) -> list[str]:
+def _table(rows: Sequence[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return [
         "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
@@ -276,18 +280,18 @@ def _gib(x: float, unit: float = GIB) -> str:
     return f"{x / unit:.2f}"
 
 
-def _unit(*breakdowns) -> tuple[float, str]:
+def _unit(*breakdowns: Breakdown) -> tuple[float, str]:
     """GiB, or MiB when every stage holds less than 1 GiB (the CPU-sized models)."""
     peak = max(s.peak_bytes for b in breakdowns for s in b.stages)
     return (GIB, "GiB") if peak >= GIB else (2**20, "MiB")
 
 
-def report_text(plan: ParallelPlan, b, *, cluster: str = "custom") -> str:
+def report_text(plan: ParallelPlan, b: Breakdown, *, cluster: str = "custom") -> str:
     from megatron_ext.planner.cost.breakdown import MEMORY_PARTS
 
     ev = b.evaluation
     unit, label = _unit(b)
-    mem_rows = [
+    mem_rows: list[tuple[str, ...]] = [
         (f"memory/GPU {label}", "weights", "grads", "optim", "activ", "vocab", "trans", "reserve",
          "peak", "of cap")
     ]
@@ -332,7 +336,8 @@ def report_text(plan: ParallelPlan, b, *, cluster: str = "custom") -> str:
     return "\n".join(lines) + "\n"
 
 
-def _side_by_side(mine_summary: dict, mine, theirs_summary: dict, theirs) -> str:
+def _side_by_side(mine_summary: dict[str, str], mine: Breakdown,
+                  theirs_summary: dict[str, str], theirs: Breakdown) -> str:
     unit, label = _unit(mine, theirs)
     rows = [("", "plan", "searched")]
     rows += [(k, mine_summary[k], theirs_summary[k]) for k in mine_summary if k != "peak GiB"]

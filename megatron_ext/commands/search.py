@@ -15,6 +15,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from megatron_ext.commands.evaluate import add_cluster_arguments
 from megatron_ext.errors import PlanError
@@ -28,6 +29,10 @@ from megatron_ext.presets import (
     model_preset,
 )
 from megatron_ext.specs import ModelSpec
+
+if TYPE_CHECKING:
+    from megatron_ext.plan import ParallelPlan
+    from megatron_ext.planner.cost.model import CostModel
 
 DEFAULT_MODEL = "llama2-7b"
 DEFAULT_CLUSTER = "dgx-h100"
@@ -138,7 +143,7 @@ def _nodes(args: argparse.Namespace) -> int:
     return 1 if args.nodes is None else args.nodes
 
 
-def _cost_model(args: argparse.Namespace, model: ModelSpec):
+def _cost_model(args: argparse.Namespace, model: ModelSpec) -> CostModel:
     from megatron_ext.plan_checks import check_sequence
     from megatron_ext.planner.cost.model import CostModel
     from megatron_ext.planner.training import TrainingSpec
@@ -261,7 +266,7 @@ def _stated_size(name: str) -> str | None:
     return f"{number}{unit.upper()}"
 
 
-def _print_megatron_args(plan, plan_path: str | None) -> None:
+def _print_megatron_args(plan: ParallelPlan, plan_path: str | None) -> None:
     try:
         result = plan_to_megatron_args(plan, plan_path=plan_path)
     except PlanError as err:

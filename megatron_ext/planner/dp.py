@@ -140,6 +140,7 @@ def layer_dp(
             if mem[s] < units:
                 f[s, mem[s] :] = g[s, : units - mem[s]] + cost_o[s]
                 if choice is not None:
+                    assert prev is not None  # inner_min returns it when asked (with_arg)
                     choice[layer, order[s], mem[s] :] = order[prev[s, : units - mem[s]]]
         _record(best, argbest, f, layer, order)
         if not np.isfinite(best[layer, -1]):

@@ -15,10 +15,10 @@ from collections.abc import Callable
 
 import numpy as np
 
-from megatron_ext.planner.cost.model import CostModel
+from megatron_ext.planner.cost.model import CostModel, LayerCosts
 from megatron_ext.planner.cost.moe import kind_costs, layer_kinds, valid_for
 from megatron_ext.planner.cost.vocab import stage_extras
-from megatron_ext.planner.space import divisors, layer_strategies, vocab_options
+from megatron_ext.planner.space import StrategyTable, divisors, layer_strategies, vocab_options
 
 GIB = 2**30
 
@@ -82,7 +82,7 @@ def min_allocated_bytes(cm: CostModel) -> float:
     return best
 
 
-def _least_memory_costs(cm: CostModel, table, mbs: int):
+def _least_memory_costs(cm: CostModel, table: StrategyTable, mbs: int) -> LayerCosts:
     """The layer costs whose memory bounds every layer's from below: a dense model's own; for
     MoE models each strategy's smallest state, activation and transient bytes over the layer
     kinds the model has that may use it (inf where none may: the strategy is never chosen)."""

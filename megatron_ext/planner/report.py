@@ -58,7 +58,8 @@ def overlap_note(plan: ParallelPlan, objective: str = "time") -> str:
     pred = plan.prediction
     if pred is None or not pred.runners_up:
         return ""
-    mine = {k: v for k, v in plan_summary(plan).items() if k != "peak GiB"}
+    mine: dict[str, str | list[str]] = {
+        k: v for k, v in plan_summary(plan).items() if k != "peak GiB"}
     mine["layers"] = sorted({s.describe() for s in plan.layers})
     others = list(pred.runners_up)
     differ = [k for k in mine if any(str(r.get(k)) != str(mine[k]) for r in others)]
@@ -97,10 +98,10 @@ def plan_table(plan: ParallelPlan) -> str:
         chunk = plan.chunk_of_layer(start)
         stage = chunk % plan.pp
         first = start == plan.stages[chunk][0]
-        shown = pred and first and chunk < plan.pp  # a stage's figures on its first chunk
-        mem = (f"{pred.stage_peak_memory_gib[stage] * (1024 if mib else 1):.1f}"
-               if shown else "")
-        busy = _significant(pred.stage_time_s[stage] * (1e3 if ms else 1)) if shown else ""
+        mem = busy = ""
+        if pred is not None and first and chunk < plan.pp:  # a stage's figures on its first chunk
+            mem = f"{pred.stage_peak_memory_gib[stage] * (1024 if mib else 1):.1f}"
+            busy = _significant(pred.stage_time_s[stage] * (1e3 if ms else 1))
         label = str(stage) if plan.virtual_stages == 1 else f"{stage}.{chunk // plan.pp}"
         rows.append(
             (label if first else "", f"[{start}, {end})", strategy.describe(), mem, busy)
@@ -251,13 +252,14 @@ def plot_layout(plan: ParallelPlan) -> PlotLayout:
     mib = bool(peaks_gib) and max(peaks_gib) < 1.0
     scale, unit = (1024.0, "MiB") if mib else (1.0, "GiB")
     memory = tuple(v * scale for v in peaks_gib)
-    limit = plan.cluster.memory_gib * scale if plan.cluster is not None else None
+    cluster = plan.cluster
+    limit = cluster.memory_gib * scale if cluster is not None else None
     top = max(memory, default=0.0) * 1.15 or 1.0
     label = ""
-    if limit is not None:
+    if cluster is not None and limit is not None:
         on_scale = max(memory, default=0.0) >= 0.25 * limit
         top = max(top, limit * 1.05) if on_scale else top
-        label = f"memory per GPU {plan.cluster.memory_gib:g} GiB" + (
+        label = f"memory per GPU {cluster.memory_gib:g} GiB" + (
             "" if on_scale else " (off scale)")
     ms = bool(times_s) and max(times_s) < 1.0
     title = f"{plan.model.name} on {plan.world_size} GPUs, pp={plan.pp}"

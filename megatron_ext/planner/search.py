@@ -39,7 +39,7 @@ from typing import Literal
 import numpy as np
 
 from megatron_ext.errors import InfeasiblePlanError
-from megatron_ext.plan import ParallelPlan, PlanLayout, VocabStrategy
+from megatron_ext.plan import LayerStrategy, ParallelPlan, PlanLayout, Prediction, VocabStrategy
 from megatron_ext.plan_checks import check_sequence
 from megatron_ext.planner.bounds import combo_bound, combo_bound_kinds
 from megatron_ext.planner.cost.evaluate import Evaluation, evaluate
@@ -64,6 +64,7 @@ from megatron_ext.planner.uniform import (
     search_uniform,
     virtual_stage_options,
 )
+from megatron_ext.specs import ModelSpec
 
 Progress = Callable[[str], None]
 
@@ -189,9 +190,15 @@ def _near_candidates(
         _layerwise(cm, options, bound, stats, None, seen)
 
 
+def _predicted(plan: ParallelPlan) -> Prediction:
+    """The prediction a plan the search made carries (layout_to_plan always sets one)."""
+    assert plan.prediction is not None
+    return plan.prediction
+
+
 def _upper(plan: ParallelPlan) -> float:
-    interval = plan.prediction.iteration_time_interval_s
-    return interval[1] if interval else plan.prediction.iteration_time_s
+    interval = _predicted(plan).iteration_time_interval_s
+    return interval[1] if interval else _predicted(plan).iteration_time_s
 
 
 def _rank_candidates(
@@ -215,23 +222,25 @@ def _rank_candidates(
     else:
         plans.sort(key=lambda pe: pe[1].iteration_s)
     chosen = plans[0][0]
-    low = chosen.prediction.iteration_time_interval_s
+    low = _predicted(chosen).iteration_time_interval_s
     overlapping = [
-        p for p, _ in plans[1:]
-        if low is not None and p.prediction.iteration_time_interval_s is not None
-        and p.prediction.iteration_time_interval_s[0] <= low[1]
-        and low[0] <= p.prediction.iteration_time_interval_s[1]
+        p for p, _ in plans[1:] if _overlap(low, _predicted(p).iteration_time_interval_s)
     ][: options.runners_up]
     if overlapping:
         chosen = dataclasses.replace(chosen, prediction=dataclasses.replace(
-            chosen.prediction, runners_up=tuple(runner_up(p) for p in overlapping)))
+            _predicted(chosen), runners_up=tuple(runner_up(p) for p in overlapping)))
     return [(chosen, plans[0][1]), *plans[1:]]
 
 
-def runner_up(plan: ParallelPlan) -> dict:
+def _overlap(a: tuple[float, float] | None, b: tuple[float, float] | None) -> bool:
+    """Whether two 90% intervals (None: unknown) overlap."""
+    return a is not None and b is not None and b[0] <= a[1] and a[0] <= b[1]
+
+
+def runner_up(plan: ParallelPlan) -> dict[str, object]:
     """A runner-up as the plan file's prediction keeps it: its layout in brief and its
     prediction."""
-    pred = plan.prediction
+    pred = _predicted(plan)
     return {
         **{k: v for k, v in plan_summary(plan).items() if k != "peak GiB"},
         "layers": sorted({s.describe() for s in plan.layers}),
@@ -355,7 +364,7 @@ class _Kinds:
         return len(self.seqs) == 1
 
     @classmethod
-    def of(cls, model, n_hi: int | None = None) -> _Kinds:
+    def of(cls, model: ModelSpec, n_hi: int | None = None) -> _Kinds:
         all_kinds = layer_kinds(model)
         used = np.unique(all_kinds)
         kinds = np.searchsorted(used, all_kinds)
@@ -762,7 +771,8 @@ class _ExactStage:
         return first
 
     def _to_layout(self, picks: list[list[int]], vocab: VocabStrategy) -> PlanLayout:
-        layers, stages = [], []
+        layers: list[LayerStrategy] = []
+        stages: list[tuple[int, int]] = []
         for p in picks:
             stages.append((len(layers), len(layers) + len(p)))
             layers += [self.table.strategies[i] for i in p]

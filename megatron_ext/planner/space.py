@@ -38,6 +38,7 @@ import functools
 import math
 from dataclasses import dataclass
 from itertools import product
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -47,6 +48,9 @@ from megatron_ext.plan_checks import vocab_parallel_split
 from megatron_ext.planner.cost.memory import RECOMPUTE_CODES
 from megatron_ext.planner.training import TrainingSpec
 from megatron_ext.specs import ModelSpec
+
+if TYPE_CHECKING:  # cost/model.py imports this module
+    from megatron_ext.planner.cost.model import LayerCosts
 
 MIN_SEQUENCE_SHARD = 256
 """R3: fewest tokens of one sequence a rank keeps under cp * ulysses."""
@@ -318,7 +322,7 @@ def vocab_options(
 
 
 def prune_strategies(
-    costs,  # LayerCosts (cost/model.py imports this module, so no import here)
+    costs: LayerCosts,
     objective: np.ndarray,
     switch: np.ndarray,
     layout: np.ndarray,
@@ -336,18 +340,16 @@ def prune_components(comps: np.ndarray, switch: np.ndarray, layout: np.ndarray,
     """Rule R6 on [S, C] components (lower is better in each): for models with several layer
     kinds the components of every kind side by side, inf where a kind may not use a strategy.
     `max_rounds` stops the across-layout passes early (still exact: it only keeps more)."""
-    keep = []
+    first_pass: list[int] = []
     for lay in np.unique(layout):
         members = np.flatnonzero(layout == lay)
-        sub = comps[members]
-        drop = dominated(sub, None)  # one layout: every switch between them is free
-        keep.extend(members[~drop].tolist())
-    keep = np.array(sorted(keep), dtype=np.int64)
+        drop = dominated(comps[members], None)  # one layout: every switch between them is free
+        first_pass.extend(members[~drop].tolist())
+    keep = np.array(sorted(first_pass), dtype=np.int64)
     rounds = 0
     while max_rounds is None or rounds < max_rounds:  # dropping a layout can make another one
         rounds += 1  # dominated: repeat to a fixed point
-        sub = np.ix_(keep, keep)
-        kept = keep[~dominated_layouts(comps[keep], switch[sub], layout[keep])]
+        kept = keep[~dominated_layouts(comps[keep], switch[np.ix_(keep, keep)], layout[keep])]
         kept = kept[~dominated(comps[kept], switch[np.ix_(kept, kept)])]
         if len(kept) == len(keep):
             return keep

@@ -20,15 +20,15 @@ import numpy as np
 
 from megatron_ext.plan import PlanLayout, VocabStrategy
 from megatron_ext.planner.cost.evaluate import Evaluation, evaluate
-from megatron_ext.planner.cost.model import CostModel
+from megatron_ext.planner.cost.model import CostModel, LayerCosts
 from megatron_ext.planner.cost.moe import MOE, kind_costs, layer_kinds, valid_for
 from megatron_ext.planner.cost.pipeline import (
     interleaved_peak_units,
     one_f_one_b,
     pipeline_lower_bound_s,
 )
-from megatron_ext.planner.cost.vocab import stage_extras
-from megatron_ext.planner.space import divisors, layer_strategies
+from megatron_ext.planner.cost.vocab import StageExtras, stage_extras
+from megatron_ext.planner.space import StrategyTable, divisors, layer_strategies
 
 MAX_VIRTUAL_STAGES = 8
 """Most chunks per rank the search tries (each one more point-to-point message per micro-batch
@@ -113,7 +113,8 @@ def score_uniform_each(
     return out
 
 
-def _score_uniform_v(cm: CostModel, table, per_kind, pp: int, micro_batch_size: int, bound_s: float,
+def _score_uniform_v(cm: CostModel, table: StrategyTable, per_kind: list[LayerCosts], pp: int,
+                     micro_batch_size: int, bound_s: float,
                      v: int) -> tuple[float, PlanLayout] | None:
     model = cm.model
     usable = valid_for(model, table)[-1]  # the MoE layers' rules (dense models: all)
@@ -188,7 +189,8 @@ def _kind_counts(kinds: np.ndarray, parts: np.ndarray, num_kinds: int, pp: int,
 
 
 def _best_of(
-    cm: CostModel, per_kind, sel: np.ndarray, ex, counts: np.ndarray, m: int, v: int = 1
+    cm: CostModel, per_kind: list[LayerCosts], sel: np.ndarray, ex: StageExtras,
+    counts: np.ndarray, m: int, v: int = 1
 ) -> tuple[float, int, int] | None:
     """(iteration, strategy index, partition index) of the fastest feasible pair in sel x parts;
     `per_kind` the LayerCosts of each layer kind, `counts` [K, P, pp] layers of each kind per
@@ -199,7 +201,7 @@ def _best_of(
     else:  # in-flight chunk micro-batches at the peak, in units of a whole rank's layers
         inflight = interleaved_peak_units(len(ex.inflight), m, v) / v
     mem = ex.fixed_bytes
-    transient = 0.0
+    transient: float | np.ndarray = 0.0
     for n, costs in zip(counts, per_kind):
         mem = mem + n[None] * (col(costs.state_bytes) + inflight * col(costs.activation_bytes))
         if len(per_kind) == 1:
@@ -215,10 +217,10 @@ def _best_of(
     c = lambda a: a[sel][si][:, None]
 
     def stage(name: str) -> np.ndarray:
-        total = 0.0
+        total: float | np.ndarray = 0.0
         for n, costs in zip(counts, per_kind):
             total = total + n[pj] * c(getattr(costs, name))
-        return total
+        return np.asarray(total)
 
     pipe = one_f_one_b(
         stage("forward_s") + ex.forward_s,

@@ -22,6 +22,7 @@ Groups are passed explicitly and the device is taken from the tensors.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -35,7 +36,7 @@ from megatron_ext.planner.profile.profiles import (
     CollectiveCurve,
     fitted_link,
 )
-from megatron_ext.specs import ClusterSpec, LinkSpec
+from megatron_ext.specs import ClusterSpec
 
 __all__ = ["measure_seconds", "message_sizes", "placement", "profile_collective",
            "profile_hardware", "profile_overlap", "profile_peak_flops"]
@@ -255,11 +256,11 @@ def profile_hardware(*, world: dist.ProcessGroup, device: torch.device,
     ar = [c for c in curves if c.collective == "all_reduce"]
     intra = fitted_link([c for c in ar if not c.crosses_nodes])
     inter = fitted_link([c for c in ar if c.crosses_nodes]) or intra
-    links: dict[str, LinkSpec] = ({"intra_node": intra, "inter_node": inter or intra}
-                                  if intra is not None else {})
     cluster = ClusterSpec(name=f"measured-{dist.get_backend(world)}", num_nodes=world_size // local,
                           gpus_per_node=local, memory_gib=round(_memory_gib(device, local), 3),
-                          peak_flops=peak, **links)
+                          peak_flops=peak)
+    if intra is not None:  # else ClusterSpec's default links
+        cluster = dataclasses.replace(cluster, intra_node=intra, inter_node=inter or intra)
     return ClusterProfile(cluster=cluster, backend=str(dist.get_backend(world)),
                           device=_device_name(device), overlap_slowdown=slowdown,
                           compute_slots_per_node=round(slots, 3),

@@ -18,7 +18,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,7 @@ import torch.distributed as dist
 from megatron_ext.megatron_adapter.training.data import DataShard
 
 if TYPE_CHECKING:
+    from megatron.core.dist_checkpointing.mapping import ShardedStateDict, StateDict
     from megatron.core.optimizer import MegatronOptimizer
     from megatron.core.transformer import TransformerConfig
 
@@ -78,16 +79,16 @@ class Backend(ABC):
         read from `data`; returns the global mean token loss, the same on every rank, and
         leaves the gradients finalized in the grad buffers."""
 
-    def sharded_state_dict(self, metadata: dict[str, Any]) -> dict[str, Any]:
+    def sharded_state_dict(self, metadata: dict[str, object]) -> ShardedStateDict:
         """Model state, keyed by global layer index so any plan can load it."""
         # `.module`: DDP has no sharded_state_dict override (megatron/core/distributed/
         # data_parallel_base.py `_BaseDataParallel`): the wrapper would prefix every key.
-        merged: dict[str, Any] = {}
+        merged: ShardedStateDict = {}
         for chunk in self.model:  # chunks' keys are global layer indices: one dict
             merged.update(chunk.module.sharded_state_dict(metadata=metadata))
         return {"model": merged}
 
-    def load_model_state(self, state: dict[str, Any]) -> None:
+    def load_model_state(self, state: StateDict) -> None:
         """Load `state["model"]` (what `sharded_state_dict` keyed) into every chunk."""
         if len(self.model) == 1:
             self.model[0].module.load_state_dict(state["model"], strict=True)

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -44,6 +44,9 @@ from megatron_ext.megatron_adapter.training.checkpoint_files import (
     write_manifest,
 )
 from megatron_ext.plan import ParallelPlan
+
+if TYPE_CHECKING:
+    from megatron_ext.megatron_adapter.training.backend import Backend
 
 logger = logging.getLogger(__name__)
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version
@@ -122,7 +125,7 @@ read them. Checkpoints without the record (older megatron_ext, Megatron-LM) stac
 into one tensor per weight, `decoder.layers.*` with a layer axis: only a uniform plan reads them."""
 
 
-def _metadata(backend: Any, sharding: str = DISTOPT_SHARDING, *,
+def _metadata(backend: Backend, sharding: str = DISTOPT_SHARDING, *,
               global_layer_keys: bool = True) -> dict[str, Any]:
     """Megatron-LM's `_build_sharded_state_dict_metadata` (megatron/training/checkpointing.py), with
     per-layer keys (`LAYER_KEYS`)."""
@@ -131,7 +134,7 @@ def _metadata(backend: Any, sharding: str = DISTOPT_SHARDING, *,
             "non_homogeneous_layers": global_layer_keys}
 
 
-def _state_dict(backend: Any, scheduler: Any, state: TrainState, plan: ParallelPlan, *,
+def _state_dict(backend: Backend, scheduler: Any, state: TrainState, plan: ParallelPlan, *,
                 is_loading: bool, with_rng: bool = True, with_optimizer: bool = True,
                 global_layer_keys: bool = True) -> dict[str, Any]:
     metadata = _metadata(backend, global_layer_keys=global_layer_keys)
@@ -227,7 +230,7 @@ def _materialize_adam_state(optimizer: Any) -> None:
                         param, memory_format=torch.preserve_format)
 
 
-def save_checkpoint(root: str | Path, backend: Any, scheduler: Any, state: TrainState,
+def save_checkpoint(root: str | Path, backend: Backend, scheduler: Any, state: TrainState,
                     plan: ParallelPlan, *, with_optimizer: bool = True) -> Path:
     """Write iteration `state.iteration` under `root`; returns the published directory.
     `with_optimizer=False`: Megatron-LM's --no-save-optim (weights, scheduler, RNG only)."""
@@ -414,7 +417,7 @@ def _fix_adam_step(optimizer: Any, num_steps: int) -> None:
                                        if torch.is_tensor(step) else num_steps)
 
 
-def load_checkpoint(target: LoadTarget, backend: Any, scheduler: Any, plan: ParallelPlan, *,
+def load_checkpoint(target: LoadTarget, backend: Backend, scheduler: Any, plan: ParallelPlan, *,
                     load_optimizer: bool = True, load_rng: bool = True) -> TrainState:
     """Restore the checkpoint `target` names (checkpoint_files.resolve_load verified it)."""
     root, iteration = target.root, target.iteration

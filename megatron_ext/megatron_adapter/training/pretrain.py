@@ -161,6 +161,7 @@ def run(config: RunConfig, tokenizer: Any, *, start_time_s: float | None = None,
     info = checkpoint_info(target)
     load_optimizer = not (ckpt.no_load_optim or ckpt.finetune)
     if info is not None:
+        assert ckpt.load is not None  # a checkpoint to load is named by --load (check_checkpoints)
         check_layer_keys(info, plan, ckpt.load)
         if load_optimizer:
             check_optimizer_layout(info, plan, ckpt.load,

@@ -157,7 +157,7 @@ def _bottleneck(stages: list[StageBreakdown], k: int, cap: float, iteration: flo
     if over:
         worst = max(over, key=lambda i: stages[i].peak_bytes)
         s = stages[worst]
-        part = max(s.memory_bytes, key=s.memory_bytes.get)
+        part = max(s.memory_bytes, key=s.memory_bytes.__getitem__)
         return (
             f"memory: stage {worst} needs {s.peak_bytes / gib:.2f} GiB > {cap / gib:.2f} GiB "
             f"usable (largest part: {part.replace('_', ' ')} "
@@ -170,7 +170,7 @@ def _bottleneck(stages: list[StageBreakdown], k: int, cap: float, iteration: flo
         "exposed communication": s.time_s["exposed_comm"],
         "optimizer step": s.time_s["optimizer"],
     }
-    top = max(parts, key=parts.get)
+    top = max(parts, key=parts.__getitem__)
     busy = iteration - s.time_s["bubble"]
     share = parts[top] / busy if busy > 0 else 0.0
     head = f"stage {k}" if len(stages) > 1 else "the only stage"

@@ -114,7 +114,7 @@ class AlphaBetaComm:
         intra = self.cluster.intra_node.bandwidth_bytes_per_s
         if not layout.crosses_nodes:
             return intra
-        nics = layout.ranks_per_node
+        nics: float = layout.ranks_per_node
         if layout.nics_in_parallel is not None:
             nics = min(nics, layout.nics_in_parallel)
         return min(intra, nics * self.cluster.inter_node.bandwidth_bytes_per_s)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -295,6 +295,14 @@ def moe_flops_per_token(model: ModelSpec, seq_length: int) -> float:
 # ---- transformer layer ----------------------------------------------------------------------
 
 
+@overload
+def gemm_efficiency(profile: ComputeProfile, smallest_dim: float) -> float: ...
+
+
+@overload
+def gemm_efficiency(profile: ComputeProfile, smallest_dim: np.ndarray) -> np.ndarray: ...
+
+
 def gemm_efficiency(profile: ComputeProfile, smallest_dim: ArrayLike) -> ArrayLike:
     return profile.gemm_efficiency * smallest_dim / (smallest_dim + profile.gemm_half_dim)
 
@@ -402,7 +410,7 @@ def layer_gemm_forward_s(
     """Forward seconds of the four weight GEMMs, each at the efficiency of its own smallest
     dimension (a TP shard narrows one dimension per GEMM, not all of them); the FLOPs add up to
     layer_gemm_forward_flops."""
-    total = 0.0
+    total: ArrayLike = 0.0
     for k, n in layer_gemms(model, tp):
         smallest = np.minimum(np.minimum(tokens, k), n)
         total = total + 2.0 * tokens * k * n / (peak * gemm_efficiency(profile, smallest))
@@ -497,7 +505,7 @@ bias gradient of each GEMM; the backward of each fused elementwise op and norm).
 def layer_host_s(
     model: ModelSpec, host: HostConstants, *, tp: ArrayLike, flash_attention: bool,
     dropout: bool, fused_softmax: ArrayLike = True,
-) -> tuple[ArrayLike, ArrayLike, ArrayLike]:
+) -> tuple[np.ndarray, np.ndarray, ArrayLike]:
     """(forward, backward, core-attention forward) host seconds of one layer pass on one GPU:
     kernels x host.kernel_s, plus per tensor-parallel collective one more kernel and
     host.collective_step_s per ring step (two blocks per pass, each an all-reduce or, under

@@ -19,7 +19,7 @@ max over the schedule's forwards of sum_c inflight[t, k, c] * activations of chu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -32,7 +32,7 @@ from megatron_ext.planner.cost.pipeline import (
     mfu,
     one_f_one_b,
 )
-from megatron_ext.planner.cost.vocab import stage_extras
+from megatron_ext.planner.cost.vocab import StageExtras, stage_extras
 from megatron_ext.planner.space import StrategyTable
 from megatron_ext.planner.training import DEFAULT_MOE_IMBALANCE, Engine, TrainingSpec
 
@@ -78,7 +78,7 @@ class StageSums:
 
     arr: dict[str, np.ndarray]
     """The sums by name (also "act": activation bytes at the stage's peak)."""
-    extras: Any
+    extras: StageExtras
     """cost/vocab.py stage_extras of this layout."""
     num_microbatches: int
     """Micro-batches per iteration."""
@@ -194,7 +194,7 @@ def pipeline_of(cm: CostModel, sums: StageSums) -> PipelineTime:
     )
 
 
-def _finish(cm: CostModel, pipe: PipelineTime, arr: dict[str, np.ndarray], ex, m: int,
+def _finish(cm: CostModel, pipe: PipelineTime, arr: dict[str, np.ndarray], ex: StageExtras, m: int,
             v: int = 1) -> Evaluation:
     t = cm.training
     iteration = float(pipe.iteration_s)

@@ -16,11 +16,14 @@ import copy
 from dataclasses import dataclass
 
 import numpy as np
+import numpy.typing as npt
 
 from megatron_ext.planner.cost import compute as C
 from megatron_ext.planner.cost.comm import (
     ZERO3_NICS_PER_GPU,
     AlphaBetaComm,
+    ArrayLike,
+    Collective,
     CommModel,
     GroupLayout,
     group_layout,
@@ -37,6 +40,11 @@ from megatron_ext.planner.space import StrategyTable
 from megatron_ext.planner.training import DEEPSPEED_MAX_LIVE_PARAMS, TrainingSpec
 from megatron_ext.specs import ClusterSpec, ModelSpec
 
+FloatArray = npt.NDArray[np.float64]
+"""Values per strategy ([S]; [S, S] for switches). Spelled with a dtype so that the type
+checker's no-Any rule for this module holds (a bare np.ndarray has Any parameters)."""
+IntArray = npt.NDArray[np.int64]
+
 GRAD_BYTES = 4
 """Gradients are accumulated and reduced in fp32 (Megatron's main_grad)."""
 
@@ -45,30 +53,30 @@ GRAD_BYTES = 4
 class LayerCosts:
     """Costs of one transformer layer under each of S strategies at one micro-batch size; [S]."""
 
-    forward_s: np.ndarray
+    forward_s: FloatArray
     """One micro-batch forward: compute + TP/Ulysses comm + exposed CP and ZeRO-3 comm."""
-    backward_s: np.ndarray
+    backward_s: FloatArray
     """One micro-batch backward, including recomputation and its communication."""
-    recompute_s: np.ndarray
+    recompute_s: FloatArray
     """The part of backward_s spent recomputing."""
-    comm_s: np.ndarray
+    comm_s: FloatArray
     """The part of forward_s + backward_s spent in exposed communication."""
-    grad_sync_s: np.ndarray
+    grad_sync_s: FloatArray
     """Once per iteration: all-reduce (ZeRO-0) or reduce-scatter (ZeRO-1) of fp32 gradients."""
-    param_gather_s: np.ndarray
+    param_gather_s: FloatArray
     """Once per iteration: ZeRO-1 all-gather of the updated half-precision weights."""
-    optimizer_s: np.ndarray
+    optimizer_s: FloatArray
     """Once per iteration: Adam on this GPU's shard."""
-    state_bytes: np.ndarray
+    state_bytes: FloatArray
     """Weights + gradients + optimizer states on one GPU."""
-    activation_bytes: np.ndarray
+    activation_bytes: FloatArray
     """Kept for backward, per in-flight micro-batch."""
-    transient_bytes: np.ndarray
+    transient_bytes: FloatArray
     """Short-lived while this layer runs backward (recomputed activations, gathered weights)."""
 
     def objective_s(
         self, num_microbatches: int, overlap_slowdown: float = OVERLAP_SLOWDOWN
-    ) -> np.ndarray:  # [S]
+    ) -> FloatArray:  # [S]
         """The layerwise DP's per-layer time: one micro-batch's forward + backward, plus this
         layer's share of the once-per-iteration tail (exposed reduction, optimizer, exposed
         all-gather) spread over the m micro-batches."""
@@ -76,7 +84,7 @@ class LayerCosts:
         exposed += np.maximum(0.0, self.param_gather_s - self.forward_s)
         return self.forward_s + self.backward_s + (exposed + self.optimizer_s) / num_microbatches
 
-    def memory_bytes(self, inflight: int) -> np.ndarray:  # [S]
+    def memory_bytes(self, inflight: int) -> FloatArray:  # [S]
         return self.state_bytes + inflight * self.activation_bytes
 
 
@@ -135,12 +143,12 @@ class CostModel:
 
     def collective_s(
         self,
-        collective: str,
-        num_bytes: np.ndarray,
-        sizes: np.ndarray,
-        strides: np.ndarray,
+        collective: Collective,
+        num_bytes: ArrayLike,
+        sizes: ArrayLike,
+        strides: ArrayLike,
         nics_per_gpu: float | None = None,
-    ) -> np.ndarray:
+    ) -> FloatArray:
         """Vectorised over strategies: one call per distinct (size, stride) group.
         `nics_per_gpu` caps how many members per node drive their NICs in parallel when the
         group crosses nodes (None: all of them; ZeRO-3 passes ZERO3_NICS_PER_GPU)."""
@@ -155,11 +163,7 @@ class CostModel:
             if nics_per_gpu is not None and layout.crosses_nodes:
                 layout = GroupLayout(size=layout.size, ranks_per_node=layout.ranks_per_node,
                                      nics_in_parallel=nics_per_gpu)
-            out[sel] = self.comm.time_s(
-                collective,
-                np.asarray(num_bytes)[sel],  # type: ignore[arg-type]
-                layout,
-            )
+            out[sel] = self.comm.time_s(collective, np.asarray(num_bytes)[sel], layout)
         return out
 
     def p2p_s(self, pp: int, micro_batch_size: int) -> float:
@@ -168,7 +172,7 @@ class CostModel:
         if pp == 1:
             return 0.0
         width = self.cluster.num_gpus // pp
-        num_bytes = micro_batch_size * self.training.seq_length * self.model.hidden_size
+        num_bytes: float = micro_batch_size * self.training.seq_length * self.model.hidden_size
         num_bytes *= self.element_bytes / width
         return float(
             self.comm.time_s("p2p", num_bytes, group_layout(2, width, self.cluster.gpus_per_node))
@@ -231,33 +235,33 @@ class CostModel:
         comm = 2 * (tp_one_way + uly_one_way) + cp_fwd + cp_bwd + z3_fwd + z3_bwd
         comm = comm + np.where(rc_full, tp_one_way + uly_one_way + cp_fwd, 0.0)
         return LayerCosts(
-            forward_s=fwd,
-            backward_s=bwd,
+            forward_s=np.asarray(fwd),
+            backward_s=np.asarray(bwd),
             recompute_s=recompute,
             comm_s=comm,
             grad_sync_s=sync,
             param_gather_s=gather,
-            optimizer_s=C.optimizer_step_s(
+            optimizer_s=np.asarray(C.optimizer_step_s(
                 self._params_per_gpu(table) / np.where(table.zero >= 1, table.shard_ranks, 1),
                 self.cluster,
                 self.compute,
-            ),
+            )),
             **self._layer_memory(table, b),
         )
 
-    def fused_softmax(self, table: StrategyTable, b: np.ndarray | float) -> np.ndarray:
+    def fused_softmax(self, table: StrategyTable, b: FloatArray | float) -> npt.NDArray[np.bool_]:
         """Where the unfused attention path gets Megatron's fused softmax kernel (per strategy,
         at b samples per replica; compute.fused_softmax_available)."""
         return C.fused_softmax_available(
             self.model, b=b, seq_length=self.training.seq_length,
             heads_shards=table.tp * table.ulysses, element_bytes=self.element_bytes)
 
-    def _params_per_gpu(self, table: StrategyTable) -> np.ndarray:
+    def _params_per_gpu(self, table: StrategyTable) -> FloatArray:
         return self.layer_params / table.tp
 
     def _cp_exposed_s(
-        self, table: StrategyTable, rows: np.ndarray, comp: C.LayerCompute
-    ) -> tuple[np.ndarray, np.ndarray]:
+        self, table: StrategyTable, rows: FloatArray, comp: C.LayerCompute
+    ) -> tuple[FloatArray, FloatArray]:
         """Ring attention: cp-1 steps each passing this rank's K and V chunk [rows, 2kv/t]
         (forward) and K, V plus their gradients (backward), hidden behind attention compute."""
         kv_bytes = 2 * rows * C.kv_dim(self.model) / table.tp * self.element_bytes
@@ -278,10 +282,10 @@ class CostModel:
         return fwd, bwd
 
     def _data_parallel_s(
-        self, table: StrategyTable, forward_s: np.ndarray, backward_s: np.ndarray,
-        *, params: np.ndarray | None = None, shard_ranks: np.ndarray | None = None,
-        stride: np.ndarray | None = None,
-    ):
+        self, table: StrategyTable, forward_s: ArrayLike, backward_s: ArrayLike,
+        *, params: ArrayLike | None = None, shard_ranks: IntArray | None = None,
+        stride: IntArray | None = None,
+    ) -> tuple[FloatArray, FloatArray, FloatArray, FloatArray]:
         """Gradient reduction, ZeRO-1 weight all-gather and ZeRO-2/3 per-micro-batch traffic over
         the d = dp*cp*ulysses ranks sharing a shard (stride tp). `forward_s` / `backward_s`:
         the layer's compute that ZeRO-3 traffic can hide behind (backward incl. recompute).
@@ -312,23 +316,18 @@ class CostModel:
                           0.0)
         return z3_fwd, z3_bwd, sync, gather
 
-    def _layer_memory(self, table: StrategyTable, b: np.ndarray) -> dict[str, np.ndarray]:
+    def _layer_memory(self, table: StrategyTable, b: FloatArray) -> dict[str, FloatArray]:
         t = self.training
-        kw = {
-            "b": b,
-            "seq_length": t.seq_length,
-            "tp": table.tp,
-            "sp": table.sp,
-            "cp": table.cp,
-            "ulysses": table.ulysses,
-            "element_bytes": self.element_bytes,
-            "flash_attention": t.flash_attention,
-            "dropout": t.dropout,
-        }
-        act = layer_activation_bytes(self.model, recompute=table.recompute, **kw)
-        act_none = layer_activation_bytes(
-            self.model, recompute=np.zeros_like(table.recompute), **kw
-        )
+
+        def activation(recompute: IntArray) -> ArrayLike:
+            return layer_activation_bytes(
+                self.model, b=b, seq_length=t.seq_length, tp=table.tp, sp=table.sp,
+                cp=table.cp, ulysses=table.ulysses, recompute=recompute,
+                element_bytes=self.element_bytes, flash_attention=t.flash_attention,
+                dropout=t.dropout)
+
+        act = activation(table.recompute)
+        act_none = activation(np.zeros_like(table.recompute))
         params = self._params_per_gpu(table)
         per_param = state_bytes_per_param(
             table.zero,
@@ -379,7 +378,7 @@ class CostModel:
                     exceptions.append((a, b, float(min(gather[a], rule))))
         return MaxSwitch(level=level, level_cost_s=level_cost, exceptions=tuple(exceptions))
 
-    def transition_s(self, table: StrategyTable, micro_batch_size: int) -> np.ndarray:  # [S, S]
+    def transition_s(self, table: StrategyTable, micro_batch_size: int) -> FloatArray:  # [S, S]
         """The switch costs of `transition_model` for every pair of strategies."""
         if len(table) == 0:
             return np.zeros((0, 0))

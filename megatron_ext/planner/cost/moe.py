@@ -46,7 +46,7 @@ import dataclasses
 import numpy as np
 
 from megatron_ext.planner.cost import compute as C
-from megatron_ext.planner.cost.comm import AlphaBetaComm
+from megatron_ext.planner.cost.comm import AlphaBetaComm, ArrayLike
 from megatron_ext.planner.cost.compute import (  # noqa: F401  (the MoE shape, re-exported)
     _u,
     dense_mlp_params,
@@ -60,6 +60,7 @@ from megatron_ext.planner.cost.compute import (  # noqa: F401  (the MoE shape, r
 from megatron_ext.planner.cost.memory import layer_activation_bytes, layer_transient_bytes
 from megatron_ext.planner.cost.memory import state_bytes_per_param as _per_param
 from megatron_ext.planner.cost.model import CostModel, LayerCosts
+from megatron_ext.planner.space import StrategyTable
 from megatron_ext.specs import LinkSpec, ModelSpec
 
 DENSE, MOE = 0, 1
@@ -84,7 +85,8 @@ def imbalance(model: ModelSpec, rho: float) -> float:
     return min(rho, cf) if cf > 0 else rho
 
 
-def _gemm_s(profile, tokens, k, n, peak: float):
+def _gemm_s(profile: C.ComputeProfile, tokens: ArrayLike, k: ArrayLike, n: ArrayLike,
+            peak: float) -> ArrayLike:
     smallest = np.minimum(np.minimum(tokens, k), n)
     return 2.0 * tokens * k * n / (peak * C.gemm_efficiency(profile, smallest))
 
@@ -114,7 +116,7 @@ def ep_all_to_all_s(cm: CostModel, num_bytes: np.ndarray, ep: np.ndarray, stride
     return out
 
 
-def moe_layer_costs(cm: CostModel, table, micro_batch_size: int):
+def moe_layer_costs(cm: CostModel, table: StrategyTable, micro_batch_size: int) -> LayerCosts:
     """LayerCosts of one MoE layer under every strategy of `table` (module docstring).
     Strategies an MoE layer cannot use (tp > 1 without sp) are priced as if they could; the
     search masks them (`valid_for`)."""
@@ -148,7 +150,7 @@ def moe_layer_costs(cm: CostModel, table, micro_batch_size: int):
     experts = local * (_gemm_s(prof, per_expert, h, u * f / et, peak)
                        + _gemm_s(prof, per_expert, f / et, h, peak))
     router = _gemm_s(prof, tokens, h, float(E), peak)
-    shared = 0.0
+    shared: ArrayLike = 0.0
     if f_s:
         shared = (_gemm_s(prof, rows, h, u * f_s / tp, peak)
                   + _gemm_s(prof, rows, f_s / tp, h, peak))
@@ -201,15 +203,15 @@ def moe_layer_costs(cm: CostModel, table, micro_batch_size: int):
         dense_params / np.where(sharded, d, 1) + exp_params / np.where(sharded, edp, 1),
         cm.cluster, cm.compute)
     # Memory.
-    kw = {"b": b, "seq_length": t.seq_length, "tp": tp, "sp": table.sp, "cp": table.cp,
-          "ulysses": table.ulysses, "element_bytes": e_b,
-          "flash_attention": t.flash_attention, "dropout": t.dropout}
     routed = (e_b * (et * recv * h + recv * (u + 1) * f + tokens * k * h)
               + 9.0 * tokens * E + 8.0 * tokens * k)
     swap = routed + e_b * rows * (u + 1) * (f_s - f_d) / tp  # shared experts for the dense MLP
 
-    def act_of(recompute_codes):
-        dense_act = layer_activation_bytes(m, recompute=recompute_codes, **kw)
+    def act_of(recompute_codes: np.ndarray) -> np.ndarray:
+        dense_act = layer_activation_bytes(
+            m, b=b, seq_length=t.seq_length, tp=tp, sp=table.sp, cp=table.cp,
+            ulysses=table.ulysses, recompute=recompute_codes, element_bytes=e_b,
+            flash_attention=t.flash_attention, dropout=t.dropout)
         return np.asarray(dense_act + np.where(np.asarray(recompute_codes) == 2, 0.0, swap),
                           dtype=float)
 
@@ -238,7 +240,7 @@ def moe_layer_costs(cm: CostModel, table, micro_batch_size: int):
     )
 
 
-def valid_for(model: ModelSpec, table) -> np.ndarray:  # [K, S] bool
+def valid_for(model: ModelSpec, table: StrategyTable) -> np.ndarray:  # [K, S] bool
     """Which strategies each layer kind may use: dense layers only ep = 1 without etp; MoE
     layers the plan's rules (plan_checks._check_experts: ep | E, ep etp | width, etp | f, sp
     with tp > 1), not ep = 1 with etp != tp (megatron-core 0.16.1 then never reduces the
@@ -257,7 +259,7 @@ def valid_for(model: ModelSpec, table) -> np.ndarray:  # [K, S] bool
     return np.stack([dense, moe])
 
 
-def kind_costs(cm: CostModel, table, micro_batch_size: int) -> list:
+def kind_costs(cm: CostModel, table: StrategyTable, micro_batch_size: int) -> list[LayerCosts]:
     """[dense LayerCosts, MoE LayerCosts] of `table` (just [dense] for a dense model)."""
     dense = cm.layer_costs(table, micro_batch_size)
     if cm.model.moe is None:
@@ -265,7 +267,8 @@ def kind_costs(cm: CostModel, table, micro_batch_size: int) -> list:
     return [dense, moe_layer_costs(cm, table, micro_batch_size)]
 
 
-def per_layer_costs(cm: CostModel, table, micro_batch_size: int, index: np.ndarray):
+def per_layer_costs(cm: CostModel, table: StrategyTable, micro_batch_size: int,
+                    index: np.ndarray) -> LayerCosts:
     """LayerCosts with one row per layer: layer i priced under table strategy index[i] as its
     kind (dense or MoE)."""
     per = kind_costs(cm, table, micro_batch_size)
@@ -279,21 +282,23 @@ def per_layer_costs(cm: CostModel, table, micro_batch_size: int, index: np.ndarr
     })
 
 
-def per_layer_weight_grad_bytes(cm: CostModel, table, index: np.ndarray
+def per_layer_weight_grad_bytes(cm: CostModel, table: StrategyTable, index: np.ndarray
                                 ) -> tuple[np.ndarray, np.ndarray]:
     """(weights, gradients) bytes per GPU of each layer (rows as `per_layer_costs`), the
     parts of its state bytes that memory.state_bytes_breakdown names; the rest is optimizer."""
     from megatron_ext.planner.cost.memory import state_bytes_breakdown
 
     t, m = cm.training, cm.model
-    kw = {"half_precision": t.half_precision, "num_optimizer_states": t.num_optimizer_states}
-    w_d, g_d, _ = state_bytes_breakdown(table.zero, table.shard_ranks, **kw)
+    half, states = t.half_precision, t.num_optimizer_states
+    w_d, g_d, _ = state_bytes_breakdown(table.zero, table.shard_ranks, half_precision=half,
+                                        num_optimizer_states=states)
     params = cm.layer_params / table.tp
     weights, grads = params * np.asarray(w_d), params * np.asarray(g_d)
     index = np.asarray(index, dtype=np.int64)
     if m.moe is None:
         return weights[index], grads[index]
-    w_e, g_e, _ = state_bytes_breakdown(table.zero, table.expert_dp, **kw)
+    w_e, g_e, _ = state_bytes_breakdown(table.zero, table.expert_dp, half_precision=half,
+                                        num_optimizer_states=states)
     dense_params = ((C.layer_params(m) - dense_mlp_params(m) + shared_expert_params(m))
                     / table.tp + router_params(m))
     exp_params = expert_params(m) / (table.ep * table.etp)

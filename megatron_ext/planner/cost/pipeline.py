@@ -151,7 +151,7 @@ def gradient_tail_s(
     backward_s: np.ndarray,
     grad_sync_s: np.ndarray,
     param_gather_s: np.ndarray,
-    optimizer_s: np.ndarray,
+    optimizer_s: float | np.ndarray,
     overlap_slowdown: float = OVERLAP_SLOWDOWN,
 ) -> np.ndarray:
     """What stage k adds after its last backward: exposed gradient reduction, optimizer step,

@@ -114,7 +114,8 @@ def stage_extras(
 
 
 def _place(cm: CostModel, vocab: VocabStrategy, pp: int, width: int, tokens: float,
-           inflight: np.ndarray):
+           inflight: np.ndarray
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(params, forward s, backward s, activation bytes, side-stream comm s) per stage [pp]."""
     model, e, tv = cm.model, cm.element_bytes, vocab.tp
     spread = pp if vocab.mode == "vocab_parallel" else 1
@@ -182,7 +183,7 @@ def _vocab_data_parallel(
     vocab: VocabStrategy,
     pp: int,
     width: int,
-):
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     layout = cm.layout(dpv, tv)
     if vocab_zero >= 1:
         sync = np.asarray(

@@ -25,8 +25,14 @@ GROWTH_STEPS = 36
 """The upper level grows by 1.08x at most 36 times (to ~16x the lower bound); plans land a few
 percent above the bound, so small steps leave less to bisect."""
 
+Packed = tuple[list[int], list[float], list[int], list[int], int]
+"""What `_pack` opens for a level: each group's degree index, load and tokens, each long
+sequence's group, and how many degree-0 groups the short sequences get."""
 
-def _spill(key_loads, key_ids, tokens, row, length, j, level, cap, degrees):
+
+def _spill(key_loads: list[list[float]], key_ids: list[list[int]], tokens: list[int],
+           row: list[float], length: int, j: int, level: float, cap: int,
+           degrees: list[int]) -> int | None:
     """An open group of a larger degree than j whose slack below the level holds the sequence
     (best fit: the least slack left), or None."""
     best, best_left = None, float("inf")
@@ -42,7 +48,7 @@ def _spill(key_loads, key_ids, tokens, row, length, j, level, cap, degrees):
 
 
 def _pack(problem: MicroBatchProblem, num_gpus: int, num_big: int, level: float,
-          small_work: np.ndarray, small_tokens: int, spill: bool = False):
+          small_work: np.ndarray, small_tokens: int, spill: bool = False) -> Packed | None:
     """Open groups and big placements for `level`, or None if the level is infeasible."""
     degrees = problem.degrees.tolist()
     num_deg = len(degrees)
@@ -57,6 +63,7 @@ def _pack(problem: MicroBatchProblem, num_gpus: int, num_big: int, level: float,
     key_ids: list[list[int]] = [[] for _ in range(num_deg)]
     seq_group = [-1] * num_big
     free = num_gpus
+    g: int | None  # the group a sequence joins (_spill may find none)
     bisect_right = bisect.bisect_right
     for k in range(num_big):
         row, length = rows[k], lengths[k]
@@ -130,7 +137,7 @@ def level_pack_search(
     small_work = problem.times[num_big:].sum(axis=0)  # [num_deg]: all short ones at degree j
     small_tokens = int(problem.lengths[num_big:].sum())
 
-    def pack(level: float):
+    def pack(level: float) -> Packed | None:
         return _pack(problem, num_gpus, num_big, level, small_work, small_tokens, spill)
 
     if below is not None:  # one probe: no growth
@@ -163,7 +170,7 @@ def level_pack_search(
     return None if state is None else (state, level)
 
 
-def _realise(problem: MicroBatchProblem, best, num_big: int) -> Assignment | None:
+def _realise(problem: MicroBatchProblem, best: Packed, num_big: int) -> Assignment | None:
     """The packed long sequences as an Assignment (descending degree), short ones water-filled."""
     k = problem.lengths.size
     group_j, loads, tokens, seq_group, num_small_groups = best

@@ -17,6 +17,7 @@ Deterministic: no randomness and no time limits, so every rank can plan the same
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -236,7 +237,7 @@ def _fixed_counts(cost: FlexSPCostModel, degree: int | None, longest: int) -> np
 
 
 def _cuts(desc: np.ndarray, problem: MicroBatchProblem, cost: FlexSPCostModel, num_mb: int,
-          options: PlannerOptions):
+          options: PlannerOptions) -> Iterator[list[np.ndarray]]:
     if "consecutive" in options.cuts:
         yield consecutive_cut(desc, num_mb)
     # the balanced cut only pays off while every sequence fits in a few devices; once some need

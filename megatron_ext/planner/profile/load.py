@@ -35,13 +35,20 @@ import dataclasses
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from megatron_ext.errors import PlanError
 from megatron_ext.planner.profile.fit import LAYER_PHASES, VOCAB_PHASES
-from megatron_ext.planner.profile.profiles import ModelProfile
+from megatron_ext.planner.profile.profiles import (
+    LayerSample,
+    ModelProfile,
+    OptimizerSample,
+    VocabSample,
+)
 
 __all__ = ["MachineState", "ProbeReading", "at_machine_state", "machine_state", "readings_around"]
+
+_Sample = TypeVar("_Sample", LayerSample, VocabSample, OptimizerSample)
 
 PROBE_WINDOW = 2
 """Readings on each side beyond the two that bracket a run (`readings_around`): one probe is
@@ -117,7 +124,7 @@ def at_machine_state(profile: ModelProfile, state: MachineState) -> ModelProfile
                         "the device)")
     k = state.solo_factor
 
-    def scaled(sample: object, names: tuple[str, ...]) -> object:
+    def scaled(sample: _Sample, names: tuple[str, ...]) -> _Sample:
         return dataclasses.replace(sample, **{n: getattr(sample, n) * k for n in names})
 
     return dataclasses.replace(

@@ -21,7 +21,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -54,6 +54,9 @@ from megatron_ext.schema import (
     reject_unknown,
 )
 from megatron_ext.specs import ClusterSpec, LinkSpec, ModelSpec
+
+if TYPE_CHECKING:
+    from megatron_ext.planner.cost.comm import GroupLayout
 
 __all__ = [
     "ClusterProfile", "CollectiveCurve", "LayerSample", "ModelProfile", "OptimizerSample",
@@ -205,7 +208,7 @@ class ClusterProfile:
             return curve.time_s(num_bytes)
         return self._alpha_beta_s(collective, group_size, q, num_bytes)
 
-    def time_s(self, collective: str, num_bytes: ArrayLike, layout: Any) -> ArrayLike:
+    def time_s(self, collective: str, num_bytes: ArrayLike, layout: GroupLayout) -> ArrayLike:
         """The planner's CommModel protocol (`layout` has .size and .ranks_per_node); broadcast is
         timed as an all_gather of the same volume (one ring pass)."""
         op = "all_gather" if collective == "broadcast" else collective

@@ -230,9 +230,10 @@ class _Engine:
         assert op is not None
         if op.kind in _P2P:
             ends = [self._message_end(key) for key, _ in _messages(r, op)]
-            if any(e is None for e in ends):
+            known = [e for e in ends if e is not None]
+            if len(known) < len(ends):
                 return False
-            self._finish(r, op, self.t[r], max([self.t[r], *ends]))  # type: ignore[list-item]
+            self._finish(r, op, self.t[r], max([self.t[r], *known]))
             return True
         ready = self._ready_at(r, op)
         if ready is None:
