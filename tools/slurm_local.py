@@ -167,7 +167,10 @@ class LocalSlurm:
 
     def stop(self) -> None:
         """Cancel every job, wait for them to leave the node, then stop the daemons (last
-        started first), each by its pid: SIGTERM, SIGKILL after 15 s."""
+        started first), each by its pid: SIGTERM, SIGKILL after 15 s. Last, SIGKILL what is left
+        of the jobs: processes whose environment names this cluster's slurm.conf (without
+        cgroups, a process that left its step's process tree, such as the checkpoint writer of a
+        killed rank, is not ended by slurmd)."""
         if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
             self.run("scancel", "--full", "--state=RUNNING", check=False)
             self.run("scancel", "--state=PENDING", check=False)
@@ -184,6 +187,28 @@ class LocalSlurm:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
+        for pid in self.job_processes():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def job_processes(self, job: str | None = None) -> list[int]:
+        """Pids of the processes started by this cluster's jobs (or by job `job`): their
+        environment holds this cluster's SLURM_CONF (and SLURM_JOB_ID=job)."""
+        conf = f"SLURM_CONF={self.root / 'slurm.conf'}".encode()
+        want = None if job is None else f"SLURM_JOB_ID={job}".encode()
+        found = []
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit() or int(proc.name) == os.getpid():
+                continue
+            try:
+                environ = (proc / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if conf in environ and (want is None or want in environ):
+                found.append(int(proc.name))
+        return found
 
 
 def main() -> int:

@@ -75,7 +75,7 @@ else
     srun --nodes=1 --ntasks=1 --overlap "${CONTAINER[@]}" \
         megatron-ext search "${MODEL_ARGS[@]}" "${CLUSTER_ARGS[@]}" --nodes "$NNODES" \
         --global-batch-size "$GLOBAL_BATCH_SIZE" --seq-length "$SEQ_LENGTH" "${SEARCH_EXTRA[@]}" \
-        --out "$PLAN"
+        --out "$PLAN" > /dev/null  # the report goes to the log (stderr); stdout repeats step 2
 fi
 
 # ---- 2. the plan as Megatron-LM flags, one argv token per line ----------------------------------
