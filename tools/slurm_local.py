@@ -99,7 +99,7 @@ PartitionName=local Nodes={NODE} Default=YES MaxTime=INFINITE State=UP OverSubsc
 """
 
 
-@dataclass(kw_only=True, slots=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class LocalSlurm:
     """The running cluster: `env` is what a client (sbatch, squeue, ...) needs."""
 
