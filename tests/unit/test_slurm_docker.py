@@ -1,5 +1,9 @@
 """examples/slurm/*.sh under stand-in `sbatch`/`srun`/`scontrol`, and the Dockerfile's steps.
 
+tests/dist/test_slurm_real.py runs the scripts under a real one-node Slurm (no container, 2 CPU
+ranks). What only stand-ins can show stays here: two nodes (the rendezvous at the first node of a
+multi-node allocation), the pyxis container flags, and plans for 4 to 16 GPUs.
+
 The stand-ins record their argv (one JSON list per call). `srun` runs `megatron-ext ...` commands
 for real (search, args) and only records the others (the torchrun launch), so the test checks the
 exact training command a cluster would get: rendezvous at the allocation's first node, container
@@ -85,13 +89,13 @@ def _after(argv: list[str], flag: str) -> str:
     return argv[argv.index(flag) + 1]
 
 
-def _check_launch_common(launch: list[str]) -> None:
+def _check_launch_common(launch: list[str], ranks_per_node: int = 8) -> None:
     assert "--ntasks-per-node=1" in launch
     assert "--container-image=registry/megatron-ext:test" in launch
     assert "--container-mounts=/data:/data" in launch
     assert _after(launch, "--rdzv_endpoint") == f"{NODES[0]}:6000"
     assert _after(launch, "--nnodes") == "2"
-    assert _after(launch, "--nproc_per_node") == "8"
+    assert _after(launch, "--nproc_per_node") == str(ranks_per_node)
 
 
 def test_train_script_searches_then_launches_the_plan(cluster: tuple[dict, Path]) -> None:
@@ -123,10 +127,12 @@ def test_train_script_sets_connections_per_feature(
         cluster: tuple[dict, Path], plan: str, token: str, connections: str | None) -> None:
     env, log = cluster
     env["PLAN_FILE"] = str(REPO / "examples" / "plans" / plan)
+    per_node = json.loads(Path(env["PLAN_FILE"]).read_text())["world_size"] // 2
+    env["GPUS_PER_NODE"] = str(per_node)  # the script refuses a plan for another world size
     calls = _sbatch("sbatch_train.sh", env, log)
     assert not any("search" in c for c in calls)  # an existing plan skips the search
     launch = _launch(calls)
-    _check_launch_common(launch)
+    _check_launch_common(launch, per_node)
     assert token in launch  # survived mapfile and srun intact: no word splitting, no globbing
     export = next(a for a in launch if a.startswith("--export="))
     expected = "ALL" if connections is None else f"ALL,CUDA_DEVICE_MAX_CONNECTIONS={connections}"
