@@ -375,6 +375,18 @@ class LinkSpec:
 
 
 
+FP8_RECIPES: tuple[str, ...] = ("delayed", "tensorwise", "blockwise", "mxfp8")
+"""Megatron-LM core_v0.16.1 --fp8-recipe values megatron_ext plans (`custom` needs a quantizer
+factory module and is refused)."""
+
+
+def _str_tuple(data: dict[str, Any], key: str, path: str) -> tuple[str, ...]:
+    value = data.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise PlanError(f"{path}.{key}={value!r} must be a list of strings")
+    return tuple(value)
+
+
 ALL_TO_ALL_INTER_EFFICIENCY = (0.83, 0.71, 0.68)
 """Default ClusterSpec.all_to_all_inter_efficiency."""
 
@@ -388,19 +400,29 @@ class ClusterSpec:
     num_nodes: int = 1
     """Nodes in the job."""
     gpus_per_node: int = 8
-    """GPUs per node; Megatron keeps tensor-parallel ranks inside one node."""
+    """GPUs per node (one host with its NICs, one per GPU: a compute tray of 4 on NVL72)."""
     memory_gib: float = 80.0
     """Usable memory per GPU."""
     peak_flops: float = 989e12
     """Dense bf16 peak per GPU."""
+    nvlink_domain_size: int = 0
+    """GPUs that share one NVLink fabric (72 on GB200/GB300 NVL72); 0 means gpus_per_node (a
+    DGX node is its own domain). Groups inside it run at `intra_node` speed, so tensor, expert
+    and context groups may span it; a multiple of gpus_per_node that divides the job's GPUs
+    (or holds all of them)."""
+    peak_fp8_flops: float = 0.0
+    """Dense FP8 tensor-core peak per GPU; 0: the GPU has no FP8 GEMMs (A100)."""
+    fp8_recipes: tuple[str, ...] = ()
+    """FP8 scaling recipes the GPU runs (Megatron-LM --fp8-recipe values): delayed, tensorwise
+    and blockwise from Hopper on, mxfp8 (block-scaled E8M0 scales) on Blackwell only."""
     intra_node: LinkSpec = field(
         default_factory=lambda: LinkSpec(bandwidth_bytes_per_s=360e9, latency_s=5e-6)
     )
-    """NVLink/NVSwitch inside a node."""
+    """NVLink/NVSwitch inside an NVLink domain (a node, or a whole NVL72 rack)."""
     inter_node: LinkSpec = field(
         default_factory=lambda: LinkSpec(bandwidth_bytes_per_s=45e9, latency_s=1e-5)
     )
-    """Network between nodes, bandwidth per GPU."""
+    """Network between NVLink domains, bandwidth per GPU (one NIC per GPU, rails as on DGX)."""
     all_to_all_inter_efficiency: tuple[float, ...] = ALL_TO_ALL_INTER_EFFICIENCY
     """Share of inter_node bandwidth an all-to-all spanning 2, 4, 8 (the last value: and more)
     nodes achieves. Default: FlexSP's measured all-to-all on 8 x 8 A100, 400 Gb/s IB per node
@@ -420,6 +442,30 @@ class ClusterSpec:
             raise PlanError(
                 f"cluster memory_gib={self.memory_gib} and peak_flops={self.peak_flops} must be > 0"
             )
+        self._check_nvlink_and_fp8()
+
+    def _check_nvlink_and_fp8(self) -> None:
+        domain, gpn, gpus = self.nvlink_domain_size, self.gpus_per_node, self.num_gpus
+        if domain < 0 or (domain and domain % gpn):
+            raise PlanError(f"cluster nvlink_domain_size={domain} must be a multiple of "
+                            f"gpus_per_node={gpn} (whole nodes share one NVLink fabric); "
+                            "0 means one node")
+        if domain and gpus > domain and gpus % domain:
+            raise PlanError(f"cluster nvlink_domain_size={domain} does not divide the job's "
+                            f"{gpus} GPUs ({self.num_nodes} nodes x {gpn}); use whole NVLink "
+                            "domains (--nodes), or set it to the GPUs the job uses per domain")
+        if self.peak_fp8_flops < 0 or (self.fp8_recipes and not self.peak_fp8_flops):
+            raise PlanError(f"cluster peak_fp8_flops={self.peak_fp8_flops} must be > 0 when "
+                            f"fp8_recipes={list(self.fp8_recipes)} are given (0: no FP8)")
+        bad = [r for r in self.fp8_recipes if r not in FP8_RECIPES]
+        if bad:
+            raise PlanError(f"cluster fp8_recipes has {bad[0]!r}; use any of "
+                            f"{', '.join(FP8_RECIPES)}")
+
+    @property
+    def nvlink_domain(self) -> int:
+        """GPUs of one NVLink domain (nvlink_domain_size, or gpus_per_node when that is 0)."""
+        return self.nvlink_domain_size or self.gpus_per_node
 
     @property
     def num_gpus(self) -> int:
@@ -428,6 +474,10 @@ class ClusterSpec:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)  # JSON types: from_dict reads a list, not a tuple
         data["all_to_all_inter_efficiency"] = list(self.all_to_all_inter_efficiency)
+        data["fp8_recipes"] = list(self.fp8_recipes)
+        for name in ("nvlink_domain_size", "peak_fp8_flops", "fp8_recipes"):
+            if not data[name]:  # defaults stay out: older files and readers are unchanged
+                del data[name]
         return data
 
     @classmethod
@@ -442,6 +492,9 @@ class ClusterSpec:
             gpus_per_node=get_int(data, "gpus_per_node", path, minimum=1),
             memory_gib=get_float(data, "memory_gib", path, positive=True),
             peak_flops=get_float(data, "peak_flops", path, positive=True),
+            nvlink_domain_size=get_int(data, "nvlink_domain_size", path, default=0, minimum=0),
+            peak_fp8_flops=get_float(data, "peak_fp8_flops", path, default=0.0),
+            fp8_recipes=_str_tuple(data, "fp8_recipes", path),
             intra_node=LinkSpec.from_dict(data["intra_node"], f"{path}.intra_node"),
             inter_node=LinkSpec.from_dict(data["inter_node"], f"{path}.inter_node"),
             all_to_all_inter_efficiency=get_float_list(data, "all_to_all_inter_efficiency", path)

@@ -388,7 +388,7 @@ def _combos(cm: CostModel) -> list[_Combo]:
                 model,
                 t,
                 width=cluster.num_gpus // pp,
-                gpus_per_node=cluster.gpus_per_node,
+                nvlink_gpus=cluster.nvlink_domain,
                 micro_batch_size=mbs,
             )
             if len(table) == 0:
@@ -519,7 +519,7 @@ def _solve_combo(
     vocabs = vocab_options(
         width=cm.cluster.num_gpus // pp,
         pp=pp,
-        gpus_per_node=cm.cluster.gpus_per_node,
+        nvlink_gpus=cm.cluster.nvlink_domain,
         # the layerwise runtime does not run MoE models with vocabulary parallelism
         training=t if model.moe is None else dataclasses.replace(t, allow_vocab_parallel=False),
         micro_batch_size=mbs,

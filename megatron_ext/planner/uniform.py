@@ -96,7 +96,7 @@ def score_uniform_each(
         model,
         cm.training,
         width=width,
-        gpus_per_node=cluster.gpus_per_node,
+        nvlink_gpus=cluster.nvlink_domain,
         micro_batch_size=micro_batch_size,
         uniform=True,
         uniform_fsdp=fsdp and pp == 1 and not model.tied_embeddings,

@@ -23,7 +23,7 @@ from megatron_ext.planner.cost.comm import (
     AlphaBetaComm,
     CommModel,
     GroupLayout,
-    group_layout,
+    nvlink_group_layout,
     zero3_exposed_s,
 )
 from megatron_ext.planner.cost.memory import (
@@ -131,7 +131,7 @@ class CostModel:
         )
 
     def layout(self, size: int, stride: int) -> GroupLayout:
-        return group_layout(int(size), int(stride), self.cluster.gpus_per_node)
+        return nvlink_group_layout(int(size), int(stride), self.cluster)
 
     def collective_s(
         self,
@@ -171,7 +171,7 @@ class CostModel:
         num_bytes = micro_batch_size * self.training.seq_length * self.model.hidden_size
         num_bytes *= self.element_bytes / width
         return float(
-            self.comm.time_s("p2p", num_bytes, group_layout(2, width, self.cluster.gpus_per_node))
+            self.comm.time_s("p2p", num_bytes, nvlink_group_layout(2, width, self.cluster))
         )
 
     # ---- transformer layers ---------------------------------------------------------------
