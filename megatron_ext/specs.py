@@ -387,6 +387,123 @@ def _str_tuple(data: dict[str, Any], key: str, path: str) -> tuple[str, ...]:
     return tuple(value)
 
 
+FP8Format = Literal["e4m3", "hybrid"]
+AMAX_ALGOS: tuple[str, ...] = ("most_recent", "max")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FP8Spec:
+    """FP8 training of the transformer layers' weight GEMMs (QKV, projection, MLP, experts), in
+    Megatron-LM core_v0.16.1's terms (the --fp8-* flags, TransformerConfig.fp8*). Embedding,
+    output layer, norms and core attention stay in the plan's precision, as in Megatron-LM.
+
+    Which layers run FP8 is the user's choice, never the search's: every layer except the
+    first/last window of --first-last-layers-bf16 and the layers listed in `bf16_layers`
+    (a per-layer override Megatron-LM cannot express; the layerwise runtime honours it)."""
+
+    format: FP8Format
+    """--fp8-format: e4m3 everywhere, or hybrid (E4M3 forward, E5M2 gradients)."""
+    recipe: str = "delayed"
+    """--fp8-recipe: delayed, tensorwise (current scaling), blockwise (128-element blocks,
+    Hopper's DeepSeek-V3 recipe) or mxfp8 (32-element E8M0 blocks; Blackwell only)."""
+    margin: int = 0
+    """--fp8-margin (delayed recipe: scaling-factor margin, a power of two)."""
+    amax_history_len: int = 1
+    """--fp8-amax-history-len (delayed recipe)."""
+    amax_compute_algo: str = "most_recent"
+    """--fp8-amax-compute-algo: most_recent or max (delayed recipe)."""
+    wgrad: bool = True
+    """FP8 weight-gradient GEMMs; --no-fp8-wgrad makes them bf16 (delayed recipe only)."""
+    param_gather: bool = False
+    """--fp8-param-gather: FP8 primary weights, all-gathered in FP8 by the distributed
+    optimizer (no bf16 copy of the weight GEMMs' parameters)."""
+    first_last_layers_bf16: bool = False
+    """--first-last-layers-bf16: keep the first and last layers in bf16 (not with delayed)."""
+    num_layers_at_start_in_bf16: int = 1
+    """--num-layers-at-start-in-bf16 (with first_last_layers_bf16)."""
+    num_layers_at_end_in_bf16: int = 1
+    """--num-layers-at-end-in-bf16 (with first_last_layers_bf16)."""
+    bf16_layers: tuple[int, ...] = ()
+    """More layers (global zero-based indices) kept in bf16: megatron_ext's per-layer override,
+    run by the layerwise backend (not with delayed: its one block-wide autocast)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bf16_layers", tuple(sorted(set(self.bf16_layers))))
+        if self.format not in ("e4m3", "hybrid"):
+            raise PlanError(f"fp8.format={self.format!r} must be e4m3 or hybrid (--fp8-format)")
+        if self.recipe not in FP8_RECIPES:
+            raise PlanError(f"fp8.recipe={self.recipe!r} must be one of {', '.join(FP8_RECIPES)}"
+                            " (--fp8-recipe)")
+        if self.amax_compute_algo not in AMAX_ALGOS:
+            raise PlanError(f"fp8.amax_compute_algo={self.amax_compute_algo!r} must be "
+                            "most_recent or max (--fp8-amax-compute-algo)")
+        for name in ("margin", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+            if getattr(self, name) < 0:
+                raise PlanError(f"fp8.{name}={getattr(self, name)} must be >= 0")
+        if self.amax_history_len < 1:
+            raise PlanError(f"fp8.amax_history_len={self.amax_history_len} must be >= 1 "
+                            "(--fp8-amax-history-len)")
+        if self.recipe == "delayed" and (self.first_last_layers_bf16 or self.bf16_layers):
+            # Megatron-LM: transformer_config.py:990-991; its one outer autocast per block
+            # cannot leave single layers out (fp8_utils.py:650-653)
+            what = ("first_last_layers_bf16" if self.first_last_layers_bf16
+                    else f"bf16_layers={list(self.bf16_layers)}")
+            raise PlanError(f"fp8.{what} with fp8.recipe='delayed': delayed scaling runs the "
+                            "whole block under one autocast; use --fp8-recipe tensorwise (or "
+                            "blockwise / mxfp8) to keep layers in bf16")
+        if not self.wgrad and self.recipe != "delayed":
+            raise PlanError(f"fp8.wgrad=false (--no-fp8-wgrad) with fp8.recipe={self.recipe!r}:"
+                            " Megatron-LM applies it to the delayed recipe only; drop it or use "
+                            "--fp8-recipe delayed")
+
+    def bf16_window(self, num_layers: int) -> tuple[int, int]:
+        """(start, end) counts of the --first-last-layers-bf16 window (0, 0 when off)."""
+        if not self.first_last_layers_bf16:
+            return 0, 0
+        return self.num_layers_at_start_in_bf16, self.num_layers_at_end_in_bf16
+
+    def layer_in_fp8(self, layer_idx: int, num_layers: int) -> bool:
+        """Megatron-LM's is_first_last_bf16_layer (fp8_utils.py:513-530) negated, and not in
+        bf16_layers."""
+        start, end = self.bf16_window(num_layers)
+        if layer_idx < start or layer_idx >= num_layers - end:
+            return False
+        return layer_idx not in self.bf16_layers
+
+    def fp8_layers(self, num_layers: int) -> tuple[bool, ...]:
+        return tuple(self.layer_in_fp8(i, num_layers) for i in range(num_layers))
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["bf16_layers"] = list(self.bf16_layers)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str = "fp8") -> FP8Spec:
+        data = expect_object(data, path)
+        reject_unknown(data, set(cls.__dataclass_fields__), path)
+        layers = data.get("bf16_layers", [])
+        if not isinstance(layers, list) or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in layers):
+            raise PlanError(f"{path}.bf16_layers={layers!r} must be a list of layer indices")
+        return cls(
+            format=get_str(data, "format", path, choices=("e4m3", "hybrid")),  # type: ignore[arg-type]
+            recipe=get_str(data, "recipe", path, default="delayed", choices=FP8_RECIPES),
+            margin=get_int(data, "margin", path, default=0, minimum=0),
+            amax_history_len=get_int(data, "amax_history_len", path, default=1, minimum=1),
+            amax_compute_algo=get_str(data, "amax_compute_algo", path, default="most_recent",
+                                      choices=AMAX_ALGOS),
+            wgrad=get_bool(data, "wgrad", path, default=True),
+            param_gather=get_bool(data, "param_gather", path, default=False),
+            first_last_layers_bf16=get_bool(data, "first_last_layers_bf16", path, default=False),
+            num_layers_at_start_in_bf16=get_int(data, "num_layers_at_start_in_bf16", path,
+                                                default=1, minimum=0),
+            num_layers_at_end_in_bf16=get_int(data, "num_layers_at_end_in_bf16", path,
+                                              default=1, minimum=0),
+            bf16_layers=tuple(layers),
+        )
+
+
 ALL_TO_ALL_INTER_EFFICIENCY = (0.83, 0.71, 0.68)
 """Default ClusterSpec.all_to_all_inter_efficiency."""
 

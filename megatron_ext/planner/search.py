@@ -264,6 +264,7 @@ def layout_to_plan(cm: CostModel, layout: PlanLayout, evaluation: Evaluation) ->
         seq_length=t.seq_length,
         vocab=layout.vocab,
         precision=t.precision,
+        fp8=t.fp8,
         cluster=cm.cluster,
         prediction=evaluation.prediction(),
     ))
