@@ -89,7 +89,8 @@ def _least_memory_costs(cm: CostModel, table, mbs: int):
     per_kind = kind_costs(cm, table, mbs)
     if len(per_kind) == 1:
         return per_kind[0]
-    used = np.unique(layer_kinds(cm.model))  # the kinds the model has (Mixtral: MoE only)
+    # the kinds the model has (Mixtral: MoE only)
+    used = np.unique(layer_kinds(cm.model, cm.training.fp8))
     valid = valid_for(cm.model, table)
     least = {
         name: np.min(np.stack([np.where(valid[k], getattr(per_kind[k], name), np.inf)

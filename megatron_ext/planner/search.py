@@ -356,8 +356,8 @@ class _Kinds:
         return len(self.seqs) == 1
 
     @classmethod
-    def of(cls, model, n_hi: int | None = None) -> _Kinds:
-        all_kinds = layer_kinds(model)
+    def of(cls, model, n_hi: int | None = None, fp8=None) -> _Kinds:
+        all_kinds = layer_kinds(model, fp8)
         used = np.unique(all_kinds)
         kinds = np.searchsorted(used, all_kinds)
         num = len(kinds)
@@ -381,7 +381,7 @@ class _Kinds:
 
 def _combos(cm: CostModel) -> list[_Combo]:
     model, cluster, t = cm.model, cm.cluster, cm.training
-    used = _Kinds.of(model).used
+    used = _Kinds.of(model, fp8=t.fp8).used
     out = []
     for pp in [p for p in divisors(cluster.num_gpus) if p <= model.num_layers]:
         for mbs in divisors(t.global_batch_size):
@@ -400,7 +400,7 @@ def _combos(cm: CostModel) -> list[_Combo]:
             if len(costs) == 1:
                 bound = combo_bound(cm, costs[0], pp, mbs, valid=valid[0])
             else:
-                counts = [int(np.sum(layer_kinds(model) == u)) for u in used]
+                counts = [int(np.sum(layer_kinds(model, t.fp8) == u)) for u in used]
                 bound = combo_bound_kinds(cm, costs, valid, counts, pp, mbs)
             virtual = virtual_stage_options(cm, pp, mbs, even_only=False)
             if virtual:  # an interleaved variant of the combo's layouts may go below 1F1B's
@@ -533,7 +533,7 @@ def _solve_combo(
         n_hi = min(n_hi, int(best_s / (m * fastest)))
     if n_hi < 1:
         return []
-    kinds = _Kinds.of(model, n_hi)
+    kinds = _Kinds.of(model, n_hi, cm.training.fp8)
     unit = cm.memory_cap_bytes / options.memory_units
     levels = _levels(cm, table, costs, objective, valid, mbs, extras, unit)
     needed = {kinds.of_start[0]} if pp == 1 else set(range(len(kinds.seqs)))

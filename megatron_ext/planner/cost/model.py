@@ -13,10 +13,12 @@ the gradient (dp x cp x ulysses) group tp. Whether a group crosses nodes follows
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_ext.plan_checks import check_fp8_cluster
 from megatron_ext.planner.cost import compute as C
 from megatron_ext.planner.cost.comm import (
     ZERO3_NICS_PER_GPU,
@@ -26,6 +28,7 @@ from megatron_ext.planner.cost.comm import (
     nvlink_group_layout,
     zero3_exposed_s,
 )
+from megatron_ext.planner.cost.fp8 import fp8_layer_costs
 from megatron_ext.planner.cost.memory import (
     layer_activation_bytes,
     layer_transient_bytes,
@@ -95,11 +98,19 @@ class CostModel:
         self.model = model
         self.cluster = cluster
         self.training = training
+        if training.fp8 is not None:
+            check_fp8_cluster(training.fp8, cluster)
         self.comm: CommModel = comm if comm is not None else AlphaBetaComm(cluster=cluster)
         self.compute = compute if compute is not None else C.ComputeProfile()
         self.layer_params = C.layer_params(model)
         self.overlap_slowdown = float(getattr(self.comm, "overlap_slowdown", OVERLAP_SLOWDOWN))
         """Slowdown of overlapped communication: measured by a cluster profile, else default."""
+
+    def without_fp8(self) -> CostModel:
+        """The same cost model with every layer in bf16 (the layers an FP8 run keeps in bf16)."""
+        other = copy.copy(self)
+        other.training = dataclasses.replace(self.training, fp8=None)
+        return other
 
     def with_cluster(self, cluster: ClusterSpec) -> CostModel:
         """The same cost model on another cluster (more nodes, other memory); measured
@@ -230,7 +241,7 @@ class CostModel:
                              host_b, k) + recompute
         comm = 2 * (tp_one_way + uly_one_way) + cp_fwd + cp_bwd + z3_fwd + z3_bwd
         comm = comm + np.where(rc_full, tp_one_way + uly_one_way + cp_fwd, 0.0)
-        return LayerCosts(
+        costs = LayerCosts(
             forward_s=fwd,
             backward_s=bwd,
             recompute_s=recompute,
@@ -244,6 +255,7 @@ class CostModel:
             ),
             **self._layer_memory(table, b),
         )
+        return fp8_layer_costs(self, table, b, costs) if self.training.fp8 else costs
 
     def fused_softmax(self, table: StrategyTable, b: np.ndarray | float) -> np.ndarray:
         """Where the unfused attention path gets Megatron's fused softmax kernel (per strategy,
