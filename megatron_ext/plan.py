@@ -28,7 +28,7 @@ from megatron_ext.schema import (
     load_json_file,
     reject_unknown,
 )
-from megatron_ext.specs import ClusterSpec, ModelSpec
+from megatron_ext.specs import ClusterSpec, FP8Spec, ModelSpec
 
 SCHEMA_VERSION = 1
 Recompute = Literal["none", "selective", "full"]
@@ -320,6 +320,9 @@ class ParallelPlan:
     """Embedding / output-layer layout."""
     precision: Precision = "bf16"
     """Training precision; fp32 is what parity tests use."""
+    fp8: FP8Spec | None = None
+    """FP8 training of the layers' GEMMs (Megatron-LM --fp8-format ...), per layer as
+    FP8Spec.layer_in_fp8 says; None: none (files without the key)."""
     flexsp: FlexSPConfig | None = None
     """When set, sequence-parallel groups are chosen per step (FlexSP); needs pp=1,
     tp=cp=ulysses=1."""
@@ -396,6 +399,7 @@ class ParallelPlan:
             "global_batch_size": self.global_batch_size,
             "seq_length": self.seq_length,
             "precision": self.precision,
+            **({"fp8": self.fp8.to_dict()} if self.fp8 is not None else {}),
             "flexsp": dataclasses.asdict(self.flexsp) if self.flexsp else None,
             "model": self.model.to_dict(),
             "cluster": self.cluster.to_dict() if self.cluster else None,
@@ -426,6 +430,7 @@ class ParallelPlan:
         optional: dict[str, Callable[[Any], Any]] = {
             "vocab": VocabStrategy.from_dict, "flexsp": FlexSPConfig.from_dict,
             "cluster": ClusterSpec.from_dict, "prediction": Prediction.from_dict,
+            "fp8": FP8Spec.from_dict,
         }
         extra: dict[str, Any] = {k: fn(data[k]) for k, fn in optional.items()
                                  if data.get(k) is not None}
@@ -447,8 +452,8 @@ class ParallelPlan:
 
 _PLAN_KEYS = frozenset({
     "schema_version", "world_size", "pp", "virtual_stages", "stages", "layers", "vocab",
-    "micro_batch_size", "global_batch_size", "seq_length", "precision", "flexsp", "model",
-    "cluster", "prediction",
+    "micro_batch_size", "global_batch_size", "seq_length", "precision", "fp8", "flexsp",
+    "model", "cluster", "prediction",
 })
 
 

@@ -18,6 +18,7 @@ from megatron_ext.errors import PlanError
 
 if TYPE_CHECKING:
     from megatron_ext.plan import LayerStrategy, ParallelPlan
+    from megatron_ext.specs import ClusterSpec, FP8Spec, ModelSpec
 
 
 def check_sequence(
@@ -71,6 +72,7 @@ def check_plan(plan: ParallelPlan) -> None:
     _check_batch(plan)
     _check_vocab(plan)
     _check_flexsp(plan)
+    _check_fp8(plan)
     _check_prediction(plan)
 
 
@@ -270,3 +272,68 @@ def _check_prediction(plan: ParallelPlan) -> None:
             raise PlanError(f"prediction.{name} has a negative entry; times and memory are >= 0")
     if pred.mfu < 0:
         raise PlanError(f"prediction.mfu={pred.mfu} must be >= 0")
+
+
+FP8_DIM_MULTIPLE = 16
+"""Transformer Engine runs an FP8 GEMM only on dimensions that are multiples of 16
+(transformer_engine/pytorch/utils.py check_dim_for_fp8_exec; rows of 8 and columns of 16)."""
+
+
+def check_fp8_cluster(fp8: FP8Spec, cluster: ClusterSpec) -> None:
+    """The GPU runs FP8 and this recipe (mxfp8 needs Blackwell)."""
+    if not cluster.peak_fp8_flops:
+        raise PlanError(f"fp8.recipe={fp8.recipe!r} on cluster {cluster.name!r}: its GPUs have "
+                        "no FP8 tensor cores (cluster.peak_fp8_flops is 0); train in bf16 or "
+                        "use a Hopper / Blackwell cluster")
+    if fp8.recipe not in cluster.fp8_recipes:
+        raise PlanError(f"fp8.recipe={fp8.recipe!r} is not supported by the GPUs of cluster "
+                        f"{cluster.name!r} (they run {', '.join(cluster.fp8_recipes)}); use "
+                        "--fp8-recipe " + " or ".join(cluster.fp8_recipes))
+
+
+def check_fp8_shapes(model: ModelSpec, tp: int, label: str, *, expert_tp: int = 0) -> None:
+    """Every per-rank dimension of the layer's weight GEMMs is a multiple of FP8_DIM_MULTIPLE."""
+    h, f = model.hidden_size, model.ffn_hidden_size
+    q = model.num_attention_heads * model.head_dim
+    kv = model.num_query_groups * model.head_dim
+    dims = {"hidden_size": h, "(q + 2 kv) / tp": (q + 2 * kv) / tp, "q / tp": q / tp,
+            "ffn_hidden_size / tp": f / tp}
+    if expert_tp and model.moe is not None:
+        expert_f = model.moe.expert_ffn_hidden_size(model)
+        dims["moe ffn_hidden_size / expert tp"] = expert_f / expert_tp
+    for name, dim in dims.items():
+        if dim != int(dim) or int(dim) % FP8_DIM_MULTIPLE:
+            raise PlanError(f"{label}: FP8 GEMM dimension {name} = {dim:g} is not a multiple of "
+                            f"{FP8_DIM_MULTIPLE} (Transformer Engine refuses it); keep the "
+                            "layer in bf16 (fp8.bf16_layers), change the tensor-parallel size, "
+                            "or train without --fp8-format")
+
+
+def _check_fp8(plan: ParallelPlan) -> None:
+    fp8 = plan.fp8
+    if fp8 is None:
+        return
+    n = plan.model.num_layers
+    bad = [i for i in fp8.bf16_layers if not 0 <= i < n]
+    if bad:
+        raise PlanError(f"fp8.bf16_layers has layer {bad[0]} outside [0, {n}); use global "
+                        "zero-based layer indices")
+    for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+        if getattr(fp8, name) > n / plan.pp:  # Megatron-LM transformer_config.py:994-1017
+            raise PlanError(f"fp8.{name}={getattr(fp8, name)} exceeds num_layers / pp = "
+                            f"{n / plan.pp:g}; lower it")
+    if fp8.param_gather and any(s.zero != 1 for s in plan.layers):
+        # Megatron-LM arguments.py:655-657 (distributed optimizer), :625-630 (off with FSDP2)
+        zero = next(s.zero for s in plan.layers if s.zero != 1)
+        raise PlanError(f"fp8.param_gather (--fp8-param-gather) with a zero={zero} layer: FP8 "
+                        "parameters are gathered by the distributed optimizer; use "
+                        "--use-distributed-optimizer (zero=1) everywhere or drop it")
+    if plan.flexsp is not None:
+        raise PlanError("fp8 with flexsp: the FlexSP runtime has no FP8 path; drop one")
+    for start, end, s in plan.layer_runs():
+        if any(fp8.layer_in_fp8(i, n) for i in range(start, end)):
+            label = f"layers[{start}]" if end - start == 1 else f"layers[{start}:{end}]"
+            moe = any(plan.model.is_moe_layer(i) for i in range(start, end))
+            check_fp8_shapes(plan.model, s.tp, label, expert_tp=s.expert_tp if moe else 0)
+    if plan.cluster is not None:
+        check_fp8_cluster(fp8, plan.cluster)

@@ -8,6 +8,26 @@ inter-node one HDR 200 Gb/s NIC per GPU -> ~22 GB/s, one NDR 400 Gb/s NIC per GP
 The dgx-a100 constants are checked against 55 published A100 runs (tools/bench_published.py,
 docs/benchmarks.md): TP over NVLink and DP over one NIC per GPU by the PTD-P runs of SC'21
 Tables 1-2 (within 1-5%), 22 GB/s per GPU by SC'21 Table 2's ZeRO-3 runs (21-23 GB/s measured).
+
+Hopper and Blackwell presets (dense peaks, no sparsity; `nvlink_domain_size` = GPUs on one NVLink
+fabric, `gpus_per_node` = GPUs per host with one NIC each):
+- dgx-h100 / dgx-h200: 989 TFLOPS bf16, 1,979 FP8 (NVIDIA H100 data sheet, halved from its
+  with-sparsity figures; H200 = H100 compute), 80 GB / 141 GB HBM, NVLink 4 900 GB/s, one
+  ConnectX-7 400 Gb/s NIC per GPU (MLPerf Training v5.0 system eos-dfw_n64_ngc25.01_nemo.json).
+- dgx-b200: 2,250 TFLOPS bf16, 4,500 FP8 (HGX/DGX B200 at 1,000 W, NVIDIA B200 data sheet via
+  glennklockwood.com/garden/processors/B200), 180 GB HBM3e, NVLink 5 1,800 GB/s, one CX-7
+  400 Gb/s per GPU (MLPerf v5.0 system nyx_n1_ngc25.04_nemo.json: B200-SXM-180GB).
+- gb200-nvl72: 2,500 TFLOPS bf16, 5,000 FP8 per GPU (GB200 NVL72 data sheet: 180 PF bf16 /
+  360 PF FP8 dense per 72-GPU rack; 1,200 W parts), 186 GB HBM3e, 72 GPUs on one NVLink 5
+  fabric (130 TB/s per rack = 1.8 TB/s per GPU), compute trays of 4 GPUs with one CX-7 400 Gb/s
+  each (MLPerf v5.0 system tyche_ngpu512_ngc25.04_nemo.json: "GB200 NVL72", 4 per node, 4x CX-7).
+- gb300-nvl72: the same bf16 / FP8 peaks (GB300 NVL72 data sheet: 180 PF bf16, 360 PF FP8 per
+  rack; verda.com/blog/gb300-nvl72-architecture), 284,208 MiB = 277.5 GiB HBM3e per GPU and one
+  CX-8 800 Gb/s NIC per GPU (MLPerf Training v5.1 system theia_ngpu512_ngc25.09_nemo.json).
+NVLink 5 doubles NVLink 4's raw bandwidth: until measured, its busbw is 2 x H100's 360 GB/s =
+720 GB/s; an 800 Gb/s NIC doubles the 45 GB/s of a 400 Gb/s one. Megatron-LM's --fp8-recipe
+mxfp8 needs Blackwell (transformer_config.py:441 at core_v0.16.1), so only the Blackwell presets
+list it.
 """
 
 from __future__ import annotations
@@ -106,9 +126,17 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
 }
 
 
-def _dgx(name: str, memory_gib: float, flops: float, nvlink: float, net: float) -> ClusterSpec:
+HOPPER_FP8 = ("delayed", "tensorwise", "blockwise")
+BLACKWELL_FP8 = HOPPER_FP8 + ("mxfp8",)
+
+
+def _dgx(name: str, memory_gib: float, flops: float, nvlink: float, net: float, *,
+         fp8_flops: float = 0.0, fp8: tuple[str, ...] = (), gpus_per_node: int = 8,
+         nvlink_domain: int = 0) -> ClusterSpec:
     return ClusterSpec(
-        name=name, num_nodes=1, gpus_per_node=8, memory_gib=memory_gib, peak_flops=flops,
+        name=name, num_nodes=1, gpus_per_node=gpus_per_node, memory_gib=memory_gib,
+        peak_flops=flops, nvlink_domain_size=nvlink_domain, peak_fp8_flops=fp8_flops,
+        fp8_recipes=fp8,
         intra_node=LinkSpec(bandwidth_bytes_per_s=nvlink, latency_s=5e-6),
         inter_node=LinkSpec(bandwidth_bytes_per_s=net, latency_s=1.5e-5),
     )
@@ -119,8 +147,15 @@ CLUSTER_PRESETS: dict[str, ClusterSpec] = {
     for c in (
         _dgx("dgx-a100-40g", 40.0, 312e12, 230e9, 22e9),
         _dgx("dgx-a100-80g", 80.0, 312e12, 230e9, 22e9),
-        _dgx("dgx-h100", 80.0, 989e12, 360e9, 45e9),
-        _dgx("dgx-h200", 140.0, 989e12, 360e9, 45e9),
+        _dgx("dgx-h100", 80.0, 989e12, 360e9, 45e9, fp8_flops=1979e12, fp8=HOPPER_FP8),
+        _dgx("dgx-h200", 140.0, 989e12, 360e9, 45e9, fp8_flops=1979e12, fp8=HOPPER_FP8),
+        _dgx("dgx-b200", 180.0, 2250e12, 720e9, 45e9, fp8_flops=4500e12, fp8=BLACKWELL_FP8),
+        # NVL72: 4-GPU compute trays (a "node" = one host and its NICs), 72 GPUs per NVLink
+        # fabric. A job of whole trays inside one rack, or of whole racks (--nodes 18 k).
+        _dgx("gb200-nvl72", 186.0, 2500e12, 720e9, 45e9, fp8_flops=5000e12, fp8=BLACKWELL_FP8,
+             gpus_per_node=4, nvlink_domain=72),
+        _dgx("gb300-nvl72", 277.5, 2500e12, 720e9, 90e9, fp8_flops=5000e12, fp8=BLACKWELL_FP8,
+             gpus_per_node=4, nvlink_domain=72),
     )
 }
 

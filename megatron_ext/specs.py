@@ -375,6 +375,135 @@ class LinkSpec:
 
 
 
+FP8_RECIPES: tuple[str, ...] = ("delayed", "tensorwise", "blockwise", "mxfp8")
+"""Megatron-LM core_v0.16.1 --fp8-recipe values megatron_ext plans (`custom` needs a quantizer
+factory module and is refused)."""
+
+
+def _str_tuple(data: dict[str, Any], key: str, path: str) -> tuple[str, ...]:
+    value = data.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise PlanError(f"{path}.{key}={value!r} must be a list of strings")
+    return tuple(value)
+
+
+FP8Format = Literal["e4m3", "hybrid"]
+AMAX_ALGOS: tuple[str, ...] = ("most_recent", "max")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FP8Spec:
+    """FP8 training of the transformer layers' weight GEMMs (QKV, projection, MLP, experts), in
+    Megatron-LM core_v0.16.1's terms (the --fp8-* flags, TransformerConfig.fp8*). Embedding,
+    output layer, norms and core attention stay in the plan's precision, as in Megatron-LM.
+
+    Which layers run FP8 is the user's choice, never the search's: every layer except the
+    first/last window of --first-last-layers-bf16 and the layers listed in `bf16_layers`
+    (a per-layer override Megatron-LM cannot express; the layerwise runtime honours it)."""
+
+    format: FP8Format
+    """--fp8-format: e4m3 everywhere, or hybrid (E4M3 forward, E5M2 gradients)."""
+    recipe: str = "delayed"
+    """--fp8-recipe: delayed, tensorwise (current scaling), blockwise (128-element blocks,
+    Hopper's DeepSeek-V3 recipe) or mxfp8 (32-element E8M0 blocks; Blackwell only)."""
+    margin: int = 0
+    """--fp8-margin (delayed recipe: scaling-factor margin, a power of two)."""
+    amax_history_len: int = 1
+    """--fp8-amax-history-len (delayed recipe)."""
+    amax_compute_algo: str = "most_recent"
+    """--fp8-amax-compute-algo: most_recent or max (delayed recipe)."""
+    wgrad: bool = True
+    """FP8 weight-gradient GEMMs; --no-fp8-wgrad makes them bf16 (delayed recipe only)."""
+    param_gather: bool = False
+    """--fp8-param-gather: FP8 primary weights, all-gathered in FP8 by the distributed
+    optimizer (no bf16 copy of the weight GEMMs' parameters)."""
+    first_last_layers_bf16: bool = False
+    """--first-last-layers-bf16: keep the first and last layers in bf16 (not with delayed)."""
+    num_layers_at_start_in_bf16: int = 1
+    """--num-layers-at-start-in-bf16 (with first_last_layers_bf16)."""
+    num_layers_at_end_in_bf16: int = 1
+    """--num-layers-at-end-in-bf16 (with first_last_layers_bf16)."""
+    bf16_layers: tuple[int, ...] = ()
+    """More layers (global zero-based indices) kept in bf16: megatron_ext's per-layer override,
+    run by the layerwise backend (not with delayed: its one block-wide autocast)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bf16_layers", tuple(sorted(set(self.bf16_layers))))
+        if self.format not in ("e4m3", "hybrid"):
+            raise PlanError(f"fp8.format={self.format!r} must be e4m3 or hybrid (--fp8-format)")
+        if self.recipe not in FP8_RECIPES:
+            raise PlanError(f"fp8.recipe={self.recipe!r} must be one of {', '.join(FP8_RECIPES)}"
+                            " (--fp8-recipe)")
+        if self.amax_compute_algo not in AMAX_ALGOS:
+            raise PlanError(f"fp8.amax_compute_algo={self.amax_compute_algo!r} must be "
+                            "most_recent or max (--fp8-amax-compute-algo)")
+        for name in ("margin", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+            if getattr(self, name) < 0:
+                raise PlanError(f"fp8.{name}={getattr(self, name)} must be >= 0")
+        if self.amax_history_len < 1:
+            raise PlanError(f"fp8.amax_history_len={self.amax_history_len} must be >= 1 "
+                            "(--fp8-amax-history-len)")
+        if self.recipe == "delayed" and (self.first_last_layers_bf16 or self.bf16_layers):
+            # Megatron-LM: transformer_config.py:990-991; its one outer autocast per block
+            # cannot leave single layers out (fp8_utils.py:650-653)
+            what = ("first_last_layers_bf16" if self.first_last_layers_bf16
+                    else f"bf16_layers={list(self.bf16_layers)}")
+            raise PlanError(f"fp8.{what} with fp8.recipe='delayed': delayed scaling runs the "
+                            "whole block under one autocast; use --fp8-recipe tensorwise (or "
+                            "blockwise / mxfp8) to keep layers in bf16")
+        if not self.wgrad and self.recipe != "delayed":
+            raise PlanError(f"fp8.wgrad=false (--no-fp8-wgrad) with fp8.recipe={self.recipe!r}:"
+                            " Megatron-LM applies it to the delayed recipe only; drop it or use "
+                            "--fp8-recipe delayed")
+
+    def bf16_window(self, num_layers: int) -> tuple[int, int]:
+        """(start, end) counts of the --first-last-layers-bf16 window (0, 0 when off)."""
+        if not self.first_last_layers_bf16:
+            return 0, 0
+        return self.num_layers_at_start_in_bf16, self.num_layers_at_end_in_bf16
+
+    def layer_in_fp8(self, layer_idx: int, num_layers: int) -> bool:
+        """Megatron-LM's is_first_last_bf16_layer (fp8_utils.py:513-530) negated, and not in
+        bf16_layers."""
+        start, end = self.bf16_window(num_layers)
+        if layer_idx < start or layer_idx >= num_layers - end:
+            return False
+        return layer_idx not in self.bf16_layers
+
+    def fp8_layers(self, num_layers: int) -> tuple[bool, ...]:
+        return tuple(self.layer_in_fp8(i, num_layers) for i in range(num_layers))
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["bf16_layers"] = list(self.bf16_layers)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str = "fp8") -> FP8Spec:
+        data = expect_object(data, path)
+        reject_unknown(data, set(cls.__dataclass_fields__), path)
+        layers = data.get("bf16_layers", [])
+        if not isinstance(layers, list) or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in layers):
+            raise PlanError(f"{path}.bf16_layers={layers!r} must be a list of layer indices")
+        return cls(
+            format=get_str(data, "format", path, choices=("e4m3", "hybrid")),  # type: ignore[arg-type]
+            recipe=get_str(data, "recipe", path, default="delayed", choices=FP8_RECIPES),
+            margin=get_int(data, "margin", path, default=0, minimum=0),
+            amax_history_len=get_int(data, "amax_history_len", path, default=1, minimum=1),
+            amax_compute_algo=get_str(data, "amax_compute_algo", path, default="most_recent",
+                                      choices=AMAX_ALGOS),
+            wgrad=get_bool(data, "wgrad", path, default=True),
+            param_gather=get_bool(data, "param_gather", path, default=False),
+            first_last_layers_bf16=get_bool(data, "first_last_layers_bf16", path, default=False),
+            num_layers_at_start_in_bf16=get_int(data, "num_layers_at_start_in_bf16", path,
+                                                default=1, minimum=0),
+            num_layers_at_end_in_bf16=get_int(data, "num_layers_at_end_in_bf16", path,
+                                              default=1, minimum=0),
+            bf16_layers=tuple(layers),
+        )
+
+
 ALL_TO_ALL_INTER_EFFICIENCY = (0.83, 0.71, 0.68)
 """Default ClusterSpec.all_to_all_inter_efficiency."""
 
@@ -388,19 +517,29 @@ class ClusterSpec:
     num_nodes: int = 1
     """Nodes in the job."""
     gpus_per_node: int = 8
-    """GPUs per node; Megatron keeps tensor-parallel ranks inside one node."""
+    """GPUs per node (one host with its NICs, one per GPU: a compute tray of 4 on NVL72)."""
     memory_gib: float = 80.0
     """Usable memory per GPU."""
     peak_flops: float = 989e12
     """Dense bf16 peak per GPU."""
+    nvlink_domain_size: int = 0
+    """GPUs that share one NVLink fabric (72 on GB200/GB300 NVL72); 0 means gpus_per_node (a
+    DGX node is its own domain). Groups inside it run at `intra_node` speed, so tensor, expert
+    and context groups may span it; a multiple of gpus_per_node that divides the job's GPUs
+    (or holds all of them)."""
+    peak_fp8_flops: float = 0.0
+    """Dense FP8 tensor-core peak per GPU; 0: the GPU has no FP8 GEMMs (A100)."""
+    fp8_recipes: tuple[str, ...] = ()
+    """FP8 scaling recipes the GPU runs (Megatron-LM --fp8-recipe values): delayed, tensorwise
+    and blockwise from Hopper on, mxfp8 (block-scaled E8M0 scales) on Blackwell only."""
     intra_node: LinkSpec = field(
         default_factory=lambda: LinkSpec(bandwidth_bytes_per_s=360e9, latency_s=5e-6)
     )
-    """NVLink/NVSwitch inside a node."""
+    """NVLink/NVSwitch inside an NVLink domain (a node, or a whole NVL72 rack)."""
     inter_node: LinkSpec = field(
         default_factory=lambda: LinkSpec(bandwidth_bytes_per_s=45e9, latency_s=1e-5)
     )
-    """Network between nodes, bandwidth per GPU."""
+    """Network between NVLink domains, bandwidth per GPU (one NIC per GPU, rails as on DGX)."""
     all_to_all_inter_efficiency: tuple[float, ...] = ALL_TO_ALL_INTER_EFFICIENCY
     """Share of inter_node bandwidth an all-to-all spanning 2, 4, 8 (the last value: and more)
     nodes achieves. Default: FlexSP's measured all-to-all on 8 x 8 A100, 400 Gb/s IB per node
@@ -420,6 +559,30 @@ class ClusterSpec:
             raise PlanError(
                 f"cluster memory_gib={self.memory_gib} and peak_flops={self.peak_flops} must be > 0"
             )
+        self._check_nvlink_and_fp8()
+
+    def _check_nvlink_and_fp8(self) -> None:
+        domain, gpn, gpus = self.nvlink_domain_size, self.gpus_per_node, self.num_gpus
+        if domain < 0 or (domain and domain % gpn):
+            raise PlanError(f"cluster nvlink_domain_size={domain} must be a multiple of "
+                            f"gpus_per_node={gpn} (whole nodes share one NVLink fabric); "
+                            "0 means one node")
+        if domain and gpus > domain and gpus % domain:
+            raise PlanError(f"cluster nvlink_domain_size={domain} does not divide the job's "
+                            f"{gpus} GPUs ({self.num_nodes} nodes x {gpn}); use whole NVLink "
+                            "domains (--nodes), or set it to the GPUs the job uses per domain")
+        if self.peak_fp8_flops < 0 or (self.fp8_recipes and not self.peak_fp8_flops):
+            raise PlanError(f"cluster peak_fp8_flops={self.peak_fp8_flops} must be > 0 when "
+                            f"fp8_recipes={list(self.fp8_recipes)} are given (0: no FP8)")
+        bad = [r for r in self.fp8_recipes if r not in FP8_RECIPES]
+        if bad:
+            raise PlanError(f"cluster fp8_recipes has {bad[0]!r}; use any of "
+                            f"{', '.join(FP8_RECIPES)}")
+
+    @property
+    def nvlink_domain(self) -> int:
+        """GPUs of one NVLink domain (nvlink_domain_size, or gpus_per_node when that is 0)."""
+        return self.nvlink_domain_size or self.gpus_per_node
 
     @property
     def num_gpus(self) -> int:
@@ -428,6 +591,10 @@ class ClusterSpec:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)  # JSON types: from_dict reads a list, not a tuple
         data["all_to_all_inter_efficiency"] = list(self.all_to_all_inter_efficiency)
+        data["fp8_recipes"] = list(self.fp8_recipes)
+        for name in ("nvlink_domain_size", "peak_fp8_flops", "fp8_recipes"):
+            if not data[name]:  # defaults stay out: older files and readers are unchanged
+                del data[name]
         return data
 
     @classmethod
@@ -442,6 +609,9 @@ class ClusterSpec:
             gpus_per_node=get_int(data, "gpus_per_node", path, minimum=1),
             memory_gib=get_float(data, "memory_gib", path, positive=True),
             peak_flops=get_float(data, "peak_flops", path, positive=True),
+            nvlink_domain_size=get_int(data, "nvlink_domain_size", path, default=0, minimum=0),
+            peak_fp8_flops=get_float(data, "peak_fp8_flops", path, default=0.0),
+            fp8_recipes=_str_tuple(data, "fp8_recipes", path),
             intra_node=LinkSpec.from_dict(data["intra_node"], f"{path}.intra_node"),
             inter_node=LinkSpec.from_dict(data["inter_node"], f"{path}.inter_node"),
             all_to_all_inter_efficiency=get_float_list(data, "all_to_all_inter_efficiency", path)

@@ -40,6 +40,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     hw.add_argument("--repeats", type=int, default=None, help="timed runs per point")
     hw.add_argument("--ranks-per-node", type=int, default=None,
                     help="default: LOCAL_WORLD_SIZE (set by torchrun)")
+    hw.add_argument("--nvlink-domain-size", type=int, default=None,
+                    help="GPUs sharing one NVLink fabric, recorded in the profile (72 on "
+                    "GB200/GB300 NVL72); default: the ranks per node")
     hw.set_defaults(run=run_hardware)
     mdl = kinds.add_parser("model", help="per-layer forward/backward/recompute times")
     which = mdl.add_mutually_exclusive_group(required=True)
@@ -67,6 +70,10 @@ def run_hardware(args: argparse.Namespace) -> int:
 
     from megatron_ext.runtime.profile_hardware import profile_hardware
 
+    domain = args.nvlink_domain_size
+    if domain is not None and domain < 1:
+        raise PlanError(f"--nvlink-domain-size={domain} must be >= 1 (GPUs on one NVLink "
+                        "fabric: 8 on DGX, 72 on NVL72)")
     if "RANK" not in os.environ and not dist.is_initialized():
         raise PlanError("profile hardware must run under torchrun (RANK/WORLD_SIZE unset), e.g. "
                         "torchrun --nproc-per-node 8 -m megatron_ext.cli profile hardware --out F")
@@ -86,7 +93,8 @@ def run_hardware(args: argparse.Namespace) -> int:
         profile = profile_hardware(world=dist.group.WORLD, device=device,
                                    local_world_size=args.ranks_per_node,
                                    min_bytes=args.min_bytes, max_bytes=args.max_bytes,
-                                   repeats=args.repeats, progress=progress_fn)
+                                   repeats=args.repeats, progress=progress_fn,
+                                   nvlink_domain_size=domain or 0)
     except ValueError as err:
         raise PlanError(f"profile hardware: {err}") from None
     if rank == 0:
@@ -101,8 +109,8 @@ def run_hardware(args: argparse.Namespace) -> int:
 def cluster_summary(profile: ClusterProfile) -> str:
     c = profile.cluster
     lines = [(f"{profile.device}, {profile.backend}: {c.num_nodes} node(s) x {c.gpus_per_node} "
-             f"ranks, peak {c.peak_flops / 1e12:.3g} TFLOP/s per rank, overlap slowdown "
-             f"{profile.overlap_slowdown:.2f}, compute slots per node "
+             f"ranks, NVLink domain {c.nvlink_domain}, peak {c.peak_flops / 1e12:.3g} TFLOP/s "
+             f"per rank, overlap slowdown {profile.overlap_slowdown:.2f}, compute slots per node "
              f"{profile.compute_slots_per_node}"),
              (f"{'collective':<15}{'g':>3}{'stride':>7}{'per node':>9}{'latency us':>12}"
              f"{'GB/s @max':>11}")]

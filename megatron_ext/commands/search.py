@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from megatron_ext.commands.evaluate import add_cluster_arguments
 from megatron_ext.errors import PlanError
 from megatron_ext.flags.emit import plan_to_megatron_args
+from megatron_ext.flags.fp8 import add_fp8_args, fp8_from_args
 from megatron_ext.planner.cost.compute import model_parameters
 from megatron_ext.planner.cost.moe import moe_model_parameters
 from megatron_ext.presets import (
@@ -28,7 +29,7 @@ from megatron_ext.presets import (
     model_file_with_notes,
     model_preset,
 )
-from megatron_ext.specs import ModelSpec
+from megatron_ext.specs import FP8Spec, ModelSpec
 
 if TYPE_CHECKING:
     from megatron_ext.plan import ParallelPlan
@@ -110,6 +111,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="time: the fastest predicted iteration (default); p90: the lowest upper end of "
         "the 90%% prediction interval (the plan least likely to be slow)",
     )
+    add_fp8_args(p)
+    p.add_argument("--fp8-bf16-layers", type=_layer_list, default=(), metavar="I,J,...",
+                   help="with --fp8-format: also keep these layers (global, zero-based) in bf16 "
+                   "(a per-layer choice the layerwise runtime runs; the search never changes "
+                   "which layers are FP8)")
     p.add_argument("--plot", default=None, help="draw strategies and stage bars to this PNG")
     p.add_argument("--out", default=None, help="write the plan JSON here")
     p.set_defaults(run=run)
@@ -138,6 +144,24 @@ def _model(args: argparse.Namespace) -> ModelSpec:
     return dataclasses.replace(model, name=path.stem)
 
 
+def _layer_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of layer "
+                                         "indices, e.g. 0,1,31") from None
+
+
+def _fp8(args: argparse.Namespace) -> FP8Spec | None:
+    fp8 = fp8_from_args(args)
+    if args.fp8_bf16_layers:
+        if fp8 is None:
+            raise PlanError("--fp8-bf16-layers needs --fp8-format (it keeps layers of an FP8 run "
+                            "in bf16)")
+        fp8 = dataclasses.replace(fp8, bf16_layers=args.fp8_bf16_layers)
+    return fp8
+
+
 def _nodes(args: argparse.Namespace) -> int:
     """--nodes, 1 when omitted; 0 or less is refused by cluster_preset (never read as 1)."""
     return 1 if args.nodes is None else args.nodes
@@ -156,6 +180,7 @@ def _cost_model(args: argparse.Namespace, model: ModelSpec) -> CostModel:
         allow_vocab_parallel=args.vocab_parallel,
         **({} if args.moe_imbalance is None else {"moe_imbalance": args.moe_imbalance}),
         allow_interleaving=args.interleaving,
+        fp8=_fp8(args),
     )
     if not args.cluster_profile and not args.model_profile:
         cluster = cluster_preset(

@@ -195,15 +195,13 @@ NO_EFFECT: tuple[tuple[tuple[str, ...], str], ...] = (
       "--qk-clip-threshold", "--fim-rate", "--fim-spm-rate", "--fim-split-sample",
       "--fim-fragment-rate", "--fim-no-prefix", "--fim-prefix-token", "--fim-middle-token",
       "--fim-suffix-token", "--fim-pad-token", "--fim-eod-token", "--kitchen-attention-backend",
-      "--fp8-margin", "--fp8-interval", "--fp8-amax-history-len", "--fp8-amax-compute-algo",
-      "--fp8-recipe", "--fp4-recipe", "--num-layers-at-start-in-bf16",
-      "--num-layers-at-end-in-bf16", "--min-offloaded-tensor-size", "--dsa-indexer-n-heads",
+      "--min-offloaded-tensor-size", "--dsa-indexer-n-heads",
       "--dsa-indexer-head-dim", "--dsa-indexer-topk", "--dsa-indexer-loss-coeff",
       "--mtp-loss-scaling-factor", "--moe-deepep-num-sms", "--moe-hybridep-num-sms",
       "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim",
       "--mscale", "--mscale-all-dim", "--rotary-scaling-factor", "--cache-mla-latents"),
      "a setting of a model, dataset, tokenizer or feature this run does not use (BERT / vision / "
-     "retrieval / Mamba models, FIM data, MLA, fp8, Muon, CPU offload, the flex MoE "
+     "retrieval / Mamba models, FIM data, MLA, Muon, CPU offload, the flex MoE "
      "dispatcher); " + _NO_PRETRAIN + " without that feature"),
     (("--moe-use-legacy-grouped-gemm", "--moe-permute-fusion", "--moe-router-fusion",
       "--moe-shared-expert-overlap"),
@@ -214,6 +212,9 @@ NO_EFFECT: tuple[tuple[tuple[str, ...], str], ...] = (
      "a logging switch; megatron_ext logs the load-balancing loss summed over layers"),
     (("--moe-pad-experts-for-cuda-graph-inference",),
      "an inference-with-CUDA-graphs setting; " + _NO_PRETRAIN),
+    (("--fp8-interval",), "deprecated: Transformer Engine >= 1.8 ignores the FP8 scaling "
+     "interval (Megatron-LM only warns when it is not 1, extensions/transformer_engine.py:"
+     "2213-2215)"),
     (("--perform-rl-step",), "reinforcement-learning switch read by Megatron-LM's train_rl.py; "
      + _NO_PRETRAIN),
 )
@@ -248,8 +249,9 @@ REFUSED: tuple[tuple[tuple[str, ...], str, str], ...] = (
      "the flex MoE token dispatcher (DeepEP / HybridEP fused all-to-all kernels)",
      "use --moe-token-dispatcher-type alltoall"),
     (("--moe-router-padding-for-quantization", "--moe-router-padding-for-fp8"),
-     "padding the routing map for fp8 / fp4 expert GEMMs", "drop it (fp8 / fp4 training is "
-     "refused; use --bf16)"),
+     "padding the routing map for FP8 / FP4 expert GEMMs",
+     "drop it: Transformer Engine's grouped expert GEMMs pad each expert's tokens for FP8 "
+     "themselves"),
     (("--moe-use-upcycling", "--moe-upcycling-granularity"),
      "upcycling a dense checkpoint into MoE", "train the MoE model from scratch, or convert the "
      "checkpoint offline and --load it"),
@@ -265,11 +267,17 @@ REFUSED: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("--multi-latent-attention", "--q-lora-rank", "--rope-type"),
      "multi-latent attention (MLA)", "use standard multi-head or grouped-query attention"),
     (("--mtp-num-layers", "--mtp-standalone"), "multi-token prediction (MTP)", "drop it"),
-    (("--fp8-format", "--fp8-param-gather", "--no-fp8-wgrad", "--disable-fp8-wgrad",
-      "--first-last-layers-bf16", "--fp8-quantizer-factory", "--fp4-format", "--fp4-param-gather",
-      "--fp4-quantizer-factory", "--reuse-grad-buf-for-mxfp8-param-ag",
-      "--te-precision-config-file", "--use-kitchen-attention"),
-     "fp8 / fp4 training (transformer-engine quantisation)", "use --bf16 or --fp16"),
+    (("--fp4-format", "--fp4-recipe", "--fp4-param-gather", "--fp4-quantizer-factory"),
+     "FP4 training (NVFP4, Blackwell): the cost model has no FP4 GEMM rates and the runtime no "
+     "FP4 path", "use --fp8-format e4m3|hybrid (mxfp8 on Blackwell)"),
+    (("--fp8-quantizer-factory",), "a custom FP8 recipe built by a quantizer factory module",
+     "use --fp8-recipe delayed, tensorwise, blockwise or mxfp8"),
+    (("--reuse-grad-buf-for-mxfp8-param-ag",), "reusing the gradient buffer for the MXFP8 "
+     "parameter all-gather (a DDP buffer saving the cost model does not price)", "drop it"),
+    (("--te-precision-config-file",), "per-module precision from a Transformer Engine config "
+     "file", "use --fp8-format with --first-last-layers-bf16, or a plan's fp8.bf16_layers"),
+    (("--use-kitchen-attention",), "NVIDIA Kitchen quantised attention",
+     "drop it (core attention stays in bf16 under FP8, as in Megatron-LM's default)"),
     (("--microbatch-group-size-per-virtual-pipeline-stage",),
      "a micro-batch group per virtual stage other than pp",
      "drop it: the interleaved schedule groups pp micro-batches per chunk (Megatron's default)"),

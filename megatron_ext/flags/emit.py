@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_ext.errors import PlanError
+from megatron_ext.flags.fp8 import fp8_values
 from megatron_ext.flags.moe import layer_freq_text, moe_values
 from megatron_ext.flags.table import EMIT_TABLE
 from megatron_ext.plan import ParallelPlan
@@ -100,6 +101,10 @@ def megatron_values(plan: ParallelPlan) -> MegatronView:
     values["seq_length"] = plan.seq_length
     values["bf16"] = plan.precision == "bf16"
     values["fp16"] = plan.precision == "fp16"
+    values.update(fp8_values(plan.fp8))
+    if plan.fp8 is not None and plan.fp8.bf16_layers:
+        reasons.append(f"layers kept in bf16 in an FP8 run (fp8.bf16_layers "
+                       f"{list(plan.fp8.bf16_layers)})")
     values.update(_ext_values(plan, values["tensor_model_parallel_size"], reasons))
     values["strategy_config"] = None
     return MegatronView(values=values, reasons=tuple(reasons))

@@ -25,6 +25,7 @@ from megatron_ext.flags.checks import (
     apply_aliases,
     validate_megatron_args,
 )
+from megatron_ext.flags.fp8 import add_fp8_args
 from megatron_ext.flags.moe import add_moe_args
 from megatron_ext.flags.to_plan import (
     apply_strategy_config,
@@ -58,6 +59,7 @@ def _honoured_parser(prog: str) -> argparse.ArgumentParser:
     _add_parallel(parser)
     add_moe_args(parser)
     _add_batch_and_precision(parser)
+    add_fp8_args(parser)
     add_training_groups(parser)
     _add_megatron_ext(parser)
     return parser

@@ -15,6 +15,7 @@ from typing import Any
 
 from megatron_ext.errors import PlanError
 from megatron_ext.flags.emit import PLAN_ONLY, megatron_values
+from megatron_ext.flags.fp8 import fp8_from_args
 from megatron_ext.flags.moe import _SPEC_FLAG, moe_from_args
 from megatron_ext.flags.table import EMIT_TABLE, FLAG_OF_DEST
 from megatron_ext.plan import FlexSPConfig, LayerStrategy, ParallelPlan, VocabStrategy
@@ -79,6 +80,7 @@ def plan_from_megatron_args(
         for kind in ("none", "selective", "full") for moe in (False, True)
     }
     recompute = recompute_from_args(ns, stages)
+    fp8 = fp8_from_args(ns)
     assert cp_total == cp * ulysses, (cp_total, cp, ulysses)
     try:
         return ParallelPlan(
@@ -89,6 +91,7 @@ def plan_from_megatron_args(
             vocab=VocabStrategy(mode="vocab_parallel" if ns.vocab_parallel else "tp", tp=tp,
                                 algorithm=ns.vocab_parallel_algorithm),
             precision="bf16" if ns.bf16 else "fp16" if ns.fp16 else "fp32",
+            fp8=fp8,
             flexsp=FlexSPConfig(max_group_size=ns.flexsp_max_group_size,
                                 min_group_size=ns.flexsp_min_group_size) if ns.flexsp else None,
         )

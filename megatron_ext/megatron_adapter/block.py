@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from megatron.core import tensor_parallel
+from megatron.core.fp8_utils import get_fp8_context
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_block import (
@@ -154,12 +155,20 @@ class HeteroTransformerBlock(TransformerBlock):
         hidden = make_viewless_tensor(inp=hidden_states, requires_grad=True, keep_graph=True)
         group = self._groups.stage_group
         layout = self.input_layout
-        for build in self._builds:
-            if build.layout != layout:
-                hidden = redistribute(hidden, layout, build.layout, group=group)
-                layout = build.layout
-            hidden = self._run_layer(build, hidden, attention_mask,
-                                     self._local_rope(rotary_pos_emb, layout))
+        # FP8 as TransformerBlock.forward applies it (transformer_block.py:711-764 at 0.16.1):
+        # one outer autocast for the delayed recipe, one per layer otherwise (bf16 layers get
+        # a null context from get_fp8_context)
+        fp8 = self.config.fp8 is not None
+        delayed = fp8 and self.config.fp8_recipe == "delayed"
+        with get_fp8_context(self.config) if delayed else nullcontext():
+            for build in self._builds:
+                if build.layout != layout:
+                    hidden = redistribute(hidden, layout, build.layout, group=group)
+                    layout = build.layout
+                inner = fp8 and not delayed
+                with get_fp8_context(build.config, build.layer_idx) if inner else nullcontext():
+                    hidden = self._run_layer(build, hidden, attention_mask,
+                                             self._local_rope(rotary_pos_emb, layout))
         hidden = redistribute(hidden, layout, self.output_layout, group=group)
         if self.final_layernorm is not None:
             hidden = self.final_layernorm(hidden)

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_ext.plan import LayerStrategy
-from megatron_ext.specs import ModelSpec
+from megatron_ext.specs import FP8Spec, ModelSpec
 
-__all__ = ["ModelOptions", "gpt_model_kwargs", "moe_fields", "params_dtype",
+__all__ = ["ModelOptions", "fp8_fields", "gpt_model_kwargs", "moe_fields", "params_dtype",
            "transformer_config"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -118,6 +118,34 @@ def moe_fields(model: ModelSpec, options: ModelOptions, strategy: LayerStrategy
     )
 
 
+def fp8_fields(fp8: FP8Spec | None, *, fp8_interval: int = 1) -> dict[str, Any]:
+    """TransformerConfig's FP8 / FP4 fields as Megatron-LM's core_transformer_config_from_args
+    sets them for the same flags (arguments.py:1306-1331 at core_v0.16.1: every args attribute
+    named like a config field, then fp8_param = args.fp8_param_gather); without FP8 the flags'
+    defaults. fp8_dot_product_attention, fp8_multi_head_attention and tp_only_amax_red have no
+    flag and keep the dataclass default (False) in both; --fp8-interval has no effect in
+    Transformer Engine >= 1.8 and is passed as given."""
+    f = fp8 or FP8Spec(format="e4m3")  # the flags' defaults
+    return dict(
+        fp8=fp8.format if fp8 is not None else None,
+        fp8_recipe=f.recipe,
+        fp8_margin=f.margin,
+        fp8_interval=fp8_interval,
+        fp8_amax_history_len=f.amax_history_len,
+        fp8_amax_compute_algo=f.amax_compute_algo,
+        fp8_wgrad=f.wgrad,
+        fp8_param=f.param_gather if fp8 is not None else False,
+        first_last_layers_bf16=f.first_last_layers_bf16,
+        num_layers_at_start_in_bf16=f.num_layers_at_start_in_bf16,
+        num_layers_at_end_in_bf16=f.num_layers_at_end_in_bf16,
+        fp4=None,
+        fp4_recipe="nvfp4",
+        fp4_param=False,
+        fp8_quantizer_factory=None,  # --fp8-quantizer-factory / --fp4-quantizer-factory are
+        fp4_quantizer_factory=None,  # refused (flags/catalog.py), so their default
+    )
+
+
 def _recompute_fields(strategy: LayerStrategy) -> dict[str, Any]:
     if strategy.recompute == "full":
         return {"recompute_granularity": "full", "recompute_method": "uniform",
@@ -134,10 +162,12 @@ def transformer_config(
     options: ModelOptions | None = None,
     strategy: LayerStrategy | None = None,
     pp: int = 1,
+    fp8: FP8Spec | None = None,
     **overrides: Any,
 ) -> TransformerConfig:
     """The TransformerConfig of `model` with the degrees of `strategy` (stock path: the plan's
-    one strategy; the layerwise runtime replaces them per layer) on `pp` stages."""
+    one strategy; the layerwise runtime replaces them per layer) on `pp` stages; `fp8` the
+    plan's FP8 training (fp8_fields)."""
     options = options or ModelOptions()
     strategy = strategy or LayerStrategy()
     dtype = _DTYPES[precision]
@@ -179,6 +209,7 @@ def transformer_config(
         persist_layer_norm=False,
         **_recompute_fields(strategy),
         **moe_fields(model, options, strategy),
+        **fp8_fields(fp8),
     )
     fields.update(overrides)
     return TransformerConfig(**fields)

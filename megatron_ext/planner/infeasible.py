@@ -57,7 +57,7 @@ def min_allocated_bytes(cm: CostModel) -> float:
         width = cluster.num_gpus // pp
         for mbs in divisors(t.global_batch_size):
             table = layer_strategies(
-                model, t, width=width, gpus_per_node=cluster.gpus_per_node, micro_batch_size=mbs
+                model, t, width=width, nvlink_gpus=cluster.nvlink_domain, micro_batch_size=mbs
             )
             if len(table) == 0:
                 continue
@@ -68,7 +68,7 @@ def min_allocated_bytes(cm: CostModel) -> float:
             options = vocab_options(
                 width=width,
                 pp=pp,
-                gpus_per_node=cluster.gpus_per_node,
+                nvlink_gpus=cluster.nvlink_domain,
                 training=t,
                 micro_batch_size=mbs,
             )
@@ -89,7 +89,8 @@ def _least_memory_costs(cm: CostModel, table: StrategyTable, mbs: int) -> LayerC
     per_kind = kind_costs(cm, table, mbs)
     if len(per_kind) == 1:
         return per_kind[0]
-    used = np.unique(layer_kinds(cm.model))  # the kinds the model has (Mixtral: MoE only)
+    # the kinds the model has (Mixtral: MoE only)
+    used = np.unique(layer_kinds(cm.model, cm.training.fp8))
     valid = valid_for(cm.model, table)
     least = {
         name: np.min(np.stack([np.where(valid[k], getattr(per_kind[k], name), np.inf)

@@ -64,7 +64,7 @@ from megatron_ext.planner.uniform import (
     search_uniform,
     virtual_stage_options,
 )
-from megatron_ext.specs import ModelSpec
+from megatron_ext.specs import FP8Spec, ModelSpec
 
 Progress = Callable[[str], None]
 
@@ -273,6 +273,7 @@ def layout_to_plan(cm: CostModel, layout: PlanLayout, evaluation: Evaluation) ->
         seq_length=t.seq_length,
         vocab=layout.vocab,
         precision=t.precision,
+        fp8=t.fp8,
         cluster=cm.cluster,
         prediction=evaluation.prediction(),
     ))
@@ -364,8 +365,9 @@ class _Kinds:
         return len(self.seqs) == 1
 
     @classmethod
-    def of(cls, model: ModelSpec, n_hi: int | None = None) -> _Kinds:
-        all_kinds = layer_kinds(model)
+    def of(cls, model: ModelSpec, n_hi: int | None = None,
+           fp8: FP8Spec | None = None) -> _Kinds:
+        all_kinds = layer_kinds(model, fp8)
         used = np.unique(all_kinds)
         kinds = np.searchsorted(used, all_kinds)
         num = len(kinds)
@@ -389,7 +391,7 @@ class _Kinds:
 
 def _combos(cm: CostModel) -> list[_Combo]:
     model, cluster, t = cm.model, cm.cluster, cm.training
-    used = _Kinds.of(model).used
+    used = _Kinds.of(model, fp8=t.fp8).used
     out = []
     for pp in [p for p in divisors(cluster.num_gpus) if p <= model.num_layers]:
         for mbs in divisors(t.global_batch_size):
@@ -397,7 +399,7 @@ def _combos(cm: CostModel) -> list[_Combo]:
                 model,
                 t,
                 width=cluster.num_gpus // pp,
-                gpus_per_node=cluster.gpus_per_node,
+                nvlink_gpus=cluster.nvlink_domain,
                 micro_batch_size=mbs,
             )
             if len(table) == 0:
@@ -408,7 +410,7 @@ def _combos(cm: CostModel) -> list[_Combo]:
             if len(costs) == 1:
                 bound = combo_bound(cm, costs[0], pp, mbs, valid=valid[0])
             else:
-                counts = [int(np.sum(layer_kinds(model) == u)) for u in used]
+                counts = [int(np.sum(layer_kinds(model, t.fp8) == u)) for u in used]
                 bound = combo_bound_kinds(cm, costs, valid, counts, pp, mbs)
             virtual = virtual_stage_options(cm, pp, mbs, even_only=False)
             if virtual:  # an interleaved variant of the combo's layouts may go below 1F1B's
@@ -528,7 +530,7 @@ def _solve_combo(
     vocabs = vocab_options(
         width=cm.cluster.num_gpus // pp,
         pp=pp,
-        gpus_per_node=cm.cluster.gpus_per_node,
+        nvlink_gpus=cm.cluster.nvlink_domain,
         # the layerwise runtime does not run MoE models with vocabulary parallelism
         training=t if model.moe is None else dataclasses.replace(t, allow_vocab_parallel=False),
         micro_batch_size=mbs,
@@ -541,7 +543,7 @@ def _solve_combo(
         n_hi = min(n_hi, int(best_s / (m * fastest)))
     if n_hi < 1:
         return []
-    kinds = _Kinds.of(model, n_hi)
+    kinds = _Kinds.of(model, n_hi, cm.training.fp8)
     unit = cm.memory_cap_bytes / options.memory_units
     levels = _levels(cm, table, costs, objective, valid, mbs, extras, unit)
     needed = {kinds.of_start[0]} if pp == 1 else set(range(len(kinds.seqs)))

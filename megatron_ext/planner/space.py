@@ -123,7 +123,7 @@ def layer_strategies(
     training: TrainingSpec,
     *,
     width: int,
-    gpus_per_node: int,
+    nvlink_gpus: int,
     micro_batch_size: int,
     uniform: bool = False,
     uniform_fsdp: bool = False,
@@ -136,7 +136,7 @@ def layer_strategies(
     seq = training.seq_length
     out: list[LayerStrategy] = []
     for tp, cp, uly in product(divisors(width), repeat=3):
-        if width % (tp * cp * uly) or tp > gpus_per_node:
+        if width % (tp * cp * uly) or tp > nvlink_gpus:
             continue
         if model.num_attention_heads % tp or model.num_query_groups % tp:
             continue
@@ -293,18 +293,19 @@ def vocab_options(
     *,
     width: int,
     pp: int,
-    gpus_per_node: int,
+    nvlink_gpus: int,
     training: TrainingSpec,
     micro_batch_size: int,
     uniform_tp: int | None = None,
 ) -> list[VocabStrategy]:
-    """Vocabulary layouts: tensor-parallel on the first/last stage (any tp inside a node), or
+    """Vocabulary layouts: tensor-parallel on the first/last stage (any tp inside the NVLink
+    domain), or
     vocabulary parallelism over all pp x tp ranks when pp > 1, allowed, and the sequence splits
     over its replicas (plan_checks.vocab_parallel_split, the plan's own rule). uniform_tp pins
     Megatron's choice (vocabulary tp = layer tp, never vocabulary parallel)."""
     if uniform_tp is not None:
         return [VocabStrategy(mode="tp", tp=uniform_tp)]
-    tps = [t for t in divisors(width) if t <= gpus_per_node]
+    tps = [t for t in divisors(width) if t <= nvlink_gpus]
     out = [VocabStrategy(mode="tp", tp=t) for t in tps]
     if pp > 1 and training.allow_vocab_parallel:
         for t in tps:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from megatron_ext.errors import PlanError
+from megatron_ext.specs import FP8Spec
 
 Precision = Literal["bf16", "fp16", "fp32"]
 Engine = Literal["megatron", "deepspeed"]
@@ -68,6 +69,9 @@ class TrainingSpec:
     backward, not overlapped (overlap_comm is off by default there); at stage 3 the
     reduce-scatter overlaps as with FSDP, and at most DEEPSPEED_MAX_LIVE_PARAMS parameters are
     held gathered (stage3_max_live_parameters)."""
+    fp8: FP8Spec | None = None
+    """FP8 training as the user's flags give it (--fp8-format ...): which layers run FP8 is
+    theirs; the search prices it (planner/cost/fp8.py) and places the layouts around it."""
     reserve_gib: float | None = None
     """Memory per GPU kept free for the CUDA context, NCCL buffers and allocator fragmentation;
     None means 1 GiB + 4% of the GPU's memory."""

@@ -21,7 +21,7 @@ import numpy as np
 from megatron_ext.plan import PlanLayout, VocabStrategy
 from megatron_ext.planner.cost.evaluate import Evaluation, evaluate
 from megatron_ext.planner.cost.model import CostModel, LayerCosts
-from megatron_ext.planner.cost.moe import MOE, kind_costs, layer_kinds, valid_for
+from megatron_ext.planner.cost.moe import is_moe_kind, kind_costs, layer_kinds, valid_for
 from megatron_ext.planner.cost.pipeline import (
     interleaved_peak_units,
     one_f_one_b,
@@ -96,7 +96,7 @@ def score_uniform_each(
         model,
         cm.training,
         width=width,
-        gpus_per_node=cluster.gpus_per_node,
+        nvlink_gpus=cluster.nvlink_domain,
         micro_batch_size=micro_batch_size,
         uniform=True,
         uniform_fsdp=fsdp and pp == 1 and not model.tied_embeddings,
@@ -118,7 +118,7 @@ def _score_uniform_v(cm: CostModel, table: StrategyTable, per_kind: list[LayerCo
                      v: int) -> tuple[float, PlanLayout] | None:
     model = cm.model
     usable = valid_for(model, table)[-1]  # the MoE layers' rules (dense models: all)
-    kinds = layer_kinds(model)
+    kinds = layer_kinds(model, cm.training.fp8)
     m = cm.training.global_batch_size // micro_batch_size
     if v == 1:
         parts = _partitions(model.num_layers, pp)  # [P, pp]
@@ -156,7 +156,8 @@ def _score_uniform_v(cm: CostModel, table: StrategyTable, per_kind: list[LayerCo
                     micro_batch_size=micro_batch_size,
                     stages=tuple((int(bounds[k]), int(bounds[k + 1]))
                                  for k in range(len(sizes))),
-                    layers=tuple(chosen if kind == MOE else dense for kind in kinds.tolist()),
+                    layers=tuple(chosen if is_moe_kind(kind) else dense
+                                 for kind in kinds.tolist()),
                     vocab=VocabStrategy(mode="tp", tp=key[0]),
                     virtual_stages=v,
                 ),
@@ -176,16 +177,19 @@ def _kind_counts(kinds: np.ndarray, parts: np.ndarray, num_kinds: int, pp: int,
     split and rank k holds chunks k, pp + k, ... of L / (pp v) layers)."""
     if num_kinds == 1:
         return parts[None]
-    prefix = np.concatenate([[0], np.cumsum(kinds == MOE)])
-    if v == 1:
-        ends = np.cumsum(parts, axis=1).astype(np.int64)
-        starts = ends - parts.astype(np.int64)
-        moe = (prefix[ends] - prefix[starts]).astype(float)
-    else:
-        size = len(kinds) // (pp * v)
-        moe = np.array([[sum(prefix[(c * pp + k + 1) * size] - prefix[(c * pp + k) * size]
-                             for c in range(v)) for k in range(pp)]], dtype=float)
-    return np.stack([parts - moe, moe])
+    out = []
+    for kind in range(num_kinds):
+        prefix = np.concatenate([[0], np.cumsum(kinds == kind)])
+        if v == 1:
+            ends = np.cumsum(parts, axis=1).astype(np.int64)
+            starts = ends - parts.astype(np.int64)
+            out.append((prefix[ends] - prefix[starts]).astype(float))
+        else:
+            size = len(kinds) // (pp * v)
+            out.append(np.array([[sum(prefix[(c * pp + k + 1) * size]
+                                      - prefix[(c * pp + k) * size] for c in range(v))
+                                  for k in range(pp)]], dtype=float))
+    return np.stack(out)
 
 
 def _best_of(

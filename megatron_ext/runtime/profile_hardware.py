@@ -234,8 +234,11 @@ def profile_hardware(*, world: dist.ProcessGroup, device: torch.device,
                      local_world_size: int | None = None, min_bytes: int | None = None,
                      max_bytes: int | None = None, repeats: int | None = None,
                      dtype: torch.dtype | None = None,
-                     progress: Callable[[str], None] | None = None) -> ClusterProfile:
-    """Measure every curve, the overlap slowdown and the peak; same result on every rank."""
+                     progress: Callable[[str], None] | None = None,
+                     nvlink_domain_size: int = 0) -> ClusterProfile:
+    """Measure every curve, the overlap slowdown and the peak; same result on every rank.
+    `nvlink_domain_size` (GPUs on one NVLink fabric; 0: one node) is recorded as given: NCCL
+    exposes no fabric size, and the curves it measures stop at the job's own GPUs."""
     gpu = device.type == "cuda"
     dtype = dtype or (torch.bfloat16 if gpu else torch.float32)
     repeats = repeats if repeats is not None else (10 if gpu else 5)
@@ -258,7 +261,7 @@ def profile_hardware(*, world: dist.ProcessGroup, device: torch.device,
     inter = fitted_link([c for c in ar if c.crosses_nodes]) or intra
     cluster = ClusterSpec(name=f"measured-{dist.get_backend(world)}", num_nodes=world_size // local,
                           gpus_per_node=local, memory_gib=round(_memory_gib(device, local), 3),
-                          peak_flops=peak)
+                          peak_flops=peak, nvlink_domain_size=nvlink_domain_size)
     if intra is not None:  # else ClusterSpec's default links
         cluster = dataclasses.replace(cluster, intra_node=intra, inter_node=inter or intra)
     return ClusterProfile(cluster=cluster, backend=str(dist.get_backend(world)),

@@ -37,6 +37,7 @@ def _profile_rank(rank: int, world_size: int, out: str) -> dict:
     from megatron_ext.cli import main
 
     code = main(["profile", "hardware", "--out", out, "--ranks-per-node", "2",
+                 "--nvlink-domain-size", "4",
                  "--min-bytes", "4096", "--max-bytes", "8192", "--repeats", "1"])
     return {"slow": slow, "profile": profile.to_dict(), "code": code}
 
@@ -67,6 +68,8 @@ def test_hardware_profile_structure_and_cli(tmp_path):
     assert ClusterProfile.from_dict(json.loads(json.dumps(profile.to_dict()))) == profile
     from_cli = ClusterProfile.load(out)
     assert {(cv.collective, cv.group_size, cv.stride) for cv in from_cli.collectives} == set(found)
+    # the NVLink domain is recorded as given (default: one node)
+    assert (c.nvlink_domain, from_cli.cluster.nvlink_domain) == (2, 4)
 
 
 def test_placements():

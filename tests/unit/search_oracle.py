@@ -145,7 +145,7 @@ def oracle(cm) -> OracleLayout | None:
         width = cluster.num_gpus // pp
         for mbs in divisors(t.global_batch_size):
             table = layer_strategies(
-                model, t, width=width, gpus_per_node=cluster.gpus_per_node, micro_batch_size=mbs
+                model, t, width=width, nvlink_gpus=cluster.nvlink_domain, micro_batch_size=mbs
             )
             if len(table) == 0:
                 continue
@@ -155,7 +155,7 @@ def oracle(cm) -> OracleLayout | None:
             for vocab in vocab_options(
                 width=width,
                 pp=pp,
-                gpus_per_node=cluster.gpus_per_node,
+                nvlink_gpus=cluster.nvlink_domain,
                 training=t,
                 micro_batch_size=mbs,
             ):

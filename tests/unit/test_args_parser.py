@@ -84,7 +84,7 @@ def test_derived_defaults_follow_megatron() -> None:
         (["--microbatch-group-size-per-virtual-pipeline-stage", "4"],
          "--microbatch-group-size-per-virtual-pipeline-stage 4: a micro-batch group per "
          "virtual stage other than pp"),
-        (["--fp8-format", "hybrid"], "--fp8-format hybrid: fp8 / fp4 training"),
+        (["--fp4-format", "e2m1"], "--fp4-format e2m1: FP4 training"),
         (["stray"], "unexpected argument 'stray'"),
         (["--tensor-model-parallel-size", "0"],
          "argument --tensor-model-parallel-size: must be a positive integer, got '0'"),

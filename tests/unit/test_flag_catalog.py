@@ -97,8 +97,8 @@ def test_refusal_names_feature_and_what_to_use():
     with pytest.raises(PlanError, match=r"^--moe-latent-size 8: latent MoE projections "
                        r"\(Nemotron-H style\) is not supported by megatron_ext; drop it"):
         parse_megatron_args(BASE + ["--moe-latent-size", "8"])
-    with pytest.raises(PlanError, match=r"^--fp8-format hybrid: fp8 .* use --bf16 or --fp16"):
-        parse_megatron_args(BASE + ["--fp8-format", "hybrid"])
+    with pytest.raises(PlanError, match=r"^--fp4-format e2m1: FP4 training .* use --fp8-format"):
+        parse_megatron_args(BASE + ["--fp4-format", "e2m1"])
 
 
 def test_only_strings_outside_the_file_are_not_megatron_flags():

@@ -252,7 +252,7 @@ def test_stages_are_priced_by_their_layer_kinds() -> None:
 
 def test_space_offers_expert_layouts_to_moe_layers_only() -> None:
     training = TrainingSpec(global_batch_size=8, seq_length=256)
-    table = layer_strategies(TINY, training, width=4, gpus_per_node=4, micro_batch_size=4)
+    table = layer_strategies(TINY, training, width=4, nvlink_gpus=4, micro_batch_size=4)
     valid = M.valid_for(TINY, table)
     pairs = {(s.tp, s.ep, s.etp) for s in table.strategies if s.has_expert_dims}
     assert {(1, 2, None), (1, 4, None), (2, 2, None), (2, 2, 1), (4, 1, 1)} - pairs == {(4, 1, 1)}

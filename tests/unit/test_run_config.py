@@ -143,6 +143,7 @@ EXPECTED_REFUSALS: dict[str, set[str]] = {
     "--exit-duration-in-mins": set(),
     "--attention-dropout other than 0": {"flexsp"},
     "--num-experts (a mixture-of-experts model)": {"stock", "flexsp"},
+    "--fp8-param-gather": {"layerwise", "vocab_parallel"},
 }
 # Flags that turn each setting on (on top of BASE).
 TURN_ON: dict[str, tuple[str, ...]] = {
@@ -163,6 +164,8 @@ TURN_ON: dict[str, tuple[str, ...]] = {
     "--attention-dropout other than 0": (),
     "--num-experts (a mixture-of-experts model)": ("--num-experts", "4",
                                                    "--disable-bias-linear"),
+    "--fp8-param-gather": ("--bf16", "--fp8-format", "hybrid", "--fp8-param-gather",
+                           "--use-distributed-optimizer"),
 }
 
 

@@ -65,6 +65,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             logger.info(note)
     try:
         check_device(args)
+        from megatron_ext.megatron_adapter.fp8 import check_fp8_runtime
+
+        check_fp8_runtime(args.fp8, args.fp8_recipe, cpu=bool(args.cpu),  # before any group
+                          transformer_impl=args.transformer_impl)
         from megatron_ext.megatron_adapter.training.pretrain import launch
 
         return launch(args, start_time_s=start_time_s, target=target)

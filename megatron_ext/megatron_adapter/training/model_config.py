@@ -21,7 +21,7 @@ def run_transformer_config(run: RunConfig, strategy: LayerStrategy,
     """The run's TransformerConfig with the degrees of `strategy`."""
     plan = run.plan
     return transformer_config(plan.model, precision=plan.precision, options=run.model,
-                              strategy=strategy, pp=plan.pp, **overrides)
+                              strategy=strategy, pp=plan.pp, fp8=plan.fp8, **overrides)
 
 
 def ddp_config(run: RunConfig, *, zero: int, **overrides: Any) -> DistributedDataParallelConfig:
@@ -34,6 +34,8 @@ def ddp_config(run: RunConfig, *, zero: int, **overrides: Any) -> DistributedDat
         use_distributed_optimizer=zero >= 1,
         check_for_nan_in_grad=opt.check_for_nan_in_loss_and_grad,
         bucket_size=opt.ddp_bucket_size,
+        # Megatron-LM fills the DDP config by field name: --fp8-param-gather -> fp8_param_gather
+        fp8_param_gather=run.plan.fp8 is not None and run.plan.fp8.param_gather,
     )
     fields.update(overrides)
     return DistributedDataParallelConfig(**fields)

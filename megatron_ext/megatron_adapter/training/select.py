@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from megatron_ext.errors import PlanError
 from megatron_ext.megatron_adapter.ddp import HeteroDDP
+from megatron_ext.megatron_adapter.fp8 import install_layer_precision
 from megatron_ext.megatron_adapter.training.backend import Backend, BackendName, ChainFormat
 from megatron_ext.megatron_adapter.training.flexsp_backend import (
     FlexSPBackend,
@@ -107,6 +108,12 @@ BACKEND_SETTINGS: tuple[BackendSetting, ...] = (
                    refused_by={"flexsp": "FlexSP plans have dense layers only; drop "
                                "--flexsp or --num-experts",
                                "stock": "MoE models run on the layerwise runtime"}),
+    BackendSetting(flag="--fp8-param-gather",
+                   is_on=lambda r: r.plan.fp8 is not None and r.plan.fp8.param_gather,
+                   refused_by=dict.fromkeys(
+                       _LAYERWISE_FAMILY, "the layerwise runtime creates its layers' weights "
+                       "in bf16 (no fp8_model_init); drop --fp8-param-gather or use a uniform "
+                       "plan")),
     BackendSetting(flag="--attention-dropout other than 0",
                    is_on=lambda r: r.model.attention_dropout != 0,
                    refused_by={"flexsp": "FlexSP attention has no dropout; pass "
@@ -155,6 +162,7 @@ def build_backend(run: RunConfig, padded_vocab: int, *, eod: int | None = None) 
     documents."""
     name = select_backend(run)
     check_backend_settings(run, name)
+    install_layer_precision(run.plan.fp8)  # the plan's per-layer bf16 choice, if any
     if dist.get_rank() == 0:
         logger.info("backend: %s", name)
     if name == "flexsp":

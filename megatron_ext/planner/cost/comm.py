@@ -63,6 +63,17 @@ def group_layout(size: int, stride: int, gpus_per_node: int) -> GroupLayout:
     return GroupLayout(size=size, ranks_per_node=min(size, per_node))
 
 
+# ---- NVLink domain: what "crosses nodes" means here ----------------------------------------
+
+
+def nvlink_group_layout(size: int, stride: int, cluster: ClusterSpec) -> GroupLayout:
+    """group_layout with the cluster's NVLink domain as the "node": a group crosses nodes when
+    it leaves the NVLink fabric (one DGX node; a whole 72-GPU GB200/GB300 NVL72 rack), so every
+    group inside the domain runs at `intra_node` speed. Outside it each GPU has its own NIC
+    (rails, as on DGX), so the q members of a domain drive q NICs in parallel."""
+    return group_layout(size, stride, cluster.nvlink_domain)
+
+
 ZERO3_NICS_PER_GPU = 1.0
 """ZeRO-3's per-layer all-gathers and reduce-scatters over a data-parallel group that spans
 nodes move at one NIC's bandwidth per GPU, not the q-NIC aggregate a single large all-reduce

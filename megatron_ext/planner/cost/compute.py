@@ -40,6 +40,9 @@ _HBM_BYTES_PER_S = {
     "dgx-a100-80g": 2.0e12,
     "dgx-h100": 3.35e12,
     "dgx-h200": 4.8e12,
+    "dgx-b200": 7.7e12,  # B200 data sheet 7.7-8 TB/s (HGX B200)
+    "gb200-nvl72": 8.0e12,  # GB200 NVL72 data sheet, 8 TB/s per GPU
+    "gb300-nvl72": 8.0e12,  # GB300 NVL72 data sheet, 8 TB/s per GPU
 }
 
 
@@ -84,6 +87,10 @@ HOST_CONSTANTS: dict[str, HostConstants] = {
     # (same software stack, a host CPU of the same class) until one is.
     "dgx-h100": A100_HOST,
     "dgx-h200": A100_HOST,
+    # Blackwell presets: likewise unchecked until a public sweep of small layouts exists.
+    "dgx-b200": A100_HOST,
+    "gb200-nvl72": A100_HOST,
+    "gb300-nvl72": A100_HOST,
 }
 """Per GPU preset; other clusters (custom specs, measured CPU clusters) have none unless the
 compute profile sets them."""

@@ -157,6 +157,7 @@ def plan_training(plan: ParallelPlan, *, flash_attention: bool = True, dropout: 
         global_batch_size=plan.global_batch_size,
         seq_length=plan.seq_length,
         precision=plan.precision,
+        fp8=plan.fp8,
         allow_zero3=any(s.zero >= 2 for s in plan.layers),
         flash_attention=flash_attention,
         dropout=dropout,

@@ -13,11 +13,13 @@ the gradient (dp x cp x ulysses) group tp. Whether a group crosses nodes follows
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
 
+from megatron_ext.plan_checks import check_fp8_cluster
 from megatron_ext.planner.cost import compute as C
 from megatron_ext.planner.cost.comm import (
     ZERO3_NICS_PER_GPU,
@@ -26,9 +28,10 @@ from megatron_ext.planner.cost.comm import (
     Collective,
     CommModel,
     GroupLayout,
-    group_layout,
+    nvlink_group_layout,
     zero3_exposed_s,
 )
+from megatron_ext.planner.cost.fp8 import fp8_layer_costs
 from megatron_ext.planner.cost.memory import (
     layer_activation_bytes,
     layer_transient_bytes,
@@ -103,11 +106,19 @@ class CostModel:
         self.model = model
         self.cluster = cluster
         self.training = training
+        if training.fp8 is not None:
+            check_fp8_cluster(training.fp8, cluster)
         self.comm: CommModel = comm if comm is not None else AlphaBetaComm(cluster=cluster)
         self.compute = compute if compute is not None else C.ComputeProfile()
         self.layer_params = C.layer_params(model)
         self.overlap_slowdown = float(getattr(self.comm, "overlap_slowdown", OVERLAP_SLOWDOWN))
         """Slowdown of overlapped communication: measured by a cluster profile, else default."""
+
+    def without_fp8(self) -> CostModel:
+        """The same cost model with every layer in bf16 (the layers an FP8 run keeps in bf16)."""
+        other = copy.copy(self)
+        other.training = dataclasses.replace(self.training, fp8=None)
+        return other
 
     def with_cluster(self, cluster: ClusterSpec) -> CostModel:
         """The same cost model on another cluster (more nodes, other memory); measured
@@ -139,7 +150,7 @@ class CostModel:
         )
 
     def layout(self, size: int, stride: int) -> GroupLayout:
-        return group_layout(int(size), int(stride), self.cluster.gpus_per_node)
+        return nvlink_group_layout(int(size), int(stride), self.cluster)
 
     def collective_s(
         self,
@@ -175,7 +186,7 @@ class CostModel:
         num_bytes: float = micro_batch_size * self.training.seq_length * self.model.hidden_size
         num_bytes *= self.element_bytes / width
         return float(
-            self.comm.time_s("p2p", num_bytes, group_layout(2, width, self.cluster.gpus_per_node))
+            self.comm.time_s("p2p", num_bytes, nvlink_group_layout(2, width, self.cluster))
         )
 
     # ---- transformer layers ---------------------------------------------------------------
@@ -234,7 +245,7 @@ class CostModel:
                              host_b, k) + recompute
         comm = 2 * (tp_one_way + uly_one_way) + cp_fwd + cp_bwd + z3_fwd + z3_bwd
         comm = comm + np.where(rc_full, tp_one_way + uly_one_way + cp_fwd, 0.0)
-        return LayerCosts(
+        costs = LayerCosts(
             forward_s=np.asarray(fwd),
             backward_s=np.asarray(bwd),
             recompute_s=recompute,
@@ -248,6 +259,7 @@ class CostModel:
             )),
             **self._layer_memory(table, b),
         )
+        return fp8_layer_costs(self, table, b, costs) if self.training.fp8 else costs
 
     def fused_softmax(self, table: StrategyTable, b: FloatArray | float) -> npt.NDArray[np.bool_]:
         """Where the unfused attention path gets Megatron's fused softmax kernel (per strategy,

@@ -61,18 +61,29 @@ from megatron_ext.planner.cost.memory import layer_activation_bytes, layer_trans
 from megatron_ext.planner.cost.memory import state_bytes_per_param as _per_param
 from megatron_ext.planner.cost.model import CostModel, LayerCosts
 from megatron_ext.planner.space import StrategyTable
-from megatron_ext.specs import LinkSpec, ModelSpec
+from megatron_ext.specs import FP8Spec, LinkSpec, ModelSpec
 
 DENSE, MOE = 0, 1
 """Layer kinds: the index of a kind's costs in `kind_costs`."""
+BF16 = 2
+"""Added to the kind of a layer an FP8 run keeps in bf16 (FP8Spec.layer_in_fp8 false): kinds
+DENSE + BF16 and MOE + BF16, priced without FP8 (planner/cost/fp8.py)."""
 
 
 # ---- model shape ----------------------------------------------------------------------------
 
 
-def layer_kinds(model: ModelSpec) -> np.ndarray:  # [L] DENSE / MOE
-    return np.array([MOE if model.is_moe_layer(i) else DENSE for i in range(model.num_layers)],
-                    dtype=np.int64)
+def layer_kinds(model: ModelSpec, fp8: FP8Spec | None = None) -> np.ndarray:  # [L]
+    """DENSE / MOE per layer, + BF16 where an FP8 run keeps the layer in bf16."""
+    kinds = np.array([MOE if model.is_moe_layer(i) else DENSE for i in range(model.num_layers)],
+                     dtype=np.int64)
+    if fp8 is not None:
+        kinds += BF16 * ~np.array(fp8.fp8_layers(model.num_layers), dtype=bool)
+    return kinds
+
+
+def is_moe_kind(kind: int) -> bool:
+    return kind % BF16 == MOE
 
 
 # ---- costs ----------------------------------------------------------------------------------
@@ -250,34 +261,40 @@ def valid_for(model: ModelSpec, table: StrategyTable) -> np.ndarray:  # [K, S] b
     has_etp = np.array([s.etp is not None for s in table.strategies], dtype=bool)
     dense = (ep == 1) & ~has_etp
     if model.moe is None:
-        return dense[None]
+        return np.stack([dense] * 4)
     f = model.moe.expert_ffn_hidden_size(model)
     width = table.tp * table.shard_ranks
     moe = ((model.moe.num_experts % ep == 0) & (width % (ep * et) == 0) & (f % et == 0)
            & ((table.tp == 1) | table.sp) & ~((ep == 1) & (et != table.tp))
            & (table.zero <= 1))
-    return np.stack([dense, moe])
+    return np.stack([dense, moe, dense, moe])  # DENSE, MOE, and their + BF16 kinds
 
 
 def kind_costs(cm: CostModel, table: StrategyTable, micro_batch_size: int) -> list[LayerCosts]:
-    """[dense LayerCosts, MoE LayerCosts] of `table` (just [dense] for a dense model)."""
+    """LayerCosts of `table` per layer kind: [dense, MoE] ([dense] for a dense model); in an
+    FP8 run that keeps layers in bf16, [dense, MoE, dense bf16, MoE bf16] (a dense model's
+    MoE entries repeat the dense ones and are never used)."""
     dense = cm.layer_costs(table, micro_batch_size)
-    if cm.model.moe is None:
-        return [dense]
-    return [dense, moe_layer_costs(cm, table, micro_batch_size)]
+    per = [dense] if cm.model.moe is None else [dense, moe_layer_costs(cm, table,
+                                                                       micro_batch_size)]
+    fp8 = cm.training.fp8
+    if fp8 is None or all(fp8.fp8_layers(cm.model.num_layers)):
+        return per
+    bf16 = kind_costs(cm.without_fp8(), table, micro_batch_size)
+    return (per * 2)[:2] + (bf16 * 2)[:2]
 
 
 def per_layer_costs(cm: CostModel, table: StrategyTable, micro_batch_size: int,
                     index: np.ndarray) -> LayerCosts:
     """LayerCosts with one row per layer: layer i priced under table strategy index[i] as its
-    kind (dense or MoE)."""
+    kind (dense or MoE, FP8 or kept in bf16)."""
     per = kind_costs(cm, table, micro_batch_size)
     index = np.asarray(index, dtype=np.int64)
     if len(per) == 1:
         return LayerCosts(**{n: getattr(per[0], n)[index] for n in LayerCosts.__slots__})
-    kinds = layer_kinds(cm.model)[: len(index)]
+    kinds = layer_kinds(cm.model, cm.training.fp8)[: len(index)]
     return LayerCosts(**{
-        n: np.where(kinds == MOE, getattr(per[1], n)[index], getattr(per[0], n)[index])
+        n: np.stack([getattr(c, n)[index] for c in per])[kinds, np.arange(len(index))]
         for n in LayerCosts.__slots__
     })
 

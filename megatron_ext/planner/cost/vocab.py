@@ -164,7 +164,7 @@ def _vocab_parallel_comm_s(cm: CostModel, pp: int, width: int, tv: int, hidden: 
     """Per micro-batch: broadcast of the hidden state over the pp ranks, fp32 input-gradient
     all-reduce and embedding all-reduce over the p * t_v vocabulary group, gradient broadcast
     back to every stage."""
-    g = cm.cluster.gpus_per_node
+    g = cm.cluster.nvlink_domain
     pp_layout = cm.layout(pp, width)
     per_node = min(pp * tv, tv * max(1, min(pp, g // width)) if width < g else tv)
     group = GroupLayout(size=pp * tv, ranks_per_node=max(1, per_node))
