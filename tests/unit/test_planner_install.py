@@ -115,6 +115,11 @@ def test_planner_commands_run_without_torch(planner_env: Path, tmp_path: Path) -
     assert done.returncode == 0 and "on 16 ranks" in done.stderr, done.stderr
     done = _run(planner_env, "flags", "num-experts", cwd=tmp_path)
     assert done.returncode == 0 and done.stdout.startswith("--num-experts: honoured"), done.stdout
+    # no megatron-core installed: the newest flag catalog, shipped as package data
+    done = _run(planner_env, "flags", cwd=tmp_path)
+    assert done.returncode == 0 and " Megatron-LM core_v0.19.0 flags: " in done.stdout, done.stderr
+    done = _run(planner_env, "args", "--megatron-version", "0.16.1", "searched.json", cwd=tmp_path)
+    assert done.returncode == 0 and "--micro-batch-size" in done.stdout, done.stderr
     done = _run(planner_env, "validate", hetero, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
 
