@@ -1,7 +1,25 @@
 """megatron_ext: layerwise heterogeneous parallelism, strategy search, vocabulary parallelism and
-flexible sequence parallelism on Megatron-Core 0.16.1."""
+flexible sequence parallelism on Megatron-Core.
+
+`pip install megatron_ext` installs the planner CLI alone (search, evaluate, args, plan-from-args,
+flags, validate, flexsp plan): numpy and scipy, no torch, no megatron-core, so it never changes
+the Megatron of the environment it is installed into. `megatron_ext[train]` adds the runtime
+(pretrain_gpt.py, profile) with megatron-core as a supported range (megatron_adapter/
+compat_versions.py says which)."""
 
 from setuptools import find_packages, setup
+
+# The runtime (`pip install megatron_ext[train]`). megatron-core is a range, never pinned: the
+# upper bound is the first version not yet supported (megatron_adapter/compat_versions.py
+# SUPPORTED; the runtime refuses others in one line before any process group).
+TRAIN = [
+    "megatron-core>=0.16.1,<0.17",
+    # torch is required but not pinned: install the build you want first (CPU: torch==2.13.0).
+    "torch>=2.6",
+    "einops",  # megatron-core's HyperCommGrid needs it but does not declare it
+    "psutil",  # megatron-core's torch_dist checkpoint writer needs it but does not declare it
+    "tokenizers>=0.20",  # offline GPT-2 BPE / tokenizer.json without transformers or a hub
+]
 
 setup(
     name="megatron_ext",
@@ -9,24 +27,20 @@ setup(
     description="Searched per-layer parallel layouts for Megatron-Core training",
     python_requires=">=3.10",
     packages=find_packages(include=["megatron_ext", "megatron_ext.*"]),
-    # Megatron-LM core_v0.16.1's flag listing, read by flags/catalog.py
+    # Megatron-LM's flag listing per supported version, read by flags/catalog.py
     package_data={
-        "megatron_ext.flags": ["megatron_lm_core_v0.16.1_flags.json"],
+        "megatron_ext.flags": ["megatron_lm_core_v*_flags.json"],
         # the prediction intervals' residual table (tools/bench_published.py --write-residuals)
         "megatron_ext.planner.cost": ["residuals_a100.json"],
     },
+    # the planner CLI: nothing here may pull torch or megatron-core (tests/unit/test_planner_install.py)
     install_requires=[
-        "megatron-core==0.16.1",
-        # torch is required but not pinned: install the build you want first (CPU: torch==2.13.0).
-        "torch>=2.6",
         "numpy",
         "scipy>=1.9",  # HiGHS MILP for the exact FlexSP planner
-        "einops",  # megatron-core's HyperCommGrid needs it but does not declare it
-        "psutil",  # megatron-core's torch_dist checkpoint writer needs it but does not declare it
-        "tokenizers>=0.20",  # offline GPT-2 BPE / tokenizer.json without transformers or a hub
     ],
     extras_require={
-        "gpu": ["transformer-engine[pytorch]", "flash-attn"],
+        "train": TRAIN,
+        "gpu": [*TRAIN, "transformer-engine[pytorch]", "flash-attn"],
         "plot": ["matplotlib"],
         # transformers: the HuggingFace config tests build configs with the real library (it
         # does not require torch, so installing it keeps the torch build already there)

@@ -14,8 +14,9 @@ PYTHON=${PYTHON:-python}
 #    image is replaced. `tokenizers` reads GPT-2 vocab/merges and tokenizer.json offline.
 "$PYTHON" -m pip install --no-cache-dir "megatron-core==0.16.1" "tokenizers>=0.20"
 
-# 2. this package, editable from the copied source (its own deps: einops, psutil, scipy).
-"$PYTHON" -m pip install --no-cache-dir -e "$REPO_DIR"
+# 2. this package with its runtime extra, editable from the copied source (the plain install is
+#    the planner alone; [train] adds einops, psutil, tokenizers and checks megatron-core's range).
+"$PYTHON" -m pip install --no-cache-dir -e "$REPO_DIR[train]"
 
 # 3. smoke check: the entry points import and the CLI answers.
 "$PYTHON" -c "import megatron.core, megatron_ext, tokenizers; print('megatron-core', megatron.core.__version__)"

@@ -8,6 +8,10 @@ the layer table on stderr), so a hand-written configuration can be compared with
 `flags [FLAG ...]` (num-experts, or `-- --num-experts`) prints the flag table
 (flags/catalog.py): each Megatron-LM flag's class (honoured, no effect here, refused) and why;
 with no FLAG, the count per class.
+All three take `--megatron-version V` (0.16.1, 0.19, 0.19.2, ...): the Megatron-LM flag catalog to
+emit or read (flags/versions.py); by default the installed megatron-core's, else the newest
+catalog. A flag the chosen version lacks is refused in one line naming the version and what
+replaces it there.
 """
 
 from __future__ import annotations
@@ -24,7 +28,16 @@ from megatron_ext.flags.parser import (
     parse_megatron_args,
     plan_from_megatron_args,
 )
+from megatron_ext.flags.versions import CATALOGS
 from megatron_ext.plan import ParallelPlan
+
+
+def add_version_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--megatron-version", default=None, metavar="VERSION",
+        help="Megatron-LM / megatron-core version whose flags to use: "
+        f"{', '.join(c.version for c in CATALOGS)} (or any patch release of those); default: the "
+        "installed megatron-core's, else the newest")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -36,6 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plan-path", default=None,
                    help="path to print after --strategy-config when the plan needs it, e.g. "
                    "where the file sits inside the training container (default: PLAN as given)")
+    add_version_argument(p)
     p.set_defaults(run=run_args)
     q = sub.add_parser(
         "plan-from-args",
@@ -49,6 +63,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="also predict the plan's memory and time per stage (as megatron-ext "
                    "evaluate; the cluster from --cluster/--nodes or --cluster-profile)")
     add_evaluate_arguments(q)
+    add_version_argument(q)
     q.add_argument("megatron_args", nargs=argparse.REMAINDER,
                    help="Megatron-LM pretrain_gpt.py flags, after --")
     q.set_defaults(run=run_plan_from_args)
@@ -60,24 +75,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="a flag without its dashes (num-experts), or after --")
     f.add_argument("--class", dest="kind", choices=["honoured", "no_effect", "refused"],
                    default=None, help="list every flag of this class")
+    add_version_argument(f)
     f.set_defaults(run=run_flags)
 
 
 def run_flags(args: argparse.Namespace) -> int:
-    from megatron_ext.flags.catalog import class_sizes
-    from megatron_ext.flags.parser import flag_catalog
+    from megatron_ext.flags.catalog import class_sizes, option_sets
+    from megatron_ext.flags.parser import check_version_flags, flag_catalog
+    from megatron_ext.flags.versions import resolve
 
-    table = flag_catalog()
+    version = resolve(args.megatron_version)
+    table = flag_catalog(version)
     if not args.flag_names and args.kind is None:
         sizes = class_sizes(table)
-        sys.stdout.write(f"{len(table)} Megatron-LM core_v0.16.1 flags: "
+        sys.stdout.write(f"{len(table)} Megatron-LM {version.tag} flags: "
                          + ", ".join(f"{n} {k.replace('_', ' ')}" for k, n in sizes.items())
                          + "\n")
         return 0
     args.flag_names = [n if n.startswith("-") else f"--{n}" for n in args.flag_names]
+    check_version_flags(args.flag_names, version)
     for name in args.flag_names:
         if name not in table:
-            raise PlanError(f"{name} is not a Megatron-LM core_v0.16.1 flag; check the spelling")
+            known = any(name in options for options in option_sets().values())
+            raise PlanError(f"{name} is not a Megatron-LM {version.tag} flag"
+                            + ("" if known else "; check the spelling"))
     names = args.flag_names or [o for o, e in table.items() if e.kind == args.kind]
     for name in names:
         entry = table[name]
@@ -93,7 +114,8 @@ def run_flags(args: argparse.Namespace) -> int:
 
 def run_args(args: argparse.Namespace) -> int:
     plan = ParallelPlan.load(args.plan)
-    result = plan_to_megatron_args(plan, plan_path=args.plan_path or args.plan)
+    result = plan_to_megatron_args(plan, plan_path=args.plan_path or args.plan,
+                                   megatron_version=args.megatron_version)
     if result.needs_megatron_ext:
         sys.stderr.write(
             "megatron-ext: note: this plan needs megatron_ext's pretrain_gpt.py (stock "
@@ -111,13 +133,14 @@ def run_plan_from_args(args: argparse.Namespace) -> int:
         raise PlanError("no Megatron flags given; use plan-from-args [--world-size N] -- <flags>")
     _check_evaluate_flags(args)
     world_size = _world_size(args.world_size)
-    ns = parse_megatron_args(argv, world_size=world_size)
+    ns = parse_megatron_args(argv, world_size=world_size, megatron_version=args.megatron_version)
     if world_size is None:
         world_size = (ns.tensor_model_parallel_size * ns.pipeline_model_parallel_size
                       * ns.context_parallel_size)
         sys.stderr.write(f"megatron-ext: note: assuming world size {world_size} (data-parallel "
                          "size 1); pass --world-size N\n")
-        ns = parse_megatron_args(argv, world_size=world_size)
+        ns = parse_megatron_args(argv, world_size=world_size,
+                                 megatron_version=args.megatron_version)
     plan = plan_from_megatron_args(ns, world_size)
     if args.out:
         plan.save(args.out)

@@ -11,6 +11,7 @@ print a summary table to stderr; the JSON goes to --out.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 
@@ -64,7 +65,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     mdl.set_defaults(run=run_model)
 
 
+def require_runtime(command: str, *, megatron: bool) -> None:
+    """The planner installs without torch and megatron-core (`pip install megatron_ext`); a
+    runtime command run there, or on an unsupported megatron-core, stops in one line before any
+    process group."""
+    from megatron_ext.megatron_adapter.compat_versions import check_megatron_core
+
+    if importlib.util.find_spec("torch") is None:
+        raise PlanError(f"{command} needs torch, which is not installed; install the runtime: "
+                        "pip install torch && pip install 'megatron_ext[train]'")
+    if megatron:
+        check_megatron_core()
+
+
 def run_hardware(args: argparse.Namespace) -> int:
+    require_runtime("profile hardware", megatron=False)
     import torch
     import torch.distributed as dist
 
@@ -122,6 +137,7 @@ def cluster_summary(profile: ClusterProfile) -> str:
 
 
 def run_model(args: argparse.Namespace) -> int:
+    require_runtime("profile model", megatron=True)
     import torch
 
     from megatron_ext.commands.moe_support import refuse_moe_profile

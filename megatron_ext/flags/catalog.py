@@ -1,8 +1,10 @@
-"""Every Megatron-LM core_v0.16.1 flag, in exactly one class: honoured, no effect here, refused.
+"""Every Megatron-LM flag, in exactly one class: honoured, no effect here, refused.
 
 `megatron_lm_core_v0.16.1_flags.json` (next to this file) lists every option string of
 Megatron-LM core_v0.16.1 `megatron/training/arguments.py` with its argparse dest, nargs, const,
-default and type. This module gives each of them one class:
+default and type; `megatron_lm_core_v0.19.0_flags.json` the same for core_v0.19.0 (both made by
+tools/gen_flag_catalog.py; flags/versions.py picks one per megatron-core version). This module
+gives each of them one class:
 
 - honoured: same name, meaning and default as Megatron-LM; parser.py defines it.
 - no effect: accepted, logged once at start with the reason (logging, profiling, debugging,
@@ -11,6 +13,10 @@ default and type. This module gives each of them one class:
 - refused: a one-line error naming the unsupported feature and what to use instead. A refused
   flag given with Megatron-LM's default value (`--expert-model-parallel-size 1`) changes nothing
   and passes.
+
+The rules below name core_v0.16.1's options; a flag only a newer catalog has and no rule names
+is refused unless given its default ("this core_v0.19.0 feature is not supported"), so nothing
+new is accepted and ignored before someone has classified it.
 
 `pretrain_gpt.py`, `plan-from-args` and `megatron-ext args` all read this table, through
 parser.py. A string not in the file is "not a Megatron flag". Nothing here imports torch or
@@ -24,12 +30,12 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 from typing import Any, Literal
 
 from megatron_ext.errors import PlanError
+from megatron_ext.flags.versions import BASE, CATALOGS, FlagCatalogVersion
 
-FLAGS_FILE = Path(__file__).with_name("megatron_lm_core_v0.16.1_flags.json")
+FLAGS_FILE = BASE.file
 
 Kind = Literal["honoured", "no_effect", "refused"]
 
@@ -69,8 +75,9 @@ class Entry:
 
 
 @cache
-def megatron_flags() -> dict[str, MegatronFlag]:
-    data = json.loads(FLAGS_FILE.read_text())["flags"]
+def megatron_flags(version: FlagCatalogVersion = BASE) -> dict[str, MegatronFlag]:
+    """Every option of `version`'s catalog (default core_v0.16.1's)."""
+    data = json.loads(version.file.read_text())["flags"]
     flags = {}
     for option, spec in data.items():
         nargs = spec["nargs"]
@@ -232,6 +239,16 @@ NO_EFFECT_PREFIXES: tuple[tuple[str, str], ...] = (
     ("--no-langrl-", "a reinforcement-learning setting read by Megatron-LM's train_rl.py; "
      + _NO_PRETRAIN),
     ("--dino-", "a DINO vision-model setting; " + _NO_PRETRAIN),
+    # core_v0.19.0's
+    ("--mamba-inference-", "an inference-engine setting; " + _NO_PRETRAIN),
+    ("--pytorch-profiler-", "a profiler switch; profile with `megatron-ext profile` or "
+     "torch.profiler around pretrain_gpt.py"),
+    ("--flight-recorder-", "an NCCL flight-recorder (debug dump) setting; it does not change "
+     "the model or the maths"),
+    ("--no-flight-recorder-", "an NCCL flight-recorder (debug dump) setting; it does not change "
+     "the model or the maths"),
+    ("--disable-flight-recorder-", "an NCCL flight-recorder (debug dump) setting; it does not "
+     "change the model or the maths"),
 )
 _INFERENCE_ONLY = ("--flash-decode", "--max-tokens-to-oom", "--decode-only-cuda-graphs",
                    "--enable-chunked-prefill", "--disable-chunked-prefill",
@@ -397,11 +414,19 @@ def _explicit_rules() -> dict[str, tuple[Kind, str, str]]:
 
 
 @cache
-def catalog(honoured: frozenset[str]) -> dict[str, Entry]:
-    """Every Megatron-LM option -> its Entry; `honoured` are the options parser.py defines."""
+def option_sets() -> dict[str, frozenset[str]]:
+    """catalog version -> its option strings."""
+    return {c.version: frozenset(megatron_flags(c)) for c in CATALOGS}
+
+
+@cache
+def catalog(honoured: frozenset[str], version: FlagCatalogVersion = BASE) -> dict[str, Entry]:
+    """Every Megatron-LM option of `version` -> its Entry; `honoured` are the options parser.py
+    defines."""
     rules = _explicit_rules()
     table: dict[str, Entry] = {}
-    for option, flag in megatron_flags().items():
+    base = megatron_flags(BASE)
+    for option, flag in megatron_flags(version).items():
         if option in rules:
             kind, reason, instead = rules[option]
             table[option] = Entry(flag, kind, reason, instead)
@@ -414,6 +439,9 @@ def catalog(honoured: frozenset[str]) -> dict[str, Entry]:
             table[option] = Entry(flag, "refused", prefix_refused[1], prefix_refused[2])
         elif prefix_no_effect is not None:
             table[option] = Entry(flag, "no_effect", prefix_no_effect[1])
+        elif option not in base:
+            table[option] = Entry(flag, "refused", f"this {version.tag} feature",
+                                  "drop it (megatron_ext has not taken it up yet)")
         else:
             raise AssertionError(f"Megatron-LM flag {option} has no class in catalog.py")
     return table

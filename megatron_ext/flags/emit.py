@@ -37,6 +37,11 @@ Mapping decisions (Megatron-LM core_v0.16.1 semantics):
   not plan fields: add `--moe-token-dispatcher-type alltoall` / `--moe-grouped-gemm` yourself.
 - vocab_size is printed as `--vocab-size`; Megatron-LM reads it only with NullTokenizer, other
   tokenizers take the size from their files.
+- version: `megatron_version` picks the Megatron-LM flag catalog (flags/versions.py; None: the
+  installed megatron-core's, else the newest). Every Megatron flag printed is one that version
+  has; one it lacks is a one-line PlanError naming the version and the replacement. (The flags
+  emitted here are the same in core_v0.16.1 and core_v0.19.0, with the same defaults: a test
+  keeps it so.)
 """
 
 from __future__ import annotations
@@ -45,9 +50,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from megatron_ext.errors import PlanError
+from megatron_ext.flags.catalog import option_sets
 from megatron_ext.flags.fp8 import fp8_values
 from megatron_ext.flags.moe import layer_freq_text, moe_values
 from megatron_ext.flags.table import EMIT_TABLE
+from megatron_ext.flags.versions import FlagCatalogVersion, resolve, wrong_version_message
 from megatron_ext.plan import ParallelPlan
 
 
@@ -110,9 +117,11 @@ def megatron_values(plan: ParallelPlan) -> MegatronView:
     return MegatronView(values=values, reasons=tuple(reasons))
 
 
-def plan_to_megatron_args(plan: ParallelPlan, *, plan_path: str | None = None) -> MegatronArgs:
+def plan_to_megatron_args(plan: ParallelPlan, *, plan_path: str | None = None,
+                          megatron_version: str | None = None) -> MegatronArgs:
     """Megatron-LM flags for `plan`; `plan_path` is printed after --strategy-config if needed.
     (Building `plan` ran plan_checks.check_plan, Megatron-LM's own rules on its fields included.)"""
+    version = resolve(megatron_version)
     view = megatron_values(plan)
     values = {k: v for k, v in view.values.items() if v is not PLAN_ONLY}
     if view.reasons:
@@ -126,7 +135,24 @@ def plan_to_megatron_args(plan: ParallelPlan, *, plan_path: str | None = None) -
         needs.append("vocabulary parallelism (--vocab-parallel)")
     if plan.flexsp is not None and not view.reasons:
         needs.append("flexible sequence parallelism (--flexsp)")
-    return MegatronArgs(argv=tuple(render_argv(values)), needs_megatron_ext=tuple(needs))
+    argv = render_argv(values)
+    check_emitted(argv, version)
+    return MegatronArgs(argv=tuple(argv), needs_megatron_ext=tuple(needs))
+
+
+MEGATRON_EXT_FLAGS = frozenset(flag for _, _, flag, _ in EMIT_TABLE) - frozenset().union(
+    *option_sets().values())
+"""Flags of EMIT_TABLE that are megatron_ext's own (--strategy-config, --vocab-parallel, ...)."""
+
+
+def check_emitted(argv: list[str], version: FlagCatalogVersion) -> None:
+    """Every Megatron flag in `argv` exists in `version`'s catalog, or a one-line PlanError."""
+    mine = option_sets()[version.version]
+    others = {v: options for v, options in option_sets().items() if v != version.version}
+    for token in argv:
+        if token.startswith("--") and token not in mine and token not in MEGATRON_EXT_FLAGS:
+            message = wrong_version_message(token, version, others)
+            raise PlanError(message or f"{token} is not a Megatron-LM {version.tag} flag")
 
 
 def render_argv(values: dict[str, Any]) -> list[str]:

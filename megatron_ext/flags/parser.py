@@ -1,8 +1,9 @@
 """Megatron-LM pretrain_gpt.py arguments: one argparse parser with Megatron's names and meanings.
 
 Flag names, dests, defaults and choices follow Megatron-LM core_v0.16.1
-`megatron/training/arguments.py`, so a Megatron launch script works unchanged with
-megatron_ext's pretrain_gpt.py; cross-flag rules Megatron-LM enforces in `validate_args` and
+`megatron/training/arguments.py` (core_v0.19.0's with `megatron_version` 0.19: its flag set, and
+its defaults where they changed; flags/versions.py), so a Megatron launch script works unchanged
+with megatron_ext's pretrain_gpt.py; cross-flag rules Megatron-LM enforces in `validate_args` and
 `TransformerConfig.__post_init__` are checked in flags/checks.py. megatron_ext adds
 --strategy-config, --vocab-parallel, --flexsp and --cpu.
 
@@ -20,7 +21,13 @@ import argparse
 from collections.abc import Sequence
 
 from megatron_ext.errors import PlanError
-from megatron_ext.flags.catalog import Entry, catalog, check_unhonoured, megatron_flags
+from megatron_ext.flags.catalog import (
+    Entry,
+    catalog,
+    check_unhonoured,
+    megatron_flags,
+    option_sets,
+)
 from megatron_ext.flags.checks import (
     apply_aliases,
     validate_megatron_args,
@@ -33,6 +40,7 @@ from megatron_ext.flags.to_plan import (
 )
 from megatron_ext.flags.training import add_training_groups
 from megatron_ext.flags.types import positive_int
+from megatron_ext.flags.versions import BASE, FlagCatalogVersion, resolve, wrong_version_message
 
 __all__ = ["build_megatron_parser", "parse_megatron_args", "plan_from_megatron_args"]
 
@@ -44,10 +52,24 @@ class MegatronArgumentParser(argparse.ArgumentParser):
         raise PlanError(message)
 
 
-def build_megatron_parser(prog: str = "pretrain_gpt.py") -> argparse.ArgumentParser:
+def build_megatron_parser(prog: str = "pretrain_gpt.py",
+                          version: FlagCatalogVersion = BASE) -> argparse.ArgumentParser:
     parser = _honoured_parser(prog)
-    _add_unhonoured(parser, honoured_options())
+    _version_defaults(parser, version)
+    _add_unhonoured(parser, honoured_options(), version)
     return parser
+
+
+def _version_defaults(parser: argparse.ArgumentParser, version: FlagCatalogVersion) -> None:
+    """Honoured flags whose Megatron-LM default changed in `version` get that version's default
+    (core_v0.19.0: --data-parallel-sharding-strategy optim_grads_params)."""
+    if version == BASE:
+        return
+    base, mine = megatron_flags(BASE), megatron_flags(version)
+    for action in parser._actions:
+        for option in action.option_strings:
+            if option in base and option in mine and base[option].default != mine[option].default:
+                action.default = mine[option].default_value()
 
 
 def _honoured_parser(prog: str) -> argparse.ArgumentParser:
@@ -78,17 +100,31 @@ def honoured_options() -> frozenset[str]:
 _HONOURED: frozenset[str] | None = None
 
 
-def flag_catalog() -> dict[str, Entry]:
-    """Every Megatron-LM option -> its class (honoured, no effect here, refused)."""
-    return catalog(honoured_options())
+def flag_catalog(version: FlagCatalogVersion = BASE) -> dict[str, Entry]:
+    """Every Megatron-LM option of `version` -> its class (honoured, no effect here, refused)."""
+    return catalog(honoured_options(), version)
 
 
-def _add_unhonoured(parser: argparse.ArgumentParser, honoured: frozenset[str]) -> None:
+def check_version_flags(argv: Sequence[str], version: FlagCatalogVersion) -> None:
+    """A flag another catalog has and `version`'s lacks: one line naming the version and what
+    replaces it there (before argparse would call it "not a Megatron flag")."""
+    mine = option_sets()[version.version]
+    others = {v: options for v, options in option_sets().items() if v != version.version}
+    for token in argv:
+        option = token.split("=", 1)[0]
+        if option.startswith("--") and option not in mine:
+            message = wrong_version_message(option, version, others)
+            if message is not None:
+                raise PlanError(message)
+
+
+def _add_unhonoured(parser: argparse.ArgumentParser, honoured: frozenset[str],
+                    version: FlagCatalogVersion) -> None:
     """Megatron-LM's other flags, so that they parse; catalog.py decides what each one does."""
     g = parser.add_argument_group(
         "other Megatron-LM flags: no effect here, or refused unless given their default "
         "(`megatron-ext flags` lists each one's class)")
-    for option, flag in megatron_flags().items():
+    for option, flag in megatron_flags(version).items():
         if option in honoured:
             continue
         default = flag.default_value()
@@ -102,7 +138,8 @@ def _add_unhonoured(parser: argparse.ArgumentParser, honoured: frozenset[str]) -
 
 
 def parse_megatron_args(
-    argv: Sequence[str], *, world_size: int | None = None, model_only: bool = False
+    argv: Sequence[str], *, world_size: int | None = None, model_only: bool = False,
+    megatron_version: str | None = None,
 ) -> argparse.Namespace:
     """Parse and validate Megatron-LM flags like Megatron-LM's parse_args + validate_args.
 
@@ -111,20 +148,23 @@ def parse_megatron_args(
     on the command line. With --strategy-config the plan file is loaded and checked against the
     given flags; values it carries and the flags omit are filled in, values that vary per layer
     are None. `model_only` drops the training requirements (--seq-length, --micro-batch-size)
-    for files that describe just a model shape.
+    for files that describe just a model shape. `megatron_version` picks the flag catalog
+    (flags/versions.py; None: the installed megatron-core's, else the newest).
     """
     argv = list(argv)
-    parser = build_megatron_parser()
+    version = resolve(megatron_version)
+    check_version_flags(argv, version)
+    parser = build_megatron_parser(version=version)
     ns, extra = parser.parse_known_args(argv)
     if extra:
         raise PlanError(_unknown_message(extra))
     unset = object()  # not a str: argparse would run a str default through `type`
-    explicit = build_megatron_parser()
+    explicit = build_megatron_parser(version=version)
     explicit.set_defaults(**dict.fromkeys(vars(ns), unset))
     given = vars(explicit.parse_known_args(argv)[0])
     ns.explicit_args = frozenset(dest for dest, value in given.items() if value is not unset)
     ns.no_effect_notes = tuple(entry.note()
-                               for entry in check_unhonoured(ns, argv, flag_catalog()))
+                               for entry in check_unhonoured(ns, argv, flag_catalog(version)))
     apply_aliases(ns)
     if ns.strategy_config is not None:
         apply_strategy_config(ns, parser, world_size=world_size)

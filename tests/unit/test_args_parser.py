@@ -38,7 +38,7 @@ def error_of(*extra: str, world_size: int | None = None, base: list[str] = BASE)
 
 
 def test_megatron_defaults() -> None:
-    ns = parse_megatron_args(BASE)
+    ns = parse_megatron_args(BASE, megatron_version="0.16.1")  # 0.19: optim_grads_params
     expected: dict[str, Any] = {
         "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1,
         "context_parallel_size": 1, "cp_comm_type": ["p2p"], "num_query_groups": 1,

@@ -13,9 +13,18 @@ import re
 import pytest
 
 from megatron_ext.errors import PlanError
+from megatron_ext.flags import versions
 from megatron_ext.flags.catalog import ALSO_ACCEPTED, class_sizes, megatron_flags
 from megatron_ext.flags.parser import build_megatron_parser, flag_catalog, parse_megatron_args
 from megatron_ext.flags.table import EMIT_TABLE
+
+
+@pytest.fixture(autouse=True)
+def _core_v0_16_1_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests check the core_v0.16.1 table: parse with that catalog whatever megatron-core
+    is installed (tests/unit/test_flag_versions.py covers core_v0.19.0's)."""
+    monkeypatch.setattr(versions, "installed_megatron_core", lambda: "0.16.1")
+
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
         "--max-position-embeddings", "128", "--seq-length", "128", "--micro-batch-size", "1"]

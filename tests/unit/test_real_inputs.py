@@ -23,11 +23,20 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.errors import PlanError
+from megatron_ext.flags import versions
 from megatron_ext.flags.emit import megatron_values, plan_to_megatron_args
 from megatron_ext.flags.parser import parse_megatron_args, plan_from_megatron_args
 from megatron_ext.hf_config import model_from_hf_config
 from megatron_ext.planner.cost.compute import model_parameters
 from megatron_ext.presets import model_file_with_notes
+
+
+@pytest.fixture(autouse=True)
+def _core_v0_16_1_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The corpus is Megatron-LM core_v0.16.1's launch scripts: parse them with that catalog
+    whatever megatron-core is installed (tests/unit/test_flag_versions.py covers core_v0.19.0's)."""
+    monkeypatch.setattr(versions, "installed_megatron_core", lambda: "0.16.1")
+
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 MEGATRON = DATA / "megatron_lm"

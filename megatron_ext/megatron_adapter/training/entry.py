@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from megatron_ext.errors import PlanError
 from megatron_ext.flags.parser import parse_megatron_args
 from megatron_ext.flags.schedule import check_schedule_flags
+from megatron_ext.megatron_adapter.compat_versions import check_megatron_core
 from megatron_ext.megatron_adapter.training import console
 from megatron_ext.megatron_adapter.training.checkpoint_files import check_checkpoints
 
@@ -52,6 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     rank = console.rank_from_env()
     try:
+        check_megatron_core()  # compat_versions.SUPPORTED_RANGE, before torch and any group
         args = parse_megatron_args(argv, world_size=int(os.environ.get("WORLD_SIZE", "1")))
         check_supported(args)
         target = check_checkpoints(args)  # verified --load, no rollback of --save

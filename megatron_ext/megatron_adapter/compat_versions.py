@@ -1,0 +1,140 @@
+"""Which megatron-core versions the runtime supports, and how they differ where this package cares.
+
+`SUPPORTED_RANGE` is the one statement of the range (setup.py's `train` extra repeats it as a
+requirement: a test keeps the two equal). `check_megatron_core()` is called by the runtime's
+entry points (pretrain_gpt.py's main, `megatron-ext profile`) before torch.distributed starts:
+outside the range, or with no megatron-core installed, the run stops with one line naming the
+installed version and the range. The version is read from the installed distribution's metadata,
+so this module imports neither torch nor megatron and the check costs no megatron-core import.
+
+`DIFFERENCES` is the table of what changed between the supported versions in the megatron-core
+API this package uses (from the 0.16.1 and 0.19.2 wheels: `file.py:line` are relative to
+`megatron/core/`): feature -> how 0.16.1 does it -> how 0.19.x does it -> what megatron_ext
+does. Version-dependent code reads this module (`version_at_least`), never its own version test.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_ext.errors import PlanError
+from megatron_ext.flags.versions import installed_megatron_core, parse_version
+
+OLDEST = (0, 16, 1)  # first supported version
+# 0.17-0.19 not yet: on 0.19.2 the runtime's imports and schedule hooks differ (DIFFERENCES:
+# the rampup calculator, the grad-norm helper, backward_step's arguments) and three CPU patches
+# no longer apply; the planner and the flag catalogs (--megatron-version 0.19) already follow it.
+FIRST_UNSUPPORTED = (0, 17, 0)  # first version not yet supported
+SUPPORTED_RANGE = ">=0.16.1,<0.17"
+
+__all__ = ["SUPPORTED_RANGE", "check_megatron_core", "installed_megatron_core", "is_supported",
+           "parse_version", "version_at_least", "DIFFERENCES"]
+
+
+def is_supported(version: str) -> bool:
+    return OLDEST <= parse_version(version) < FIRST_UNSUPPORTED
+
+
+def check_megatron_core(version: str | None = None) -> str:
+    """The installed (or given) megatron-core version if supported; else a one-line PlanError."""
+    version = installed_megatron_core() if version is None else version
+    install = f"pip install 'megatron_ext[train]' (megatron-core{SUPPORTED_RANGE})"
+    if version is None:
+        raise PlanError(f"megatron-core is not installed; the training runtime needs it: {install}")
+    try:
+        supported = is_supported(version)
+    except ValueError:
+        supported = False
+    if not supported:
+        raise PlanError(f"megatron-core {version} is installed; megatron_ext's runtime supports "
+                        f"megatron-core{SUPPORTED_RANGE}: {install}")
+    return version
+
+
+def version_at_least(version: str, minimum: tuple[int, int, int]) -> bool:
+    return parse_version(version) >= minimum
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class VersionDifference:
+    """One megatron-core API this package uses that is not the same in every supported version."""
+
+    feature: str
+    """What the package needs, in its words."""
+    v0_16: str
+    """How megatron-core 0.16.1 provides it."""
+    v0_19: str
+    """How megatron-core 0.19.x provides it."""
+    here: str
+    """What megatron_ext does about it (where the code lives, or what is still to do)."""
+
+
+DIFFERENCES: tuple[VersionDifference, ...] = (
+    VersionDifference(
+        feature="Python",
+        v0_16="wheels for 3.10-3.12 (the CI leg: 3.11)",
+        v0_19="wheels for Python 3.12 only (datasets/helpers_cpp is cp312)",
+        here="planner on any Python >= 3.10; the 0.19 runtime needs Python 3.12"),
+    VersionDifference(
+        feature="import megatron.core.pipeline_parallel.schedules / models.gpt",
+        v0_16="no triton import",
+        v0_19="imports triton unguarded via transformer/moe/ops/paged_stash.py:4 (CUDA torch "
+              "wheels bring triton, +cpu ones do not)",
+        here="install triton (CUDA torch wheels do), or stub the paged_stash ops module on CPU"),
+    VersionDifference(
+        feature="context-parallel batch split (losses.py)",
+        v0_16="utils.get_batch_on_this_cp_rank(batch, cp_group=None)",
+        v0_19="utils.get_batch_on_this_cp_rank(batch, is_hybrid_cp, cp_group=None, ...): "
+              "is_hybrid_cp required",
+        here="to port: pass is_hybrid_cp=False on 0.19"),
+    VersionDifference(
+        feature="one pipeline backward step (vocab/iteration.py)",
+        v0_16="schedules.backward_step(input, output, output_grad, model_type, config)",
+        v0_19="schedules.backward_step(input, output, output_grad, config)",
+        here="to port: drop model_type on 0.19"),
+    VersionDifference(
+        feature="async checkpoint writer's results queue (training/checkpoint.py)",
+        v0_16="filesystem_async._get_write_results_queue()",
+        v0_19="filesystem_async.get_write_results_queue(mp_mode='spawn')",
+        here="to port: use whichever name exists"),
+    VersionDifference(
+        feature="batch-size ramp-up (training/rampup.py)",
+        v0_16="num_microbatches_calculator.RampupBatchsizeNumMicroBatchesCalculator",
+        v0_19="removed; StepBatchsizeNumMicroBatchesCalculator ('THRESHOLD:BS ...') instead",
+        here="to port: compute the linear ramp in the package"),
+    VersionDifference(
+        feature="gradients for the grad norm (optimizer.py)",
+        v0_16="MegatronOptimizer.get_main_grads_for_grad_norm()",
+        v0_19="MegatronOptimizer.get_grads_for_grad_norm(grad_norm_group=None)",
+        here="to port: call whichever exists"),
+    VersionDifference(
+        feature="MoE auxiliary-loss logging (moe_logging.py)",
+        v0_16="moe_utils.clear_aux_losses_tracker / get_moe_layer_wise_logging_tracker",
+        v0_19="deprecated shims over transformer/moe/moe_logging.py MoEMetricsTracker "
+              "(get_moe_metrics_tracker())",
+        here="works through the shims; move to the tracker before they are removed"),
+    VersionDifference(
+        feature="DDP gradient sync on CPU (cpu/patches.py cuda_streams)",
+        v0_16="torch.cuda.current_stream() only with several distributed-optimizer instances",
+        v0_19="torch.cuda.current_stream() + wait_event in every start_grad_sync "
+              "(distributed/param_and_grad_buffer.py:632)",
+        here="the runtime patch covers it; its source diff must be regenerated for 0.19"),
+    VersionDifference(
+        feature="TE GEMM when transformer-engine is absent (cpu patch te_gemm_stub)",
+        v0_16="moe_utils imports te_general_gemm unguarded",
+        v0_19="moe_utils binds te_general_gemm = None without TE (fixed upstream)",
+        here="the patch is a no-op on 0.19"),
+    VersionDifference(
+        feature="renamed / removed config fields",
+        v0_16="TransformerConfig.moe_use_legacy_grouped_gemm, ModelParallelConfig."
+              "moe_extended_tp / async_tensor_model_parallel_allreduce, DDP config "
+              "preserve_fp32_weights, OptimizerConfig.muon_use_nesterov",
+        v0_19="removed; muon_use_nesterov renamed muon_nesterov",
+        here="the package sets none of them; the flags that carried them are in flags/versions.py "
+             "RENAMED)"),
+    VersionDifference(
+        feature="Megatron-LM command-line flags",
+        v0_16="flags/megatron_lm_core_v0.16.1_flags.json",
+        v0_19="flags/megatron_lm_core_v0.19.0_flags.json (core_v0.19.0 = core_r0.19.0)",
+        here="`megatron-ext args --megatron-version` emits only the chosen version's flags"),
+)
