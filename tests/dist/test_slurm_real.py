@@ -1,4 +1,4 @@
-"""examples/slurm/*.sh under a real Slurm: a one-node cluster on this machine (tools/slurm_local.py:
+"""examples/slurm/*.sh under a real Slurm: a one-node cluster on this machine (tests/slurm_cluster.py:
 munged, slurmctld, slurmd; the node's CPUs, no GPUs), the scripts run unchanged with the CPU
 settings docs/slurm.md documents (IMAGE=none, GPUS_PER_NODE=2 gloo ranks, --gpus-per-node=0).
 
@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from tests.dist.corpus import write_corpus
-from tests.tool_modules import load_tool
+from tests.slurm_cluster import LocalSlurm, SlurmUnavailable
 
 pytestmark = pytest.mark.dist
 
@@ -47,11 +47,10 @@ FINISHED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_
 
 @pytest.fixture(scope="session")
 def slurm(tmp_path_factory: pytest.TempPathFactory):
-    tool = load_tool("slurm_local.py")
-    cluster = tool.LocalSlurm(root=tmp_path_factory.mktemp("slurm"), cpus=os.cpu_count() or 1)
+    cluster = LocalSlurm(root=tmp_path_factory.mktemp("slurm"), cpus=os.cpu_count() or 1)
     try:
         cluster.start()
-    except tool.SlurmUnavailable as e:
+    except SlurmUnavailable as e:
         cluster.stop()
         pytest.skip(f"no local Slurm cluster: {e}")
     except BaseException:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,15 +30,12 @@ from megatron_ext.flags.versions import BASE, CATALOGS, RENAMED, resolve
 from megatron_ext.plan import ParallelPlan
 from megatron_ext.planner.cost.model import CostModel
 from megatron_ext.planner.search import search
+from megatron_ext.planner.suite import MOE_SUITE, SUITE
 from megatron_ext.planner.training import TrainingSpec
 from megatron_ext.presets import cluster_preset, model_preset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tool_modules import load_tool  # noqa: E402
-
 ROOT = Path(__file__).resolve().parents[2]
 V019 = resolve("0.19")
-BENCH = load_tool("bench_search.py")
 # The search suite's cases (tools/bench_search.py) that search in a few seconds here; the others
 # (up to 40 s each) print from the same EMIT_TABLE, checked flag by flag below.
 FAST_CASES = ("llama2-7b@8@24GiB", "llama3-8b@8@24GiB", "mixtral-8x7b@64", "qwen2-57b-a14b@128")
@@ -77,7 +73,7 @@ def test_every_flag_args_can_print_is_the_same_flag_in_every_catalog() -> None:
 
 @pytest.mark.parametrize("key", FAST_CASES)
 def test_search_suite_plans_emit_only_core_v0_19_flags(key: str, tmp_path: Path) -> None:
-    case = next(c for c in (*BENCH.SUITE, *BENCH.MOE_SUITE) if c.key == key)
+    case = next(c for c in (*SUITE, *MOE_SUITE) if c.key == key)
     cluster = cluster_preset(case.cluster, num_nodes=case.nodes, memory_gib=case.memory_gib)
     training = TrainingSpec(global_batch_size=case.global_batch_size,
                             seq_length=case.seq_length)
