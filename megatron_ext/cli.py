@@ -14,11 +14,11 @@ import os
 import sys
 from collections.abc import Sequence
 
-from megatron_ext.commands import args, evaluate, flexsp, profile, search, validate
+from megatron_ext.commands import args, evaluate, flexsp, launch, profile, search, validate
 from megatron_ext.errors import InfeasiblePlanError, PlanError
 
 # Subcommand modules, in the order `--help` lists them.
-COMMAND_MODULES = (search, evaluate, args, validate, profile, flexsp)
+COMMAND_MODULES = (search, evaluate, args, validate, profile, flexsp, launch)
 
 logger = logging.getLogger("megatron_ext")
 
@@ -44,6 +44,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.INFO, stream=sys.stderr,
         format="[megatron_ext] %(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["launch"]:  # torchrun's command line, untouched by this parser
+        return launch.main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args) or 0)

@@ -163,9 +163,12 @@ def test_unknown_and_unsupported_flags(flags: list[str], message: str) -> None:
         (["--lr", "1e-4", "--min-lr", "1e-3"], None, "--min-lr=0.001 exceeds --lr=0.0001"),
         (["--mock-data", "--data-path", "x"], None, "give one data source"),
         (["--vocab-parallel-algorithm", "2"], None, "--vocab-parallel-algorithm has no effect"),
-        (["--tensor-model-parallel-size", "3"], 8, ("world size 8 is not divisible by "
-         "--tensor-model-parallel-size x --pipeline-model-parallel-size x "
-         "--context-parallel-size = 3")),
+        (["--tensor-model-parallel-size", "3"], 8, ("--tensor-model-parallel-size=3 does not "
+         "divide world size 8; use one of 1, 2, 4, 8, or change the ranks")),
+        (["--tensor-model-parallel-size", "4", "--context-parallel-size", "3",
+          "--seq-length", "66"], 8,
+         ("--context-parallel-size=3 does not divide the 2 ranks that world size 8 "
+          "leaves over the other parallel sizes (4); use one of 1, 2, or change the ranks")),
         (["--global-batch-size", "6"], 4, ("--global-batch-size=6 is not a multiple of "
          "--micro-batch-size x data-parallel size = 1 x 4")),
         (["--tensor-model-parallel-size", "8"], 8, ("these Megatron flags give an invalid layout: "
