@@ -363,3 +363,35 @@ def test_plans_megatron_cannot_print() -> None:
     data["model"]["max_position_embeddings"] = 32  # rope: valid plan, but not for Megatron-LM
     with pytest.raises(PlanError, match="Megatron-LM requires --max-position-embeddings >= "):
         plan_to_megatron_args(ParallelPlan.from_dict(data))
+
+
+@pytest.mark.parametrize(
+    ("given", "suggested"),
+    [("--hiden-size", "--hidden-size"), ("--num-layerz", "--num-layers"),
+     ("--tensor-parallel-size", "--tensor-model-parallel-size"),
+     ("--lr-warmup-iter", "--lr-warmup-iters"), ("--seqlength", "--seq-length"),
+     ("--micro_batch_size", "--micro-batch-size"), ("--moe-router-top-k", "--moe-router-topk"),
+     ("--xyz", None)],
+)
+def test_misspelt_flag_names_the_closest_one(given: str, suggested: str | None) -> None:
+    error = error_of(given, "3")
+    assert error.startswith(f"{given} is not a Megatron flag megatron_ext accepts; "), error
+    if suggested is None:
+        assert "did you mean" not in error and "check the spelling" in error
+    else:
+        assert f"did you mean {suggested}? " in error
+
+
+def test_plan_from_args_and_cli_options_suggest_the_closest_name(capsys: Any) -> None:
+    from megatron_ext.cli import main
+
+    assert main(["plan-from-args", "--world-size", "8", "--", *BASE, "--hiden-size", "64"]) == 2
+    assert "did you mean --hidden-size?" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["search", "--globl-batch-size", "8"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "did you mean --global-batch-size?" in err
+    with pytest.raises(SystemExit):
+        main(["serch"])
+    assert "did you mean search?" in capsys.readouterr().err

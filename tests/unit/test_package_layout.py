@@ -38,7 +38,7 @@ ALLOWED = {
                          "planner", "flags", "runtime", "megatron_adapter"},
     "commands": {"errors", "schema", "specs", "presets", "hf_config", "plan", "geometry",
                  "planner", "flags", "runtime", "megatron_adapter", "commands"},
-    "cli": {"errors", "commands"},
+    "cli": {"errors", "schema", "commands"},
     "__init__": set(),
 }
 NO_TORCH = ("planner", "geometry", "flags", "plan", "specs", "schema", "errors", "presets",
