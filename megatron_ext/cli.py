@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from megatron_ext.commands import args, evaluate, flexsp, launch, profile, search, validate
 from megatron_ext.errors import InfeasiblePlanError, PlanError
 from megatron_ext.schema import closest
+from megatron_ext.warning_filters import install as install_warning_filters
 
 # Subcommand modules, in the order `--help` lists them.
 COMMAND_MODULES = (search, evaluate, args, validate, profile, flexsp, launch)
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    install_warning_filters()  # before any subcommand imports megatron-core
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr,
         format="[megatron_ext] %(asctime)s %(levelname)s %(name)s: %(message)s",

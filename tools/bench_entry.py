@@ -29,6 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from load_check import LoadLog  # noqa: E402
 
+from megatron_ext.warning_filters import install as install_warning_filters  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = str(REPO / "examples" / "pretrain_gpt.py")
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4"]
@@ -80,4 +82,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    install_warning_filters()
     sys.exit(main())

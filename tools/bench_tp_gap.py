@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_published as bp  # noqa: E402
 
 from megatron_ext.planner.cost import compute  # noqa: E402
+from megatron_ext.warning_filters import install as install_warning_filters  # noqa: E402
 
 JEAN_ZAY = "jean-zay-a100-80g"
 A100_SMS = 108
@@ -228,4 +229,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    install_warning_filters()
     sys.exit(main())

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from megatron_ext.megatron_adapter.training import console
+from megatron_ext.warning_filters import KNOWN_WARNINGS
 
 REPO = Path(__file__).resolve().parents[2]
 ENTRY = "from megatron_ext.megatron_adapter.training.entry import main\n"
@@ -216,7 +217,7 @@ def test_known_warnings_filtered_and_cover_pytest_ini() -> None:
     ini = configparser.ConfigParser()
     ini.read(REPO / "pytest.ini")
     lines = [x.strip() for x in ini["pytest"]["filterwarnings"].splitlines() if x.strip()]
-    ours = {message for message, _ in console.KNOWN_WARNINGS}
+    ours = {message for message, _ in KNOWN_WARNINGS}
     for line in lines:
         _, message, _ = line.split(":", 2)
         assert message in ours, f"pytest.ini filters {message!r}; the entry point does not"

@@ -5,7 +5,8 @@ argument errors come back in well under a second).
 
 - Warnings: megatron-core's import-time notes on a build without Transformer Engine / Apex and
   deprecations inside megatron-core and torch that a user cannot act on are filtered
-  (`KNOWN_WARNINGS`; pytest.ini filters the same ones for the tests). Other warnings go through
+  (megatron_ext/warning_filters.py, shared by every entry point; pytest.ini filters the same
+  ones for the tests). Other warnings go through
   logging (`py.warnings`), so they follow the rank rule below.
 - Logging: the training log (INFO) goes to stdout, so `| tee train.log` keeps it; warnings and
   errors go to stderr. Rank 0 logs; the other ranks log errors only. megatron-core's INFO lines
@@ -31,30 +32,14 @@ import os
 import re
 import sys
 import time
-import warnings
+
+from megatron_ext.warning_filters import install
 
 PROG = "pretrain_gpt.py"
 # How long a local rank other than 0 waits for local rank 0 to report the same error: parsing
 # takes ~0.1 s alone and a few seconds on an overloaded machine; a rank 0 that did not hit the
 # error never writes the file, and the rank then exits after this bound.
 RANK0_WAIT_S = 20.0
-
-# (message regex, category): third-party warnings with nothing for a user to do.
-KNOWN_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
-    # megatron-core without Transformer Engine / Apex (CPU builds): it falls back and says so.
-    ("Apex is not installed", UserWarning),
-    ("Transformer Engine and Apex are not installed", UserWarning),
-    # megatron-core 0.16.1 internals.
-    ("full scope is deprecated", UserWarning),
-    ("`torch.jit.script_method` is deprecated", DeprecationWarning),
-    ("The following imports from `dynamic_context.py`", DeprecationWarning),
-    ("The 'megatron.core.transformer.custom_layers.transformer_engine'", DeprecationWarning),
-    # megatron-core's DDP calls torch's old collective names.
-    (r"`torch.distributed.reduce_scatter_tensor` is deprecated", FutureWarning),
-    (r"`torch.distributed.all_gather_into_tensor` is deprecated", FutureWarning),
-    # megatron-core's optimizer probes `.grad` of its fp32 views (optimizer.py:66).
-    ("The .grad attribute of a Tensor that is not a leaf Tensor is being accessed", UserWarning),
-)
 
 # megatron-core log records that repeat at default verbosity without anything to act on.
 KNOWN_LOG_NOISE = (
@@ -64,18 +49,9 @@ KNOWN_LOG_NOISE = (
 )
 
 
-# Advice that only applies on GPUs: filtered when training on CPU (--cpu).
-CPU_ONLY_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
-    ("When using async grad allreduce it is recommended to set the environment variable "
-     "CUDA_DEVICE_MAX_CONNECTIONS", UserWarning),
-    ("When using sequence parallelism it is recommended to set the environment variable "
-     "CUDA_DEVICE_MAX_CONNECTIONS", UserWarning),
-)
-
-
 def install_warning_filters(*, cpu: bool = False) -> None:
-    for message, category in KNOWN_WARNINGS + (CPU_ONLY_WARNINGS if cpu else ()):
-        warnings.filterwarnings("ignore", message=message, category=category)
+    """megatron_ext.warning_filters.install: the third-party warnings every entry filters."""
+    install(cpu=cpu)
 
 
 def rank_from_env() -> int:
