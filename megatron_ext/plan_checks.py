@@ -138,13 +138,32 @@ def _check_stages(plan: ParallelPlan) -> None:
         )
 
 
+def _width_message(plan: ParallelPlan, s: LayerStrategy, label: str, first: int) -> str:
+    """tp*cp*ulysses*dp != world_size/pp: name the field to change. dp when the others divide
+    the stage width (the dp that fits is said), else the first of tp, cp, ulysses that does
+    not divide what the others leave."""
+    width = plan.stage_width
+    head = (f"tp*cp*ulysses*dp of layer {first} is {s.width} but world_size/pp is {width} "
+            f"(world_size={plan.world_size}, pp={plan.pp})")
+    model_parallel = s.tp * s.cp * s.ulysses
+    if width % model_parallel == 0:
+        return f"{head}; set {label}.dp={width // model_parallel}"
+    for name in ("tp", "cp", "ulysses"):
+        value = getattr(s, name)
+        others = model_parallel // value
+        if width % others == 0 and (width // others) % value:
+            rest = width // others
+            fits = ", ".join(str(d) for d in range(1, rest + 1) if rest % d == 0)
+            of = "world_size/pp" if others == 1 else "world_size/pp over the other degrees"
+            return (f"{head}; {label}.{name}={value} does not divide {rest} ({of}): use one of "
+                    f"{fits} and set dp so that tp*cp*ulysses*dp = {width}")
+    return f"{head}; lower {label}.tp, cp or ulysses to divide {width}"
+
+
 def _check_layer(plan: ParallelPlan, s: LayerStrategy, label: str, first: int) -> None:
     model = plan.model
     if s.width != plan.stage_width:
-        raise PlanError(
-            f"tp*cp*ulysses*dp of layer {first} is {s.width} but world_size/pp is "
-            f"{plan.stage_width}; adjust {label}.dp"
-        )
+        raise PlanError(_width_message(plan, s, label, first))
     if model.num_attention_heads % s.tp:
         raise PlanError(
             f"{label}.tp={s.tp} does not divide num_attention_heads={model.num_attention_heads}"

@@ -6,9 +6,10 @@ e.g. `layers[3].tp`, so errors read as `layers[3].tp='2' must be an integer`.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -65,9 +66,23 @@ def reject_unknown(data: Mapping[str, Any], allowed: set[str] | frozenset[str], 
     for key in data:
         if key not in allowed:
             where = f"{path}.{key}" if path else str(key)
+            hint = closest(str(key), allowed)
             raise PlanError(
-                f"{where} is not a known field; allowed: {', '.join(sorted(allowed))}"
+                f"{where} is not a known field; "
+                + (f"did you mean {hint}? " if hint else "")
+                + f"allowed: {', '.join(sorted(allowed))}"
             )
+
+
+def closest(name: str, known: Iterable[str]) -> str | None:
+    """The known name closest to a misspelt `name` (difflib ratio >= 0.75; case, leading
+    dashes and '-' vs '_' ignored), or None when nothing is that close."""
+    def norm(text: str) -> str:
+        return text.lstrip("-").replace("_", "-").lower()
+
+    by_norm = {norm(k): k for k in known}
+    match = difflib.get_close_matches(norm(name), list(by_norm), n=1, cutoff=0.75)
+    return by_norm[match[0]] if match else None
 
 
 def get_int(

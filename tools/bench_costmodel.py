@@ -80,6 +80,7 @@ from megatron_ext.planner.profile.load import ProbeReading, at_machine_state, ma
 from megatron_ext.planner.profile.profiles import ClusterProfile, ModelProfile
 from megatron_ext.planner.training import TrainingSpec
 from megatron_ext.runtime.testing import run_distributed
+from megatron_ext.warning_filters import install as install_warning_filters
 
 HARDWARE_REPEATS = 5
 """At least this many samples per collective size (the fastest is kept), whatever --repeats:
@@ -309,4 +310,5 @@ def print_table(rows: list[dict], summary: dict, profile_time: dict, analytic: d
 
 
 if __name__ == "__main__":
+    install_warning_filters()
     sys.exit(main())

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from megatron_ext.calibration.load_check import LoadLog
+from megatron_ext.warning_filters import install as install_warning_filters  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 PRETRAIN = str(REPO / "examples" / "pretrain_gpt.py")
@@ -79,4 +80,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    install_warning_filters()
     sys.exit(main())

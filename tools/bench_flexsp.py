@@ -54,6 +54,7 @@ from megatron_ext.planner.flexsp.multisets import (
 )
 from megatron_ext.planner.flexsp.planner import step_lower_bound
 from megatron_ext.presets import cluster_preset, model_preset
+from megatron_ext.warning_filters import install as install_warning_filters
 
 SUMMARY_GPUS = 64
 """The summary's speedup is taken at 64 GPUs and the largest --max-lengths (default 384K,
@@ -269,4 +270,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    install_warning_filters()
     sys.exit(main())

@@ -43,6 +43,7 @@ from megatron_ext.plan import LayerStrategy as L
 from megatron_ext.plan import ParallelPlan, VocabStrategy
 from megatron_ext.runtime.testing import run_distributed
 from megatron_ext.specs import ModelSpec
+from megatron_ext.warning_filters import install as install_warning_filters
 
 BENCH_MODEL = ModelSpec(
     name="bench-llama", num_layers=4, hidden_size=256, ffn_hidden_size=704,
@@ -384,4 +385,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    install_warning_filters()
     sys.exit(main())

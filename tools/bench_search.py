@@ -38,6 +38,7 @@ from megatron_ext.planner.suite import MOE_SUITE, SUITE, Case
 from megatron_ext.planner.training import DEFAULT_MOE_IMBALANCE, TrainingSpec
 from megatron_ext.planner.uniform import search_uniform
 from megatron_ext.presets import cluster_preset, model_preset
+from megatron_ext.warning_filters import install as install_warning_filters
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -276,4 +277,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    install_warning_filters()
     sys.exit(main())

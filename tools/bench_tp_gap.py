@@ -15,6 +15,7 @@ from pathlib import Path
 
 from megatron_ext.calibration.sources import DEFAULT_DATA
 from megatron_ext.calibration.tp_gap import candidates, ceiling_sweep
+from megatron_ext.warning_filters import install as install_warning_filters
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,4 +47,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    install_warning_filters()
     sys.exit(main())

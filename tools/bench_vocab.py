@@ -36,6 +36,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from megatron_ext.warning_filters import install as install_warning_filters
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # ranks import this module by name
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -453,4 +455,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    install_warning_filters()
     sys.exit(main())

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from megatron_ext.warning_filters import install as install_warning_filters
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 MIB = 2**20
@@ -165,4 +167,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    install_warning_filters()
     sys.exit(main())

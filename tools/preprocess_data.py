@@ -10,6 +10,8 @@ Example:
 import sys
 
 from megatron_ext.megatron_adapter.training.preprocess import main
+from megatron_ext.warning_filters import install as install_warning_filters
 
 if __name__ == "__main__":  # spawn-safe: worker processes re-import this file
+    install_warning_filters()
     sys.exit(main())

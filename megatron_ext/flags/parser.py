@@ -18,7 +18,7 @@ flags, bad values and inconsistent combinations. Nothing here imports megatron.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from megatron_ext.errors import PlanError
 from megatron_ext.flags.catalog import (
@@ -41,6 +41,7 @@ from megatron_ext.flags.to_plan import (
 from megatron_ext.flags.training import add_training_groups
 from megatron_ext.flags.types import positive_int
 from megatron_ext.flags.versions import BASE, FlagCatalogVersion, resolve, wrong_version_message
+from megatron_ext.schema import closest
 
 __all__ = ["build_megatron_parser", "parse_megatron_args", "plan_from_megatron_args"]
 
@@ -157,7 +158,7 @@ def parse_megatron_args(
     parser = build_megatron_parser(version=version)
     ns, extra = parser.parse_known_args(argv)
     if extra:
-        raise PlanError(_unknown_message(extra))
+        raise PlanError(_unknown_message(extra, parser._option_string_actions))
     unset = object()  # not a str: argparse would run a str default through `type`
     explicit = build_megatron_parser(version=version)
     explicit.set_defaults(**dict.fromkeys(vars(ns), unset))
@@ -172,7 +173,9 @@ def parse_megatron_args(
     return ns
 
 
-def _unknown_message(extra: list[str]) -> str:
+def _unknown_message(extra: list[str], known: Iterable[str] = ()) -> str:
+    """One line for the first string that is no flag of the parser (`known`: its option
+    strings), with the closest known flag when one is close (difflib)."""
     for token in extra:
         if token.startswith("-") and not _is_number(token):
             flag = token.split("=", 1)[0]
@@ -180,9 +183,11 @@ def _unknown_message(extra: list[str]) -> str:
                 return (f"{flag} is a flag of Megatron-LM's ModelOpt post-training scripts "
                         "(megatron/post_training/arguments.py), not of pretrain_gpt.py's parser; "
                         "megatron_ext does not support ModelOpt")
+            hint = closest(flag, [o for o in known if o.startswith("--")])
             return (
-                f"{flag} is not a Megatron flag megatron_ext accepts; check the spelling "
-                "(pretrain_gpt.py --help lists them)"
+                f"{flag} is not a Megatron flag megatron_ext accepts; "
+                + (f"did you mean {hint}? " if hint else "check the spelling ")
+                + "(pretrain_gpt.py --help lists them)"
             )
     return f"unexpected argument {extra[0]!r}; Megatron flags start with --"
 

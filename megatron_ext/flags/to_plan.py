@@ -113,11 +113,29 @@ def data_parallel_size(ns: argparse.Namespace, world_size: int) -> int:
     model_parallel = (ns.tensor_model_parallel_size * ns.pipeline_model_parallel_size
                       * ns.context_parallel_size)
     if world_size % model_parallel:
-        raise PlanError(
-            f"world size {world_size} is not divisible by --tensor-model-parallel-size x "
-            f"--pipeline-model-parallel-size x --context-parallel-size = {model_parallel}"
-        )
+        raise PlanError(model_parallel_message(ns, world_size, model_parallel))
     return world_size // model_parallel
+
+
+def model_parallel_message(ns: argparse.Namespace, world_size: int, model_parallel: int) -> str:
+    """World size not divisible by tp x pp x cp: name the flag to change (one whose value does
+    not divide what the others leave), the sizes that fit, and the product otherwise."""
+    sizes = {"--tensor-model-parallel-size": ns.tensor_model_parallel_size,
+             "--pipeline-model-parallel-size": ns.pipeline_model_parallel_size,
+             "--context-parallel-size": ns.context_parallel_size}
+    for flag, value in sizes.items():
+        others = model_parallel // value
+        if world_size % others or (world_size // others) % value == 0:
+            continue
+        rest = world_size // others
+        fits = ", ".join(str(d) for d in range(1, rest + 1) if rest % d == 0)
+        where = (f"world size {world_size}" if others == 1 else
+                 f"the {rest} ranks that world size {world_size} leaves over the other parallel "
+                 f"sizes ({others})")
+        return f"{flag}={value} does not divide {where}; use one of {fits}, or change the ranks"
+    return (f"world size {world_size} is not divisible by --tensor-model-parallel-size x "
+            f"--pipeline-model-parallel-size x --context-parallel-size = {model_parallel}; "
+            "change one of them or the number of ranks")
 
 
 def model_from_args(ns: argparse.Namespace, *, vocab_size: int | None = None) -> ModelSpec:

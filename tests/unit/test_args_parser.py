@@ -163,9 +163,12 @@ def test_unknown_and_unsupported_flags(flags: list[str], message: str) -> None:
         (["--lr", "1e-4", "--min-lr", "1e-3"], None, "--min-lr=0.001 exceeds --lr=0.0001"),
         (["--mock-data", "--data-path", "x"], None, "give one data source"),
         (["--vocab-parallel-algorithm", "2"], None, "--vocab-parallel-algorithm has no effect"),
-        (["--tensor-model-parallel-size", "3"], 8, ("world size 8 is not divisible by "
-         "--tensor-model-parallel-size x --pipeline-model-parallel-size x "
-         "--context-parallel-size = 3")),
+        (["--tensor-model-parallel-size", "3"], 8, ("--tensor-model-parallel-size=3 does not "
+         "divide world size 8; use one of 1, 2, 4, 8, or change the ranks")),
+        (["--tensor-model-parallel-size", "4", "--context-parallel-size", "3",
+          "--seq-length", "66"], 8,
+         ("--context-parallel-size=3 does not divide the 2 ranks that world size 8 "
+          "leaves over the other parallel sizes (4); use one of 1, 2, or change the ranks")),
         (["--global-batch-size", "6"], 4, ("--global-batch-size=6 is not a multiple of "
          "--micro-batch-size x data-parallel size = 1 x 4")),
         (["--tensor-model-parallel-size", "8"], 8, ("these Megatron flags give an invalid layout: "
@@ -360,3 +363,35 @@ def test_plans_megatron_cannot_print() -> None:
     data["model"]["max_position_embeddings"] = 32  # rope: valid plan, but not for Megatron-LM
     with pytest.raises(PlanError, match="Megatron-LM requires --max-position-embeddings >= "):
         plan_to_megatron_args(ParallelPlan.from_dict(data))
+
+
+@pytest.mark.parametrize(
+    ("given", "suggested"),
+    [("--hiden-size", "--hidden-size"), ("--num-layerz", "--num-layers"),
+     ("--tensor-parallel-size", "--tensor-model-parallel-size"),
+     ("--lr-warmup-iter", "--lr-warmup-iters"), ("--seqlength", "--seq-length"),
+     ("--micro_batch_size", "--micro-batch-size"), ("--moe-router-top-k", "--moe-router-topk"),
+     ("--xyz", None)],
+)
+def test_misspelt_flag_names_the_closest_one(given: str, suggested: str | None) -> None:
+    error = error_of(given, "3")
+    assert error.startswith(f"{given} is not a Megatron flag megatron_ext accepts; "), error
+    if suggested is None:
+        assert "did you mean" not in error and "check the spelling" in error
+    else:
+        assert f"did you mean {suggested}? " in error
+
+
+def test_plan_from_args_and_cli_options_suggest_the_closest_name(capsys: Any) -> None:
+    from megatron_ext.cli import main
+
+    assert main(["plan-from-args", "--world-size", "8", "--", *BASE, "--hiden-size", "64"]) == 2
+    assert "did you mean --hidden-size?" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["search", "--globl-batch-size", "8"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "did you mean --global-batch-size?" in err
+    with pytest.raises(SystemExit):
+        main(["serch"])
+    assert "did you mean search?" in capsys.readouterr().err

@@ -12,6 +12,7 @@ import logging
 import os
 import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any
 import pytest
 
 from megatron_ext.megatron_adapter.training import console
+from megatron_ext.warning_filters import KNOWN_WARNINGS
 
 REPO = Path(__file__).resolve().parents[2]
 ENTRY = "from megatron_ext.megatron_adapter.training.entry import main\n"
@@ -58,8 +60,8 @@ def test_flag_typo_is_reported_before_torch_is_imported() -> None:
                     "sys.exit(code)")
     assert result.returncode == 2, result.stderr
     assert result.stderr == ("pretrain_gpt.py: error: --num-layerz is not a Megatron flag "
-                             "megatron_ext accepts; check the spelling (pretrain_gpt.py --help "
-                             "lists them)\n")
+                             "megatron_ext accepts; did you mean --num-layers? "
+                             "(pretrain_gpt.py --help lists them)\n")
 
 
 def test_missing_flags_are_reported_before_torch() -> None:
@@ -74,14 +76,15 @@ def test_missing_flags_are_reported_before_torch() -> None:
     assert result.stderr == "pretrain_gpt.py: error: --lr is required\n"
 
 
-def test_other_ranks_stay_quiet_and_every_rank_writes_the_error_file(tmp_path: Path) -> None:
+def test_each_local_rank0_prints_and_writes_the_error_file(tmp_path: Path) -> None:
+    """Rank 0, and local rank 0 of every other node (rank 3 on a 3-rank node here)."""
     for rank in (0, 3):
         error_file = tmp_path / f"error_{rank}.json"
         result = _child("import sys\n" + ENTRY + "sys.exit(main(['--num-layerz', '2']))",
-                        env={"RANK": str(rank), "WORLD_SIZE": "4",
+                        env={"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "4",
                              "TORCHELASTIC_ERROR_FILE": str(error_file)})
         assert result.returncode == 2
-        assert (result.stderr.count("\n") == 1) == (rank == 0), result.stderr
+        assert result.stderr.count("\n") == 1, result.stderr
         assert result.stdout == ""
         # torch/distributed/elastic/multiprocessing/errors/__init__.py reads message/extraInfo
         # and shows py_callstack as the failure's "traceback".
@@ -91,23 +94,31 @@ def test_other_ranks_stay_quiet_and_every_rank_writes_the_error_file(tmp_path: P
         assert int(data["extraInfo"]["timestamp"]) > 0
 
 
-def test_other_local_ranks_exit_after_local_rank0_reported(tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """torchrun ends the job at the first exit: a rank 1 that parsed first must not stop rank 0
-    before it printed the line (seen in CI: the line was missing from the output)."""
+def test_other_local_ranks_defer_to_local_rank0(tmp_path: Path, capsys: Any,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun lists every non-zero exit in its summary: a local rank whose error local rank 0
+    reported exits 0 after it left its marker; one that waited for a rank 0 that reported
+    something else (or nothing) reports its own error (exit 2, its error file)."""
     import threading
-    import time
 
     for rank in (0, 1):
         (tmp_path / str(rank)).mkdir()
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "1" / "error.json"))
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setenv("RANK", "1")
-    rank0 = threading.Timer(0.5, (tmp_path / "0" / "error.json").write_text, args=("{}",))
+    same = json.dumps({"message": {"message": "PlanError: bad flag", "extraInfo": {
+        "py_callstack": "pretrain_gpt.py: error: bad flag", "timestamp": "1"}}})
+    rank0 = threading.Timer(0.5, (tmp_path / "0" / "error.json").write_text, args=(same,))
     start = time.monotonic()
     rank0.start()
-    assert console.report_user_error("bad flag") == 2
+    assert console.report_user_error("bad flag") == 0
+    assert capsys.readouterr().err == ""  # local rank 0 prints it
     assert time.monotonic() - start >= 0.45  # waited for rank 0's file
+    assert (tmp_path / "1" / "reported").read_text() == str(os.getpid())
+    assert not (tmp_path / "1" / "error.json").exists()
+    # Local rank 0 reported another error: this rank's own is reported.
+    (tmp_path / "0" / "error.json").write_text(same.replace("bad flag", "other"))
+    assert console.report_user_error("bad flag") == 2
     assert (tmp_path / "1" / "error.json").exists()
     # A rank 0 that never reports: the wait is bounded.
     (tmp_path / "0" / "error.json").unlink()
@@ -115,6 +126,28 @@ def test_other_local_ranks_exit_after_local_rank0_reported(tmp_path: Path,
     start = time.monotonic()
     assert console.report_user_error("bad flag") == 2
     assert 0.15 <= time.monotonic() - start < 5
+
+
+def test_local_rank0_waits_until_the_other_local_ranks_are_gone(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    for rank in (0, 1):
+        (tmp_path / str(rank)).mkdir()
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / "0" / "error.json"))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.0)"])
+    (tmp_path / "1" / "reported").write_text(str(other.pid))
+    start = time.monotonic()
+    try:
+        assert console.report_user_error("bad flag") == 2
+        waited = time.monotonic() - start
+    finally:
+        other.wait()
+    assert 0.5 <= waited < console.RANK0_WAIT_S, waited  # until the other rank exited
+    assert capsys.readouterr().err == "pretrain_gpt.py: error: bad flag\n"
+    assert json.loads((tmp_path / "0" / "error.json").read_text())["message"]["extraInfo"][
+        "py_callstack"] == "pretrain_gpt.py: error: bad flag"
 
 
 def test_no_cpu_flag_without_cuda_is_refused_in_one_line(tmp_path: Path) -> None:
@@ -184,7 +217,7 @@ def test_known_warnings_filtered_and_cover_pytest_ini() -> None:
     ini = configparser.ConfigParser()
     ini.read(REPO / "pytest.ini")
     lines = [x.strip() for x in ini["pytest"]["filterwarnings"].splitlines() if x.strip()]
-    ours = {message for message, _ in console.KNOWN_WARNINGS}
+    ours = {message for message, _ in KNOWN_WARNINGS}
     for line in lines:
         _, message, _ = line.split(":", 2)
         assert message in ours, f"pytest.ini filters {message!r}; the entry point does not"

@@ -86,7 +86,18 @@ def _example() -> dict[str, Any]:
         (lambda d: d["cluster"].update(memory_gib=10**400),
          "cluster.memory_gib=1000000000000000000000000000000000000... must be a finite number"),
         (lambda d: d.update(schema_version=2), "schema_version=2 is not supported"),
-        (lambda d: d.update(extra=1), "extra is not a known field"),
+        (lambda d: d.update(extra=1), "extra is not a known field; allowed: cluster,"),
+        (lambda d: d.update(globl_batch_size=8),
+         "globl_batch_size is not a known field; did you mean global_batch_size? allowed:"),
+        (lambda d: d["layers"][0].update(zeroo=1),
+         "layers[0].zeroo is not a known field; did you mean zero? allowed:"),
+        (lambda d: d["layers"][0].update(tp=3),
+         "tp*cp*ulysses*dp of layer 0 is 6 but world_size/pp is 4 (world_size=8, pp=2); "
+         "layers[0:16].tp=3 does not divide 4 (world_size/pp): use one of 1, 2, 4 and set dp "
+         "so that tp*cp*ulysses*dp = 4"),
+        (lambda d: d["layers"][0].update(dp=1),
+         "tp*cp*ulysses*dp of layer 0 is 2 but world_size/pp is 4 (world_size=8, pp=2); set "
+         "layers[0:16].dp=2"),
         (lambda d: d.update(pp=10**5000), "pp=<16610-bit integer> is out of range"),
         (lambda d: d.update(prediction={"iteration_time_s": 1.0, "tokens_per_s": 5.0,
                                         "stage_time_s": [1.0, 1.0, 1.0]}),

@@ -5,7 +5,8 @@ argument errors come back in well under a second).
 
 - Warnings: megatron-core's import-time notes on a build without Transformer Engine / Apex and
   deprecations inside megatron-core and torch that a user cannot act on are filtered
-  (`KNOWN_WARNINGS`; pytest.ini filters the same ones for the tests). Other warnings go through
+  (megatron_ext/warning_filters.py, shared by every entry point; pytest.ini filters the same
+  ones for the tests). Other warnings go through
   logging (`py.warnings`), so they follow the rank rule below.
 - Logging: the training log (INFO) goes to stdout, so `| tee train.log` keeps it; warnings and
   errors go to stderr. Rank 0 logs; the other ranks log errors only. megatron-core's INFO lines
@@ -17,10 +18,10 @@ argument errors come back in well under a second).
 - Errors: a user error (PlanError) is one line on stderr from one rank and, on every rank that
   hit it, torchrun's error file (TORCHELASTIC_ERROR_FILE, the JSON layout of torch's
   `torch/distributed/elastic/multiprocessing/errors/error_handler.py`), so the root-cause block
-  torchrun prints last shows that line instead of "To enable traceback see ...". The other local
-  ranks exit only after local rank 0 has written its error file (or after `RANK0_WAIT_S`):
-  torchrun stops the whole job at the first exit, and a rank 1 that finished parsing first would
-  otherwise end the run before rank 0 printed the line.
+  torchrun prints last shows that line instead of "To enable traceback see ...". Local rank 0
+  prints it (once per node); the other local ranks that hit the same error exit 0 before it
+  (`report_user_error`), so torchrun's summary lists the line once, as local rank 0's failure,
+  instead of once per rank.
 """
 
 from __future__ import annotations
@@ -31,30 +32,14 @@ import os
 import re
 import sys
 import time
-import warnings
+
+from megatron_ext.warning_filters import install
 
 PROG = "pretrain_gpt.py"
 # How long a local rank other than 0 waits for local rank 0 to report the same error: parsing
 # takes ~0.1 s alone and a few seconds on an overloaded machine; a rank 0 that did not hit the
 # error never writes the file, and the rank then exits after this bound.
 RANK0_WAIT_S = 20.0
-
-# (message regex, category): third-party warnings with nothing for a user to do.
-KNOWN_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
-    # megatron-core without Transformer Engine / Apex (CPU builds): it falls back and says so.
-    ("Apex is not installed", UserWarning),
-    ("Transformer Engine and Apex are not installed", UserWarning),
-    # megatron-core 0.16.1 internals.
-    ("full scope is deprecated", UserWarning),
-    ("`torch.jit.script_method` is deprecated", DeprecationWarning),
-    ("The following imports from `dynamic_context.py`", DeprecationWarning),
-    ("The 'megatron.core.transformer.custom_layers.transformer_engine'", DeprecationWarning),
-    # megatron-core's DDP calls torch's old collective names.
-    (r"`torch.distributed.reduce_scatter_tensor` is deprecated", FutureWarning),
-    (r"`torch.distributed.all_gather_into_tensor` is deprecated", FutureWarning),
-    # megatron-core's optimizer probes `.grad` of its fp32 views (optimizer.py:66).
-    ("The .grad attribute of a Tensor that is not a leaf Tensor is being accessed", UserWarning),
-)
 
 # megatron-core log records that repeat at default verbosity without anything to act on.
 KNOWN_LOG_NOISE = (
@@ -64,18 +49,9 @@ KNOWN_LOG_NOISE = (
 )
 
 
-# Advice that only applies on GPUs: filtered when training on CPU (--cpu).
-CPU_ONLY_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
-    ("When using async grad allreduce it is recommended to set the environment variable "
-     "CUDA_DEVICE_MAX_CONNECTIONS", UserWarning),
-    ("When using sequence parallelism it is recommended to set the environment variable "
-     "CUDA_DEVICE_MAX_CONNECTIONS", UserWarning),
-)
-
-
 def install_warning_filters(*, cpu: bool = False) -> None:
-    for message, category in KNOWN_WARNINGS + (CPU_ONLY_WARNINGS if cpu else ()):
-        warnings.filterwarnings("ignore", message=message, category=category)
+    """megatron_ext.warning_filters.install: the third-party warnings every entry filters."""
+    install(cpu=cpu)
 
 
 def rank_from_env() -> int:
@@ -147,31 +123,105 @@ def setup_logging(*, rank: int, level: int | None) -> None:
 
 
 def report_user_error(message: str, *, rank: int | None = None) -> int:
-    """One line from rank 0, the error file on every rank that hit it; returns exit code 2."""
+    """One line on stderr from local rank 0 (one per node) and torchrun's error file; returns
+    the exit code: 2, or 0 on another local rank whose error local rank 0 reported already.
+
+    Under torchrun every rank that exits non-zero (or is stopped by torchrun's SIGTERM) is one
+    more entry in torchrun's failure summary. So a rank other than local rank 0 waits for local
+    rank 0's error file; when it shows the same line, the rank leaves a `reported` marker (its
+    pid) next to its own error file and exits 0, and local rank 0 exits only once those ranks
+    are gone: torchrun's summary then names local rank 0 alone, with the line. A rank whose
+    error local rank 0 did not hit (or one not under torchrun) writes its own error file,
+    prints the line if it is rank 0 or a local rank 0, and exits 2. Every wait is bounded by
+    RANK0_WAIT_S. `rank`: the global rank (default: from the environment)."""
     rank = rank_from_env() if rank is None else rank
     line = f"{PROG}: error: {message}"
-    if rank == 0:
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if local_rank != 0 and _local_rank0_reported(line):
+        _leave_marker()
+        return 0
+    if rank == 0 or local_rank == 0:
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
     write_error_file(f"PlanError: {message}", line)
-    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
-        _wait_for_local_rank0_report()
+    if local_rank == 0:
+        _wait_for_other_local_ranks()
     return 2
 
 
-def _wait_for_local_rank0_report() -> None:
-    """Until local rank 0's error file exists (torchrun gives each local rank the file
-    `<attempt dir>/<local rank>/error.json`), at most RANK0_WAIT_S seconds."""
+def _rank_file(local_rank: int, name: str) -> str | None:
+    """`<attempt dir>/<local rank>/name` next to torchrun's error files (None without one)."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
-        return
-    rank_dir = os.path.dirname(path)
-    rank0_file = os.path.join(os.path.dirname(rank_dir), "0", os.path.basename(path))
-    if os.path.basename(rank_dir) == "0":
-        return
+        return None
+    attempt_dir = os.path.dirname(os.path.dirname(path))
+    return os.path.join(attempt_dir, str(local_rank), name)
+
+
+def _local_rank0_reported(line: str) -> bool:
+    """Whether local rank 0's error file shows `line`; waits for it RANK0_WAIT_S at most."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    rank0_file = _rank_file(0, os.path.basename(path)) if path else None
+    if rank0_file is None:
+        return False
     deadline = time.monotonic() + RANK0_WAIT_S
     while not os.path.exists(rank0_file) and time.monotonic() < deadline:
         time.sleep(0.05)
+    for _ in range(20):  # written with a plain open(): allow for a partial file
+        try:
+            with open(rank0_file, encoding="utf-8") as fp:
+                shown = json.load(fp)["message"]["extraInfo"]["py_callstack"]
+            return bool(shown == line)
+        except (OSError, ValueError, KeyError, TypeError):
+            time.sleep(0.05)
+    return False
+
+
+def _leave_marker() -> None:
+    marker = _rank_file(int(os.environ.get("LOCAL_RANK", "0")), "reported")
+    if marker is None:
+        return
+    try:
+        with open(marker + ".tmp", "w", encoding="utf-8") as fp:
+            fp.write(str(os.getpid()))
+        os.replace(marker + ".tmp", marker)
+    except OSError:
+        pass  # local rank 0 then waits RANK0_WAIT_S and exits; the line is printed already
+
+
+def _wait_for_other_local_ranks() -> None:
+    """Until every other local rank has left its marker and exited (RANK0_WAIT_S at most)."""
+    if _rank_file(0, "reported") is None:
+        return
+    deadline = time.monotonic() + RANK0_WAIT_S
+    for local_rank in range(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))):
+        marker = _rank_file(local_rank, "reported")
+        assert marker is not None
+        pid = None
+        while pid is None and time.monotonic() < deadline:
+            try:
+                with open(marker, encoding="utf-8") as fp:
+                    pid = int(fp.read())
+            except (OSError, ValueError):
+                time.sleep(0.05)
+        while pid is not None and _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    """A process that has neither exited nor become a zombie (exited, not yet reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as fp:
+            return fp.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        pass
+    if os.path.exists("/proc/self"):  # /proc, but no /proc/<pid>: the process is gone
+        return False
+    try:  # no /proc (not Linux): whether the pid exists
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
 
 
 def write_error_file(message: str, shown: str) -> None:

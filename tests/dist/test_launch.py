@@ -1,0 +1,67 @@
+"""`megatron-ext launch` for real: torchrun starts 2 gloo ranks that train and save; a resume whose
+optimizer state cannot load under its plan is refused by the launcher in one line, before
+torchrun; with --no-load-optim the same resume runs.
+
+Run 1 trains ZeRO-1 (--use-distributed-optimizer, dp=2) for 2 iterations and saves. Run 2 asks
+for tp=2 without the distributed optimizer: the checkpoint holds distributed optimizer state,
+which pretrain_gpt.py would refuse only after the process group and the model were built; the
+launcher refuses it from the checkpoint's record and the plan alone. Run 3 adds --no-load-optim
+and resumes (weights resharded from dp=2 to tp=2).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.dist
+
+REPO = Path(__file__).resolve().parents[2]
+PRETRAIN = str(REPO / "examples" / "pretrain_gpt.py")
+FLAGS = ["--cpu", "--transformer-impl", "local", "--num-layers", "2", "--hidden-size", "64",
+         "--num-attention-heads", "4", "--seq-length", "32", "--max-position-embeddings", "64",
+         "--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--mock-data",
+         "--tokenizer-type", "NullTokenizer", "--vocab-size", "512", "--log-interval", "1",
+         "--num-workers", "0", "--save-interval", "2"]
+ITERATION = re.compile(r"\]  iteration +(\d+)/ +(\d+) \|")
+
+
+def _launch(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "megatron_ext.cli", "launch", "--standalone",
+           "--nproc_per_node", "2", PRETRAIN, *FLAGS, "--save", str(tmp_path / "ckpt"),
+           "--load", str(tmp_path / "ckpt"), *flags]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False,
+                          cwd=tmp_path, env=env)
+
+
+def test_launch_trains_and_refuses_an_unloadable_optimizer_before_torchrun(
+        tmp_path: Path) -> None:
+    first = _launch(tmp_path, "--train-iters", "2", "--use-distributed-optimizer")
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert first.stderr.startswith("megatron-ext launch: checked custom on 2 ranks, pp=1, stock "
+                                   "backend, no checkpoint; starting torchrun\n"), first.stderr
+    assert [m.group(1) for m in map(ITERATION.search, first.stdout.splitlines()) if m] == [
+        "1", "2"], first.stdout  # rank 0's log: torchrun ran the workers
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "2"
+
+    refused = _launch(tmp_path, "--train-iters", "4", "--tensor-model-parallel-size", "2")
+    assert refused.returncode == 2, refused.stderr[-4000:]
+    assert refused.stdout == ""
+    assert refused.stderr == (
+        f"megatron-ext launch: error: --load={tmp_path / 'ckpt'} holds distributed optimizer "
+        "state but this plan uses the local optimizer (the ZeRO level changed); add "
+        "--no-load-optim to restart the optimizer moments, or keep the ZeRO level "
+        "(--use-distributed-optimizer)\n")
+
+    resumed = _launch(tmp_path, "--train-iters", "4", "--tensor-model-parallel-size", "2",
+                      "--no-load-optim")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert "iter_0000002" in resumed.stderr.splitlines()[0], resumed.stderr
+    assert [m.group(1) for m in map(ITERATION.search, resumed.stdout.splitlines()) if m] == [
+        "3", "4"], resumed.stdout
