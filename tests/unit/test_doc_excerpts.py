@@ -11,15 +11,13 @@ the script only (their numbers depend on the machine).
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tools"))
+from tests import doc_excerpts as render_docs
 
-import render_docs  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
 
 EXCERPTS = [(doc, m.group("name"), m.group("body")) for doc in render_docs.DOCS
             for m in render_docs.excerpts((REPO / doc).read_text())]
