@@ -109,8 +109,8 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
 def _dgx(name: str, memory_gib: float, flops: float, nvlink: float, net: float) -> ClusterSpec:
     return ClusterSpec(
         name=name, num_nodes=1, gpus_per_node=8, memory_gib=memory_gib, peak_flops=flops,
-        intra_node=LinkSpec(bandwidth_bytes_per_s=nvlink, latency_s=5e-6),
-        inter_node=LinkSpec(bandwidth_bytes_per_s=net, latency_s=1.5e-5),
+        intra_node=LinkSpec(bandwidth_bytes_per_s=nvlink, latency_s=3.4e-6),
+        inter_node=LinkSpec(bandwidth_bytes_per_s=net, latency_s=9.6e-6),
     )
 
 

@@ -17,8 +17,10 @@ predicted/measured range and the ranking of the BLOOM sweeps:
      occupancy on the A100's 108 SMs (tiles = ceil(m / tile_m) x ceil(n / tile_n); NVIDIA's
      "Matrix multiplication background" guide; backward, 2x forward, with it), applied to
      every row (a GPU property), then with gemm_efficiency refitted without the BLOOM rows;
-  4. a fixed cost per collective step: the jean-zay rows' intra-node latency raised from 5 us,
-     i.e. (t - 1) x latency per tensor-parallel all-reduce;
+  4. a fixed cost per collective step: the jean-zay rows' intra-node hop latency raised from
+     NCCL's 3.4 us (Simple ring over NVLink; cost/comm.py prices every collective with NCCL's
+     own algorithm and protocol model, so its latency is ~60 us per 8-way all-reduce, 30x
+     short of the ~2 ms per collective the gap needs), i.e. 2 (t - 1) hops per all-reduce;
   5. measurement noise: the Spearman a perfect model reaches on the 11-layout sweep when each
      measured time carries lognormal noise of the given size (one iteration's Sec/it).
 
