@@ -67,9 +67,9 @@ def leave_one_source_out(results: list[dict[str, Any]], grid_pred: list[list[flo
     inside, widths = [0] * len(results), [0.0] * len(results)
     for entry in per_source:
         src = entry["source"]
-        train = [residuals[i] for i, r in enumerate(results)
-                 if r["source"] != src and calibrates(r)]
-        table = iv.build_table(train)
+        held_in = [residuals[i] for i, r in enumerate(results)
+                   if r["source"] != src and calibrates(r)]
+        table = iv.build_table(held_in)
         hits = []
         for i, r in enumerate(results):
             if r["source"] != src:

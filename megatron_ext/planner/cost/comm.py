@@ -152,7 +152,7 @@ class AlphaBetaComm:
         intra = self.cluster.intra_node.bandwidth_bytes_per_s
         if not layout.crosses_nodes:
             return intra
-        nics = layout.ranks_per_node
+        nics: float = layout.ranks_per_node
         if layout.nics_in_parallel is not None:
             nics = min(nics, layout.nics_in_parallel)
         return min(intra, nics * self.cluster.inter_node.bandwidth_bytes_per_s)
@@ -181,7 +181,7 @@ class AlphaBetaComm:
             return base + p * (inter if layout.crosses_nodes else intra) + num_bytes / busbw
         steps, inter_steps = (2 * (p - 1), 2 * (n - 1)) if collective == "all_reduce" else (
             p - 1, n - 1)
-        lat = base + (steps - inter_steps) * intra + inter_steps * inter
+        lat: ArrayLike = base + (steps - inter_steps) * intra + inter_steps * inter
         if collective == "all_reduce" and proto == 2 and layout.crosses_nodes:
             lat = np.where(num_bytes >= p / 16.0 * 65536, RING_PLATEAU * lat, lat)
         return lat + num_bytes * steps / p / busbw
