@@ -3,11 +3,11 @@ search, issue 19): which physical cause fits the measured runs, and which does n
 
     python tools/bench_tp_gap.py [--json OUT.json]
 
-tools/bench_published.py predicts BLOOM's 181B layouts on 384 A100 of Jean Zay at 0.74-0.87 of
-measured at TP=8 (micro-batch 1-2), 0.91-1.01 at TP=4 and 0.99-1.02 at TP=2. This tool prices
-the same rows (and the chronicle's single-node runs of the same width) under each candidate
-cause and prints, per candidate, the median |error| of all published rows, the BLOOM rows'
-predicted/measured range and the ranking of the BLOOM sweeps:
+tools/bench_published.py predicts BLOOM's 181B layouts on 384 A100 of Jean Zay at 0.71-0.97 of
+measured at TP=8 (the lowest at micro-batch 1-2), 0.89-1.00 at TP=4 and 0.97-1.02 at TP=2.
+This tool prices the same rows (and the chronicle's single-node runs of the same width) under
+each candidate cause and prints, per candidate, the median |error| of all published rows, the
+BLOOM rows' predicted/measured range and the ranking of the BLOOM sweeps:
 
   1. single node: the chronicle's "Max possible TFLOPs check" (1 node, TP=8, PP=1, DP=1, same
      NHIDDEN=14336 / NHEADS=64, 6 or 10 layers, GBS 512, 02-21): no network, no pipeline;
