@@ -137,8 +137,8 @@ def _dgx(name: str, memory_gib: float, flops: float, nvlink: float, net: float, 
         name=name, num_nodes=1, gpus_per_node=gpus_per_node, memory_gib=memory_gib,
         peak_flops=flops, nvlink_domain_size=nvlink_domain, peak_fp8_flops=fp8_flops,
         fp8_recipes=fp8,
-        intra_node=LinkSpec(bandwidth_bytes_per_s=nvlink, latency_s=5e-6),
-        inter_node=LinkSpec(bandwidth_bytes_per_s=net, latency_s=1.5e-5),
+        intra_node=LinkSpec(bandwidth_bytes_per_s=nvlink, latency_s=3.4e-6),
+        inter_node=LinkSpec(bandwidth_bytes_per_s=net, latency_s=9.6e-6),
     )
 
 

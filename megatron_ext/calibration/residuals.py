@@ -62,13 +62,14 @@ def leave_one_source_out(results: list[dict[str, Any]], grid_pred: list[list[flo
                            "gemm_efficiency": GEMM_EFFICIENCY_GRID[k],
                            "median_abs_error": statistics.median(
                                abs(loso_pred[i] / meas[i] - 1) for i in test)})
-    residuals = [(r["features"], math.log(meas[i] / loso_pred[i])) for i, r in enumerate(results)]
+    residuals = [(r["features"], math.log(meas[i] / loso_pred[i]), r["source"])
+                 for i, r in enumerate(results)]
     inside, widths = [0] * len(results), [0.0] * len(results)
     for entry in per_source:
         src = entry["source"]
-        train_residuals = [residuals[i] for i, r in enumerate(results)
-                           if r["source"] != src and calibrates(r)]
-        table = iv.build_table(train_residuals)
+        held_in = [residuals[i] for i, r in enumerate(results)
+                   if r["source"] != src and calibrates(r)]
+        table = iv.build_table(held_in)
         hits = []
         for i, r in enumerate(results):
             if r["source"] != src:
@@ -124,7 +125,8 @@ def residual_file(results: list[dict[str, Any]]) -> dict[str, Any]:
         "run_fields": ["id", "source", "features", "gemm_efficiency", "log_residual"],
         "runs": [[r["id"], r["source"], [r["features"][f] for f in iv.FEATURES],
                   r["loso_gemm_efficiency"], round(r["loso_log_residual"], 6)] for r in results],
-        "table": iv.build_table([(r["features"], r["loso_log_residual"]) for r in results]),
+        "table": iv.build_table([(r["features"], r["loso_log_residual"], r["source"])
+                                 for r in results]),
     }
 
 

@@ -13,7 +13,10 @@ What the rows do not state is filled in by fixed rules (no per-row choice):
     --engine deepspeed): ZeRO-3 rows hold at most its default 1e9 gathered parameters
     (stage3_max_live_parameters), FSDP rows two whole layers;
   - Megatron rows keep plain DDP (zero=0, the 2020-2022 code had no distributed optimizer in
-    these runs); DeepSpeed ZeRO-3 and PyTorch FSDP FULL_SHARD rows are zero=3; DeepSpeed ZeRO-1
+    these runs) and reduce the gradients after the last backward (that code had no
+    --overlap-grad-reduce; Korthikanti et al. say so of their 530B DP-8 run); a row's
+    `overlap_grad_reduce` / `overlap_param_gather` turn Megatron-LM's flags on; DeepSpeed
+    ZeRO-3 and PyTorch FSDP FULL_SHARD rows are zero=3; DeepSpeed ZeRO-1
     rows (Megatron-DeepSpeed, BLOOM) are zero=1 with DeepSpeed's pipeline engine: gradient
     reduction and weight gather after the last backward, not overlapped;
   - a row that states its network (`inter_node_bytes_per_s_per_gpu`, derived in cluster_notes
@@ -187,14 +190,18 @@ def run_settings(row: dict[str, Any]) -> dict[str, Any]:
     """How the row's run executes beyond its plan: planner.cost.evaluate.plan_training's
     keywords, which `megatron-ext evaluate` takes as evaluate_flags(row)."""
     return {"flash_attention": flash_attention_of(row), "dropout": dropout_of(row),
-            "engine": "deepspeed" if "DeepSpeed" in str(row.get("dp_sharding")) else "megatron"}
+            "engine": "deepspeed" if "DeepSpeed" in str(row.get("dp_sharding")) else "megatron",
+            "overlap_grad_reduce": bool(row.get("overlap_grad_reduce", False)),
+            "overlap_param_gather": bool(row.get("overlap_param_gather", False))}
 
 
 def evaluate_flags(row: dict[str, Any]) -> list[str]:
     """run_settings(row) as `megatron-ext evaluate` flags."""
     s = run_settings(row)
     return ((["--no-flash-attention"] if not s["flash_attention"] else [])
-            + (["--no-dropout"] if not s["dropout"] else []) + ["--engine", s["engine"]])
+            + (["--no-dropout"] if not s["dropout"] else []) + ["--engine", s["engine"]]
+            + (["--overlap-grad-reduce"] if s["overlap_grad_reduce"] else [])
+            + (["--overlap-param-gather"] if s["overlap_param_gather"] else []))
 
 
 def eq3_flops(row: dict[str, Any]) -> float:

@@ -3,11 +3,11 @@ search, issue 19): which physical cause fits the measured runs, and which does n
 
     python tools/bench_tp_gap.py [--json OUT.json]
 
-tools/bench_published.py predicts BLOOM's 181B layouts on 384 A100 of Jean Zay at 0.74-0.87 of
-measured at TP=8 (micro-batch 1-2), 0.91-1.01 at TP=4 and 0.99-1.02 at TP=2. This tool prices
-the same rows (and the chronicle's single-node runs of the same width) under each candidate
-cause and prints, per candidate, the median |error| of all published rows, the BLOOM rows'
-predicted/measured range and the ranking of the BLOOM sweeps:
+tools/bench_published.py predicts BLOOM's 181B layouts on 384 A100 of Jean Zay at 0.71-0.97 of
+measured at TP=8 (the lowest at micro-batch 1-2), 0.89-1.00 at TP=4 and 0.97-1.02 at TP=2.
+This tool prices the same rows (and the chronicle's single-node runs of the same width) under
+each candidate cause and prints, per candidate, the median |error| of all published rows, the
+BLOOM rows' predicted/measured range and the ranking of the BLOOM sweeps:
 
   1. single node: the chronicle's "Max possible TFLOPs check" (1 node, TP=8, PP=1, DP=1, same
      NHIDDEN=14336 / NHEADS=64, 6 or 10 layers, GBS 512, 02-21): no network, no pipeline;
@@ -17,8 +17,10 @@ predicted/measured range and the ranking of the BLOOM sweeps:
      occupancy on the A100's 108 SMs (tiles = ceil(m / tile_m) x ceil(n / tile_n); NVIDIA's
      "Matrix multiplication background" guide; backward, 2x forward, with it), applied to
      every row (a GPU property), then with gemm_efficiency refitted without the BLOOM rows;
-  4. a fixed cost per collective step: the jean-zay rows' intra-node latency raised from 5 us,
-     i.e. (t - 1) x latency per tensor-parallel all-reduce;
+  4. a fixed cost per collective step: the jean-zay rows' intra-node hop latency raised from
+     NCCL's 3.4 us (Simple ring over NVLink; cost/comm.py prices every collective with NCCL's
+     own algorithm and protocol model, so its latency is ~60 us per 8-way all-reduce, 30x
+     short of the ~2 ms per collective the gap needs), i.e. 2 (t - 1) hops per all-reduce;
   5. measurement noise: the Spearman a perfect model reaches on the 11-layout sweep when each
      measured time carries lognormal noise of the given size (one iteration's Sec/it).
 

@@ -142,6 +142,9 @@ def run_plan_from_args(args: argparse.Namespace) -> int:
         ns = parse_megatron_args(argv, world_size=world_size,
                                  megatron_version=args.megatron_version)
     plan = plan_from_megatron_args(ns, world_size)
+    # the Megatron flags say how the run overlaps its data-parallel traffic too
+    args.overlap_grad_reduce = args.overlap_grad_reduce or ns.overlap_grad_reduce
+    args.overlap_param_gather = args.overlap_param_gather or ns.overlap_param_gather
     if args.out:
         plan.save(args.out)
     else:
@@ -161,7 +164,9 @@ def run_plan_from_args(args: argparse.Namespace) -> int:
 EVALUATE_FLAGS = ("cluster", "cluster_profile", "model_profile", "nodes", "memory_gib",
                   "against_search", "json")
 EVALUATE_SETTINGS = {"flash_attention": ("--no-flash-attention", True),
-                     "dropout": ("--no-dropout", True), "engine": ("--engine", "megatron")}
+                     "dropout": ("--no-dropout", True), "engine": ("--engine", "megatron"),
+                     "overlap_grad_reduce": ("--overlap-grad-reduce", False),
+                     "overlap_param_gather": ("--overlap-param-gather", False)}
 """Evaluate options with a default: dest -> (flag, default)."""
 
 

@@ -86,9 +86,20 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--engine", choices=["megatron", "deepspeed"], default="megatron",
-        help="what runs the step: megatron (default) overlaps the gradient reduction with the "
-        "backward pass; deepspeed (Megatron-DeepSpeed) reduces after the last backward and caps "
-        "ZeRO-3's gathered parameters at 1e9 (stage3_max_live_parameters)",
+        help="what runs the step: megatron (default; its data-parallel traffic overlaps compute "
+        "only with --overlap-grad-reduce / --overlap-param-gather); deepspeed "
+        "(Megatron-DeepSpeed) reduces after the last backward and caps ZeRO-3's gathered "
+        "parameters at 1e9 (stage3_max_live_parameters)",
+    )
+    p.add_argument(
+        "--overlap-grad-reduce", action="store_true",
+        help="the run passed Megatron-LM's --overlap-grad-reduce (default off: the gradient "
+        "reduction runs after the last backward, on the critical path)",
+    )
+    p.add_argument(
+        "--overlap-param-gather", action="store_true",
+        help="the run passed Megatron-LM's --overlap-param-gather (default off: ZeRO-1's weight "
+        "all-gather runs after the optimizer step)",
     )
     p.add_argument(
         "--against-search",
@@ -204,7 +215,9 @@ def _cost_model(plan: ParallelPlan, args: argparse.Namespace) -> CostModel:
 
     cluster, profile = _cluster(plan, args)
     training = plan_training(plan, flash_attention=args.flash_attention, dropout=args.dropout,
-                             engine=args.engine, moe_imbalance=args.moe_imbalance)
+                             engine=args.engine, moe_imbalance=args.moe_imbalance,
+                             overlap_grad_reduce=args.overlap_grad_reduce,
+                             overlap_param_gather=args.overlap_param_gather)
     if profile is None and not args.model_profile:
         return CostModel(plan.model, cluster, training)
     from megatron_ext.planner.profile.cost import ProfiledCostModel

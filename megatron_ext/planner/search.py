@@ -46,6 +46,7 @@ from megatron_ext.planner.cost.evaluate import Evaluation, evaluate
 from megatron_ext.planner.cost.interval import overlap_relax, search_relax, with_interval
 from megatron_ext.planner.cost.model import CostModel, LayerCosts
 from megatron_ext.planner.cost.moe import kind_costs, layer_kinds, per_layer_costs, valid_for
+from megatron_ext.planner.cost.pipeline import gradient_tail_s
 from megatron_ext.planner.cost.vocab import StageExtras, stage_extras
 from megatron_ext.planner.dp import MaxSwitch, StageDP, layer_dp, switch_groups
 from megatron_ext.planner.infeasible import explain_infeasible
@@ -58,6 +59,7 @@ from megatron_ext.planner.space import (
     prune_components,
     vocab_options,
 )
+from megatron_ext.planner.training import TrainingSpec
 from megatron_ext.planner.uniform import (
     interleave_bound,
     score_uniform_each,
@@ -514,7 +516,7 @@ def _solve_combo(
     switch_all = cm.transition_s(combo.table, mbs)
     valid_all = combo.valid
     objective_all = np.stack([
-        np.where(ok, c.objective_s(m, cm.overlap_slowdown), np.inf)
+        np.where(ok, c.objective_s(m, cm.overlap_slowdown, cm.training), np.inf)
         for c, ok in zip(combo.costs, valid_all)
     ])  # [K, S]
     comps = np.concatenate([
@@ -553,7 +555,7 @@ def _solve_combo(
     partition = best_partition if options.partition == "exact" else bmw_partition
     scored = []
     for v, (vocab, ex) in enumerate(zip(vocabs, extras)):
-        slot, which = _slots(ex, v, levels, n_hi, m, cm.overlap_slowdown, kinds)
+        slot, which = _slots(ex, v, levels, n_hi, m, cm.overlap_slowdown, kinds, cm.training)
         found = partition(slot, model.num_layers, m)
         if found is not None:
             scored.append((found[0], vocab, v, which, found[1]))
@@ -614,6 +616,7 @@ def _slots(
     m: int,
     slowdown: float,
     kinds: _Kinds,
+    training: TrainingSpec,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Slot time of stage k with n layers: DP time (best over transient levels) + vocabulary
     work + p2p + exposed side-stream communication + the vocabulary tail spread over the
@@ -649,8 +652,10 @@ def _slots(
             which[:, a, :top] = per_class[c][1][:, :top]
     slot = np.full(layers.shape, np.inf)
     for k in range(pp):
-        tail = max(0.0, slowdown * ex.grad_sync_s[k] - ex.backward_s[k])
-        tail += ex.optimizer_s[k] + max(0.0, ex.param_gather_s[k] - ex.forward_s[k])
+        tail = float(gradient_tail_s(
+            ex.forward_s[k], ex.backward_s[k], ex.grad_sync_s[k], ex.param_gather_s[k],
+            ex.optimizer_s[k], slowdown, overlap_grad_reduce=training.overlap_grad_reduce,
+            overlap_param_gather=training.overlap_param_gather))
         hidden = np.maximum(0.0, slowdown * ex.overlap_comm_s[k] - layers[k])
         slot[k] = (
             layers[k] + ex.forward_s[k] + ex.backward_s[k] + 2 * ex.p2p_s[k] + hidden + tail / m

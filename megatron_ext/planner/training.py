@@ -61,9 +61,19 @@ class TrainingSpec:
     """Hidden dropout is on (Megatron's default 0.1): one byte of mask per activation element."""
     moe_imbalance: float = DEFAULT_MOE_IMBALANCE
     """MoE load-imbalance factor (DEFAULT_MOE_IMBALANCE); read only for models with experts."""
+    overlap_grad_reduce: bool = False
+    """Megatron-LM's --overlap-grad-reduce: the data-parallel gradient reduction runs bucket by
+    bucket during the last micro-batch's backward. Off (Megatron-LM's default, and all the
+    2020-2022 Megatron code): it runs after the last backward, on the critical path, as one
+    bucket per gradient buffer."""
+    overlap_param_gather: bool = False
+    """Megatron-LM's --overlap-param-gather (needs overlap_grad_reduce and a distributed
+    optimizer): ZeRO-1's weight all-gather overlaps the next iteration's first forward. Off
+    (default): it runs after the optimizer step, on the critical path."""
     engine: Engine = "megatron"
     """What runs the step. megatron: Megatron-LM / megatron_ext, the gradient reduction and
-    ZeRO-1's weight all-gather overlap the backward pass, ZeRO-3 gathers two whole layers.
+    ZeRO-1's weight all-gather as the two overlap flags above say, ZeRO-3 gathers two whole
+    layers.
     deepspeed: Megatron-DeepSpeed's engine, with or without its pipeline module: at ZeRO stage
     0-1 gradients are reduced and ZeRO-1's weights gathered after the last micro-batch's
     backward, not overlapped (overlap_comm is off by default there); at stage 3 the
@@ -90,12 +100,25 @@ class TrainingSpec:
                             "routed tokens over the mean; 1 = balanced)")
         if self.engine not in ("megatron", "deepspeed"):
             raise PlanError(f"--engine={self.engine!r} must be megatron or deepspeed")
+        if self.overlap_param_gather and not self.overlap_grad_reduce:
+            raise PlanError("--overlap-param-gather needs --overlap-grad-reduce")
+        if self.engine == "deepspeed" and self.overlap_grad_reduce:
+            raise PlanError("--overlap-grad-reduce is Megatron-LM's; --engine deepspeed reduces "
+                            "the gradients after the last backward: drop one of them")
         if self.reserve_gib is not None and self.reserve_gib < 0:
             raise PlanError(f"reserve_gib={self.reserve_gib} must be >= 0")
 
     @property
     def half_precision(self) -> bool:
         return self.precision != "fp32"
+
+    @property
+    def grad_reduce_bytes(self) -> int:
+        """Bytes per gradient element in the data-parallel reduction: fp16 runs accumulate and
+        reduce in fp16 (Megatron-LM's --accumulate-allreduce-grads-in-fp32 is off by default);
+        bf16 forces fp32 ("bfloat16 requires gradient accumulation and all-reduce to be done in
+        fp32", megatron/training/arguments.py); fp32 is fp32."""
+        return 2 if self.precision == "fp16" else 4
 
     @property
     def activation_bytes(self) -> int:

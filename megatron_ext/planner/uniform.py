@@ -236,6 +236,8 @@ def _best_of(
         m,
         overlap_slowdown=cm.overlap_slowdown,
         virtual_stages=v,
+        overlap_grad_reduce=cm.training.overlap_grad_reduce,
+        overlap_param_gather=cm.training.overlap_param_gather,
     )
     k = int(np.argmin(pipe.iteration_s))
     return float(pipe.iteration_s[k]), int(sel[si[k]]), int(pj[k])

@@ -45,6 +45,8 @@ def _score(cm, ex, m, parts):
         parts["opt"] + ex.optimizer_s,
         m,
         overlap_slowdown=cm.overlap_slowdown,
+        overlap_grad_reduce=cm.training.overlap_grad_reduce,
+        overlap_param_gather=cm.training.overlap_param_gather,
     )
     fits = np.all(parts["mem"] + ex.fixed_bytes <= cm.memory_cap_bytes, axis=-1)
     return np.where(fits, pipe.iteration_s, np.inf)

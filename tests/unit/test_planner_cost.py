@@ -74,25 +74,45 @@ def test_state_bytes_per_zero_level():
     assert levels == sorted(levels, reverse=True)
 
 
-def test_alpha_beta_collectives_know_nodes():
+def test_collectives_follow_nccls_algorithm_and_protocol_model():
+    """Large messages inside a node: the Simple ring, base latency + 2(p-1) NVLink hops +
+    2(p-1)/p N / busbw; small ones take a low-latency protocol (cheaper than the Simple ring);
+    across nodes the bus bandwidth is the members' NICs in parallel, and a tree can win the
+    all-reduce at mid sizes; the curve's bus bandwidth rises with the message size."""
+    from megatron_ext.planner.cost.comm import BASE_LATENCY_S
+
     cluster = cluster_preset("dgx-h100", num_nodes=4)
     comm = AlphaBetaComm(cluster=cluster)
     intra, inter = cluster.intra_node, cluster.inter_node
-    n = 256e6
+    n = 1e9
     inside = group_layout(8, 1, 8)
     assert not inside.crosses_nodes
-    want = 2 * 7 / 8 * n / intra.bandwidth_bytes_per_s + 2 * 7 * intra.latency_s
+    ring = BASE_LATENCY_S["ring"][2] + 2 * 7 * intra.latency_s
+    want = ring + 2 * 7 / 8 * n / intra.bandwidth_bytes_per_s
     assert comm.time_s("all_reduce", n, inside) == pytest.approx(want)
-    assert comm.time_s("all_gather", n, inside) == pytest.approx(want / 2)
-    # A dp group of 4 ranks, one per node (stride 8): one NIC each.
+    gather = BASE_LATENCY_S["ring"][2] + 7 * intra.latency_s
+    gather += 7 / 8 * n / intra.bandwidth_bytes_per_s
+    assert comm.time_s("all_gather", n, inside) == pytest.approx(gather)
+    small = 64e3
+    simple = comm.ring_s("all_reduce", small, inside, 2)
+    assert comm.time_s("all_reduce", small, inside) < 0.7 * simple
+    busbw = [2 * 7 / 8 * s / comm.time_s("all_reduce", s, inside) for s in (1e6, 3e7, 1e9)]
+    assert busbw == sorted(busbw) and busbw[-1] < intra.bandwidth_bytes_per_s
+    # A dp group of 4 ranks, one per node (stride 8): one NIC each, at most the ring over it.
     across = group_layout(4, 8, 8)
     assert across.crosses_nodes and across.ranks_per_node == 1
-    want = 2 * 3 / 4 * n / inter.bandwidth_bytes_per_s + 2 * 2 * inter.latency_s
-    assert comm.time_s("all_reduce", n, across) == pytest.approx(want)
+    slowest = comm.ring_s("all_reduce", n, across, 2)
+    assert comm.time_s("all_reduce", n, across) <= slowest
+    assert slowest > 2 * 3 / 4 * n / inter.bandwidth_bytes_per_s
     # 32 ranks over 4 nodes drive 8 NICs per node in parallel.
     assert comm.bus_bandwidth_bytes_per_s(group_layout(32, 1, 8)) == pytest.approx(
         min(intra.bandwidth_bytes_per_s, 8 * inter.bandwidth_bytes_per_s)
     )
+    wide = group_layout(32, 1, 8)
+    mid = 2e6
+    assert comm.time_s("all_reduce", mid, wide) == pytest.approx(min(
+        [comm.ring_s("all_reduce", mid, wide, k) for k in range(3)]
+        + [comm.tree_s(mid, wide, k) for k in range(3)]))
     assert comm.time_s("all_reduce", n, GroupLayout(size=1, ranks_per_node=1)) == 0
 
 
@@ -197,13 +217,17 @@ def test_costs_move_the_right_way():
 
 
 def test_sequence_parallel_moves_the_same_tp_bytes():
-    """Megatron SP replaces each all-reduce by an all-gather + reduce-scatter: same volume."""
+    """Megatron SP replaces each all-reduce by an all-gather + reduce-scatter: the same volume
+    and hops, but two collectives, so one more NCCL base latency (8.4 us, Simple ring) each."""
+    from megatron_ext.planner.cost.comm import BASE_LATENCY_S
+
     cm = _cost_model()
     table = StrategyTable.of(
         [LayerStrategy(tp=4, sp=True, dp=2, zero=1), LayerStrategy(tp=4, sp=False, dp=2, zero=1)]
     )
     c = cm.layer_costs(table, 8)
-    assert c.comm_s[0] == pytest.approx(c.comm_s[1])
+    # 2 blocks x (forward + backward) collectives, each one base latency more with SP
+    assert c.comm_s[0] - c.comm_s[1] == pytest.approx(4 * BASE_LATENCY_S["ring"][2])
     assert c.activation_bytes[0] < c.activation_bytes[1]
 
 

@@ -1,4 +1,6 @@
-"""Communication cost: collectives under an alpha-beta model that knows when a group crosses nodes.
+"""Communication cost: collectives as NCCL runs them (per message size the cheapest ring or tree
+under the LL, LL128 or Simple protocol, each a latency + bandwidth model, NCCL's own constants),
+knowing when a group crosses nodes.
 
 Legend: p = group size, q = group members inside one node, n = p / q nodes spanned,
 N = bytes (all_reduce / broadcast: the buffer; all_gather: the gathered output; reduce_scatter:
@@ -108,14 +110,50 @@ class CommModel(Protocol):
     ) -> ArrayLike: ...
 
 
+# NCCL's own cost model (NVIDIA/nccl src/graph/tuning.cc, ncclTopoTuneModel and
+# ncclTopoGetAlgoTime, 2.10-2.12; the numbers NCCL uses to choose an algorithm and protocol per
+# call): time = base latency + hops x hop latency + bytes / algorithm bandwidth, per (algorithm,
+# protocol), the cheapest one run. Latencies in seconds; hop latencies of each protocol are kept
+# as ratios to the Simple ring hop, which the cluster's LinkSpec.latency_s gives (presets: NCCL's
+# 3.4 us over NVLink, 9.6 us over the network), so a measured link scales every protocol.
+PROTOCOLS = ("LL", "LL128", "Simple")
+BASE_LATENCY_S = {"ring": (3.6e-6, 10.0e-6, 8.4e-6), "tree": (4.4e-6, 4.4e-6, 0.0)}
+"""baseLat[algorithm][protocol] (LL, LL128, Simple)."""
+NVLINK_HOP = {"ring": (0.47, 1.9, 3.4), "tree": (0.52, 1.2, 28.0)}
+"""hwLat[NVLINK] in us; divided by the Simple ring hop (3.4) to scale LinkSpec.latency_s."""
+NET_HOP = {"ring": (2.7, 4.0, 9.6), "tree": (5.0, 8.5, 50.0)}
+"""hwLat[NET] in us; divided by the Simple ring hop (9.6)."""
+TREE_CORRECTION = (
+    (1.0, 1.0, 1.0, 1.0, .9, .8, .7, .7, .7, .7, .6, .5, .4, .4, .5, .6, .7, .8, .9, 1.0, 1.0,
+     1.0),
+    (1.0, 1.0, 1.0, 1.0, 1.0, .9, .8, .8, .8, .7, .6, .6, .6, .5, .6, .6, .7, .7, .8, .9, .9,
+     1.0),
+    (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .5, .5, .6, .6, .7, .8, .9),
+)
+"""treeCorrectionFactor[protocol][log2(bytes / 64)]: trees reach less than their model's
+bandwidth at medium sizes (64 B to 128 MiB; 1.0 above)."""
+RING_PLATEAU = 1.9
+"""A Simple ring all-reduce across nodes pays 1.9x its latency once the message exceeds
+p/16 x 64 KiB (NCCL's "plateau effect of ring")."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class AlphaBetaComm:
-    """Ring/hierarchical collectives: time = latency * steps + volume / bus bandwidth.
+    """Collectives as NCCL runs them: per message size the cheapest of ring and tree (tree for
+    all-reduce only, as NCCL) under the LL, LL128 and Simple protocols, each latency + bandwidth
+    (module constants above, from NCCL's tuning model).
 
-    A group inside one node runs at the NVLink bus bandwidth. A group spanning n > 1 nodes with q
-    members per node drives q NICs in parallel (one per GPU, as on DGX), so its bus bandwidth is
-    min(intra, q * inter). Latency: q-1 intra-node ring steps plus ceil(log2 n) inter-node tree
-    steps per reduce or gather phase (NCCL switches to trees at scale).
+    Bandwidth: the Simple ring runs at the bus bandwidth (busbw in nccl-tests' sense) of the
+    group: NVLink inside one node; across n > 1 nodes with q members per node the q NICs in
+    parallel (one per GPU, as on DGX), min(intra, q * inter). LinkSpec bandwidths are the
+    large-message busbw of NVIDIA's published nccl-tests (all_reduce_perf): DGX A100 ~230 GB/s
+    (NCCL caps its A100 model at 235), DGX H100 ~360 GB/s inside a node; one HDR 200 Gb/s NIC
+    per GPU ~22 GB/s, NDR 400 Gb/s ~45 GB/s. LL128 reaches 0.92 of it (0.7 with one GPU per
+    node), LL a quarter (a third inside a node for gathers), a tree 0.9 x busbw / 2 of
+    algorithm bandwidth. Latency: ring 2(p-1) hops for all-reduce, p-1 for gathers and reduce-
+    scatters, 2(n-1) resp. n-1 of them over the network; tree 2((q-1) NVLink + log2 n network)
+    hops. The resulting curve is the one nccl-tests shows: ~25% of peak busbw at 1 MB, ~80% at
+    32 MB inside a DGX A100, latency-bound below ~256 KB.
     """
 
     cluster: ClusterSpec
@@ -130,11 +168,51 @@ class AlphaBetaComm:
             nics = min(nics, layout.nics_in_parallel)
         return min(intra, nics * self.cluster.inter_node.bandwidth_bytes_per_s)
 
-    def phase_latency_s(self, layout: GroupLayout) -> float:
-        """Latency of one reduce or gather phase."""
-        intra = (layout.ranks_per_node - 1) * self.cluster.intra_node.latency_s
-        inter = math.ceil(math.log2(layout.num_nodes)) * self.cluster.inter_node.latency_s
-        return intra + inter
+    def _hops_s(self, algorithm: str, proto: int, layout: GroupLayout) -> tuple[float, float]:
+        """(NVLink hop, network hop) latency of `algorithm` under protocol index `proto`."""
+        intra = self.cluster.intra_node.latency_s * NVLINK_HOP[algorithm][proto] / 3.4
+        inter = self.cluster.inter_node.latency_s * NET_HOP[algorithm][proto] / 9.6
+        if layout.crosses_nodes and proto == 0:
+            intra *= 1.8  # LL across nodes (NCCL)
+        return intra, inter
+
+    def ring_s(self, collective: str, num_bytes: ArrayLike, layout: GroupLayout,
+               proto: int) -> ArrayLike:
+        """Ring time of `collective` ("all_reduce", "all_gather", "reduce_scatter",
+        "broadcast") under protocol index `proto` (0 LL, 1 LL128, 2 Simple)."""
+        p, n = layout.size, layout.num_nodes
+        busbw = self.bus_bandwidth_bytes_per_s(layout)
+        if proto == 0:
+            busbw /= 4.0 if (layout.crosses_nodes or collective == "all_reduce") else 3.0
+        elif proto == 1:
+            busbw *= 0.7 if layout.ranks_per_node < 2 and layout.crosses_nodes else 0.92
+        intra, inter = self._hops_s("ring", proto, layout)
+        base = BASE_LATENCY_S["ring"][proto]
+        if collective == "broadcast":
+            return base + p * (inter if layout.crosses_nodes else intra) + num_bytes / busbw
+        steps, inter_steps = (2 * (p - 1), 2 * (n - 1)) if collective == "all_reduce" else (
+            p - 1, n - 1)
+        lat: ArrayLike = base + (steps - inter_steps) * intra + inter_steps * inter
+        if collective == "all_reduce" and proto == 2 and layout.crosses_nodes:
+            lat = np.where(num_bytes >= p / 16.0 * 65536, RING_PLATEAU * lat, lat)
+        return lat + num_bytes * steps / p / busbw
+
+    def tree_s(self, num_bytes: ArrayLike, layout: GroupLayout, proto: int) -> ArrayLike:
+        """Tree all-reduce (reduce up, broadcast down a double binary tree across nodes, a
+        chain inside each node) under protocol index `proto`."""
+        busbw = 0.9 * self.bus_bandwidth_bytes_per_s(layout)
+        if proto == 0:
+            busbw /= 3.8
+        elif proto == 1:
+            busbw *= 0.915 if layout.crosses_nodes else 7.0 / 9.0
+        intra, inter = self._hops_s("tree", proto, layout)
+        q, n = layout.ranks_per_node, layout.num_nodes
+        lat = BASE_LATENCY_S["tree"][proto] + 2 * ((q - 1) * intra
+                                                   + math.ceil(math.log2(n)) * inter)
+        size = np.log2(np.maximum(np.asarray(num_bytes, dtype=float), 64.0) / 64.0)
+        index = np.minimum(np.floor(size).astype(np.int64), len(TREE_CORRECTION[proto]))
+        factor = np.asarray(TREE_CORRECTION[proto] + (1.0,))[index]
+        return lat + num_bytes / (0.5 * busbw * factor)
 
     def time_s(
         self, collective: Collective, num_bytes: ArrayLike, layout: GroupLayout
@@ -142,14 +220,14 @@ class AlphaBetaComm:
         p = layout.size
         if p == 1 and collective != "p2p":
             return num_bytes * 0.0
-        bw = self.bus_bandwidth_bytes_per_s(layout)
-        lat = self.phase_latency_s(layout)
-        if collective == "all_reduce":
-            return all_reduce_time_s(num_bytes, p, bw, lat)
-        if collective in ("all_gather", "reduce_scatter"):
-            return all_gather_time_s(num_bytes, p, bw, lat)
-        if collective == "broadcast":
-            return num_bytes / bw + lat
+        if collective in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
+            best = self.ring_s(collective, num_bytes, layout, 2)
+            for proto in (0, 1):
+                best = np.minimum(best, self.ring_s(collective, num_bytes, layout, proto))
+            if collective == "all_reduce" and layout.crosses_nodes:
+                for proto in (0, 1, 2):
+                    best = np.minimum(best, self.tree_s(num_bytes, layout, proto))
+            return best if isinstance(best, np.ndarray) and best.ndim else float(best)
         if collective == "all_to_all":
             return self._all_to_all_s(num_bytes, layout)
         if collective == "p2p":
@@ -169,20 +247,6 @@ class AlphaBetaComm:
         t_inter = (p - q) / p * num_bytes / inter.bandwidth_bytes_per_s
         t_inter = t_inter + (layout.num_nodes - 1) * inter.latency_s
         return np.maximum(t_intra, t_inter)
-
-
-def all_reduce_time_s(
-    num_bytes: ArrayLike, p: int, bus_bw: float, phase_latency_s: float
-) -> ArrayLike:
-    """Ring all-reduce: 2 (p-1)/p N / busbw + 2 phases of latency."""
-    return 2 * (p - 1) / p * num_bytes / bus_bw + 2 * phase_latency_s
-
-
-def all_gather_time_s(
-    num_bytes: ArrayLike, p: int, bus_bw: float, phase_latency_s: float
-) -> ArrayLike:
-    """Ring all-gather or reduce-scatter of an N-byte full buffer: (p-1)/p N / busbw + latency."""
-    return (p - 1) / p * num_bytes / bus_bw + phase_latency_s
 
 
 def p2p_time_s(num_bytes: ArrayLike, bandwidth_bytes_per_s: float, latency_s: float) -> ArrayLike:

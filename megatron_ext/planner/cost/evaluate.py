@@ -148,11 +148,13 @@ def stage_sums(cm: CostModel, layout: PlanLayout) -> StageSums:
 
 
 def plan_training(plan: ParallelPlan, *, flash_attention: bool = True, dropout: bool = True,
-                  engine: Engine = "megatron", moe_imbalance: float | None = None
+                  engine: Engine = "megatron", moe_imbalance: float | None = None,
+                  overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
                   ) -> TrainingSpec:
     """The training settings a plan is scored with (`megatron-ext evaluate` and the published
     runs' benchmark, megatron_ext/calibration): its batch, sequence and precision, and how the run
-    executes, which the plan does not record (--no-flash-attention, --no-dropout, --engine)."""
+    executes, which the plan does not record (--no-flash-attention, --no-dropout, --engine,
+    --overlap-grad-reduce, --overlap-param-gather)."""
     return TrainingSpec(
         global_batch_size=plan.global_batch_size,
         seq_length=plan.seq_length,
@@ -162,6 +164,8 @@ def plan_training(plan: ParallelPlan, *, flash_attention: bool = True, dropout: 
         flash_attention=flash_attention,
         dropout=dropout,
         engine=engine,
+        overlap_grad_reduce=overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather,
         moe_imbalance=DEFAULT_MOE_IMBALANCE if moe_imbalance is None else moe_imbalance,
     )
 
@@ -175,13 +179,12 @@ def evaluate(cm: CostModel, layout: PlanLayout) -> Evaluation:
 
 def pipeline_of(cm: CostModel, sums: StageSums) -> PipelineTime:
     """The 1F1B schedule of the stage sums (what `evaluate` scores; cost/breakdown.py reads it
-    too). DeepSpeed's engine (TrainingSpec.engine) at ZeRO stage 0-1 reduces the gradients and
-    gathers ZeRO-1's weights after the last backward: the tail runs them unhidden, with the
-    optimizer step (stage 3 overlaps its reduce-scatter: overlap_comm is on by default there)."""
+    too). The gradient reduction and ZeRO-1's weight all-gather overlap compute only as
+    TrainingSpec.overlap_grad_reduce / overlap_param_gather say (Megatron-LM's flags, off by
+    default; DeepSpeed's engine at ZeRO 0-1 never overlaps them; ZeRO-3's per-micro-batch
+    traffic is priced in the layers, not here)."""
     arr, ex = sums.arr, sums.extras
     sync, gather, opt = arr["sync"], arr["gather"], arr["opt"]
-    if cm.training.engine == "deepspeed" and sums.max_zero < 3:
-        sync, gather, opt = 0.0 * sync, 0.0 * gather, opt + sync + gather
     return one_f_one_b(
         arr["f"],
         arr["b"],
@@ -192,6 +195,8 @@ def pipeline_of(cm: CostModel, sums: StageSums) -> PipelineTime:
         sums.num_microbatches,
         overlap_slowdown=cm.overlap_slowdown,
         virtual_stages=sums.virtual_stages,
+        overlap_grad_reduce=cm.training.overlap_grad_reduce,
+        overlap_param_gather=cm.training.overlap_param_gather,
     )
 
 

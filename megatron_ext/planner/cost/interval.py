@@ -14,13 +14,24 @@ grouped by the features that drive the error:
   precision    bf16 / fp16 / fp32
   cluster      cluster preset the run is priced on
 
-and each group keeps its 5% and 95% quantiles of log(measured / predicted). A plan's interval is
-the envelope of the groups it falls in: low = predicted x exp(min of the groups' 5% quantiles),
-high = predicted x exp(max of their 95% quantiles). A feature whose group holds fewer than
-MIN_RUNS runs (or none: an H100 preset, fp32) contributes the extremes of all runs instead, so a
-plan unlike the measured runs gets the widest interval the data gives, never a narrow one.
-tools/bench_published.py reports the coverage of this rule on held-out sources (each source's
-runs scored against a table built without that source).
+A residual r of a run of source s is split into the source's offset mu_s (the median of its
+runs' residuals: what one cluster, framework or way of measuring shares) and the run's own part
+e = r - mu_s. Each feature group keeps the 5% and 95% quantiles of e; the sources keep the
+median m of their offsets (every source counted once, however many runs it has) and the offsets'
+5% and 95% quantiles. A plan's interval treats its own source as unseen, an offset drawn like
+the others', independent of e:
+
+  w_low  = max(0, -min over the plan's groups of their 5% quantiles)    (envelope of the groups)
+  w_high = max(0, max over the plan's groups of their 95% quantiles)
+  s_low  = m - 5% quantile of the offsets,  s_high = 95% quantile of the offsets - m
+  low  = predicted x exp(m - sqrt(w_low^2 + s_low^2))
+  high = predicted x exp(m + sqrt(w_high^2 + s_high^2))
+
+A feature whose group holds fewer than MIN_RUNS runs (or none: an H100 preset, fp32) widens the
+interval to at least the extremes of all runs, so a plan unlike the measured runs gets the
+widest interval the data gives, never a narrow one. tools/bench_published.py reports the
+coverage of this rule per held-out source (each source's runs scored against a table built
+without that source).
 """
 
 from __future__ import annotations
@@ -73,40 +84,61 @@ def quantile(values: list[float], q: float) -> float:
     return v[lo] + (v[hi] - v[lo]) * (pos - lo)
 
 
-def build_table(runs: list[tuple[dict[str, str], float]]) -> dict[str, Any]:
-    """Group quantiles of log(measured / predicted) from (features, residual) pairs."""
-    residuals = [r for _, r in runs]
+def build_table(runs: list[tuple[dict[str, str], float, str]]) -> dict[str, Any]:
+    """Source offsets and group quantiles of the runs' own parts (module docstring) from
+    (features, log(measured / predicted), source) triples."""
+    residuals = [r for _, r, _ in runs]
+    by_source: dict[str, list[float]] = {}
+    for _, r, source in runs:
+        by_source.setdefault(source, []).append(r)
+    offsets = {s: quantile(v, 0.5) for s, v in sorted(by_source.items())}
     groups: dict[str, dict[str, Any]] = {}
     for feature in FEATURES:
         values: dict[str, list[float]] = {}
-        for feats, r in runs:
-            values.setdefault(feats[feature], []).append(r)
+        for feats, r, source in runs:
+            values.setdefault(feats[feature], []).append(r - offsets[source])
         groups[feature] = {
             name: {"runs": len(v), "low": quantile(v, LOW_Q), "high": quantile(v, HIGH_Q)}
             for name, v in sorted(values.items())
         }
+    mu = list(offsets.values())
     return {
         "runs": len(residuals),
         "all": {"low": quantile(residuals, LOW_Q), "high": quantile(residuals, HIGH_Q),
                 "min": min(residuals), "max": max(residuals)},
+        "sources": {"median": quantile(mu, 0.5), "low": quantile(mu, LOW_Q),
+                    "high": quantile(mu, HIGH_Q),
+                    "offsets": {s: {"runs": len(by_source[s]), "offset": o}
+                                for s, o in offsets.items()}},
         "groups": groups,
     }
+
+
+def _combine(table: dict[str, Any], low_q: float, high_q: float) -> tuple[float, float]:
+    """(low, high) of log(measured / predicted) from the groups' envelope (low_q, high_q) and
+    the spread of the source offsets (module docstring)."""
+    src = table["sources"]
+    m = src["median"]
+    w_low, w_high = max(0.0, -low_q), max(0.0, high_q)
+    s_low, s_high = m - src["low"], src["high"] - m
+    return m - math.hypot(w_low, s_low), m + math.hypot(w_high, s_high)
 
 
 def log_bounds(table: dict[str, Any], feats: dict[str, str]) -> tuple[float, float, list[str]]:
     """(low, high) of log(measured / predicted) for a run with these features, and the features
     whose group had too few runs (they contributed the extremes of all runs)."""
-    lows, highs, unseen = [], [], []
+    lows, highs, unseen = [0.0], [0.0], []
     for feature in FEATURES:
         group = table["groups"].get(feature, {}).get(feats[feature])
         if group is None or group["runs"] < MIN_RUNS:
             unseen.append(f"{feature}={feats[feature]}")
-            lows.append(table["all"]["min"])
-            highs.append(table["all"]["max"])
         else:
             lows.append(group["low"])
             highs.append(group["high"])
-    return min(lows), max(highs), unseen
+    low, high = _combine(table, min(lows), max(highs))
+    if unseen:
+        low, high = min(low, table["all"]["min"]), max(high, table["all"]["max"])
+    return low, high, unseen
 
 
 def replica_micro_batch(plan: ParallelPlan) -> int:
@@ -136,24 +168,30 @@ def with_interval(plan: ParallelPlan, cluster: str | None = None) -> ParallelPla
 
 
 def search_relax(*, num_gpus: int, precision: str, cluster: str) -> float:
-    """exp of the largest 95% quantile among the groups a search cannot change (scale,
-    precision, cluster): every layout of the search has an upper end >= predicted x this, so one
-    predicted slower than (best upper end) / this cannot have a lower upper end."""
+    """exp of the least upper end the groups a search cannot change (scale, precision, cluster)
+    allow: every layout of the search has an upper end >= predicted x this, so one predicted
+    slower than (best upper end) / this cannot have a lower upper end."""
     table = load_table()
     feats = plan_features(num_gpus=num_gpus, micro_batch_size=1, pp=1, precision=precision,
                           cluster=cluster)
-    highs = []
+    highs, unseen = [0.0], False
     for feature in ("scale", "precision", "cluster"):
         group = table["groups"].get(feature, {}).get(feats[feature])
-        ok = group is not None and group["runs"] >= MIN_RUNS
-        highs.append(group["high"] if ok else table["all"]["max"])
-    return math.exp(max(highs))
+        if group is not None and group["runs"] >= MIN_RUNS:
+            highs.append(group["high"])
+        else:
+            unseen = True
+    high = _combine(table, 0.0, max(highs))[1]
+    return math.exp(max(high, table["all"]["max"]) if unseen else high)
 
 
 def overlap_relax() -> float:
-    """exp of the lowest 5% quantile any layout can get (the extremes of all runs): a layout
-    predicted slower than (an upper end) x this has its lower end above that upper end."""
-    return math.exp(-load_table()["all"]["min"])
+    """exp of minus the lowest lower end any layout can get: a layout predicted slower than (an
+    upper end) x this has its lower end above that upper end."""
+    table = load_table()
+    deepest = min([0.0] + [g["low"] for groups in table["groups"].values()
+                           for g in groups.values() if g["runs"] >= MIN_RUNS])
+    return math.exp(-min(_combine(table, deepest, 0.0)[0], table["all"]["min"]))
 
 
 @functools.lru_cache(maxsize=1)

@@ -37,7 +37,7 @@ from megatron_ext.planner.cost.memory import (
     layer_transient_bytes,
     state_bytes_per_param,
 )
-from megatron_ext.planner.cost.pipeline import OVERLAP_SLOWDOWN
+from megatron_ext.planner.cost.pipeline import OVERLAP_SLOWDOWN, gradient_tail_s
 from megatron_ext.planner.dp import MaxSwitch
 from megatron_ext.planner.space import StrategyTable
 from megatron_ext.planner.training import DEEPSPEED_MAX_LIVE_PARAMS, TrainingSpec
@@ -49,7 +49,14 @@ checker's no-Any rule for this module holds (a bare np.ndarray has Any parameter
 IntArray = npt.NDArray[np.int64]
 
 GRAD_BYTES = 4
-"""Gradients are accumulated and reduced in fp32 (Megatron's main_grad)."""
+"""ZeRO-3 (FSDP) reduce-scatters fp32 gradients; ZeRO 0-1 reduce in
+TrainingSpec.grad_reduce_bytes (fp16 runs in fp16)."""
+
+
+def ddp_bucket_params(d: IntArray | int) -> FloatArray:
+    """megatron-core's default gradient bucket: max(4e7, 1e6 x data-parallel size) parameters
+    (distributed/distributed_data_parallel.py, --ddp-bucket-size unset)."""
+    return np.maximum(4e7, 1e6 * np.asarray(d, dtype=float))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -78,13 +85,16 @@ class LayerCosts:
     """Short-lived while this layer runs backward (recomputed activations, gathered weights)."""
 
     def objective_s(
-        self, num_microbatches: int, overlap_slowdown: float = OVERLAP_SLOWDOWN
+        self, num_microbatches: int, overlap_slowdown: float, training: TrainingSpec
     ) -> FloatArray:  # [S]
         """The layerwise DP's per-layer time: one micro-batch's forward + backward, plus this
         layer's share of the once-per-iteration tail (exposed reduction, optimizer, exposed
-        all-gather) spread over the m micro-batches."""
-        exposed = np.maximum(0.0, overlap_slowdown * self.grad_sync_s - self.backward_s)
-        exposed += np.maximum(0.0, self.param_gather_s - self.forward_s)
+        all-gather; pipeline.gradient_tail_s with the training's overlap flags) spread over the
+        m micro-batches."""
+        exposed = gradient_tail_s(
+            self.forward_s, self.backward_s, self.grad_sync_s, self.param_gather_s, 0.0,
+            overlap_slowdown, overlap_grad_reduce=training.overlap_grad_reduce,
+            overlap_param_gather=training.overlap_param_gather)
         return self.forward_s + self.backward_s + (exposed + self.optimizer_s) / num_microbatches
 
     def memory_bytes(self, inflight: int) -> FloatArray:  # [S]
@@ -271,6 +281,18 @@ class CostModel:
     def _params_per_gpu(self, table: StrategyTable) -> FloatArray:
         return self.layer_params / table.tp
 
+    def bucketed_s(self, collective: Collective, params: ArrayLike, bytes_per_param: float,
+                   d: IntArray, stride: IntArray) -> FloatArray:
+        """A layer's share of Megatron's bucketed data-parallel collectives: its params x
+        bytes_per_param priced at the rate of one bucket of max(params, DDP_BUCKET_PARAMS(d))
+        parameters (megatron-core DistributedDataParallel: buckets of max(4e7, 1e6 d)
+        parameters with --overlap-grad-reduce; without it one bucket per gradient buffer, at
+        least that large), so NCCL's latency is paid per bucket, not per layer."""
+        params = np.asarray(params, dtype=float)
+        bucket = np.maximum(params, ddp_bucket_params(d)) * bytes_per_param
+        per_bucket = self.collective_s(collective, bucket, d, stride)
+        return per_bucket * params * bytes_per_param / np.maximum(bucket, 1.0)
+
     def _cp_exposed_s(
         self, table: StrategyTable, rows: FloatArray, comp: C.LayerCompute
     ) -> tuple[FloatArray, FloatArray]:
@@ -307,9 +329,10 @@ class CostModel:
         d = table.shard_ranks if shard_ranks is None else shard_ranks
         stride = table.tp if stride is None else stride
         zero = table.zero
-        grads = self.collective_s("reduce_scatter", params * GRAD_BYTES, d, stride)
-        weights = self.collective_s("all_gather", params * self.element_bytes, d, stride)
-        all_reduce = self.collective_s("all_reduce", params * GRAD_BYTES, d, stride)
+        grad_bytes = self.training.grad_reduce_bytes
+        grads = self.bucketed_s("reduce_scatter", params, grad_bytes, d, stride)
+        weights = self.bucketed_s("all_gather", params, self.element_bytes, d, stride)
+        all_reduce = self.bucketed_s("all_reduce", params, grad_bytes, d, stride)
         sync = np.where(zero == 0, all_reduce, np.where(zero == 1, grads, 0.0))
         gather = np.where(zero == 1, weights, 0.0)
         # ZeRO-3 gathers weights before forward and again before backward (the recompute

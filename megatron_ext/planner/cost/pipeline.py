@@ -11,13 +11,16 @@ thousands of layouts in one call.
                                                       textbook (m + p - 1) t for equal stages
   finish_k = T_pipe - sum_{j<k} (b_j + c_j)           stage k runs its last backward earlier than
                                                       stage 0 by the backwards still to come
-  tail_k   = max(0, slow * R_k - b_k) + O_k + max(0, A_k - f_k)
-      R_k: data-parallel gradient reduction, launched bucket by bucket during the last
-           micro-batch's backward (Megatron --overlap-grad-reduce); only what sticks out of that
-           backward is exposed, and sharing the GPU slows the overlapped transfer by `slow`;
+  tail_k   = R'_k + O_k + A'_k
+      R_k: data-parallel gradient reduction. Megatron-LM's default (and DeepSpeed's engine at
+           ZeRO 0-1): after the last backward, R'_k = R_k. With --overlap-grad-reduce it is
+           launched bucket by bucket during the last micro-batch's backward; only what sticks
+           out of that backward is exposed, and sharing the GPU slows the overlapped transfer by
+           `slow`: R'_k = max(0, slow * R_k - b_k);
       O_k: optimizer step;
-      A_k: ZeRO-1 parameter all-gather, overlapped with the next iteration's first forward
-           (--overlap-param-gather).
+      A_k: ZeRO-1 parameter all-gather: after the optimizer step (A'_k = A_k) unless
+           --overlap-param-gather overlaps it with the next iteration's first forward
+           (A'_k = max(0, A_k - f_k)).
   T_iter   = max_k (finish_k + tail_k)
 """
 
@@ -55,6 +58,9 @@ def one_f_one_b(
     num_microbatches: int,
     overlap_slowdown: float = OVERLAP_SLOWDOWN,
     virtual_stages: int = 1,
+    *,
+    overlap_grad_reduce: bool = False,
+    overlap_param_gather: bool = False,
 ) -> PipelineTime:
     """Iteration time of 1F1B over stage arrays of shape [..., p] (see the module docstring).
 
@@ -69,7 +75,9 @@ def one_f_one_b(
     pipe = slot.sum(axis=-1) / v + (num_microbatches - 1.0 / v) * slot.max(axis=-1)
     before = (np.cumsum(b + c, axis=-1) - (b + c)) / v
     finish = pipe[..., None] - before
-    tail = gradient_tail_s(f, b, grad_sync_s, param_gather_s, optimizer_s, overlap_slowdown)
+    tail = gradient_tail_s(f, b, grad_sync_s, param_gather_s, optimizer_s, overlap_slowdown,
+                           overlap_grad_reduce=overlap_grad_reduce,
+                           overlap_param_gather=overlap_param_gather)
     iteration = (finish + tail).max(axis=-1)
     busy = num_microbatches * (f + b) + tail
     return PipelineTime(
@@ -153,11 +161,18 @@ def gradient_tail_s(
     param_gather_s: np.ndarray,
     optimizer_s: float | np.ndarray,
     overlap_slowdown: float = OVERLAP_SLOWDOWN,
+    *,
+    overlap_grad_reduce: bool = False,
+    overlap_param_gather: bool = False,
 ) -> np.ndarray:
     """What stage k adds after its last backward: exposed gradient reduction, optimizer step,
-    exposed parameter all-gather."""
-    exposed_sync = np.maximum(0.0, overlap_slowdown * np.asarray(grad_sync_s) - backward_s)
-    exposed_gather = np.maximum(0.0, np.asarray(param_gather_s) - forward_s)
+    exposed parameter all-gather (all of them unless the overlap flags say otherwise)."""
+    exposed_sync = np.asarray(grad_sync_s, dtype=float)
+    if overlap_grad_reduce:
+        exposed_sync = np.maximum(0.0, overlap_slowdown * exposed_sync - backward_s)
+    exposed_gather = np.asarray(param_gather_s, dtype=float)
+    if overlap_param_gather:
+        exposed_gather = np.maximum(0.0, exposed_gather - forward_s)
     return exposed_sync + np.asarray(optimizer_s) + exposed_gather
 
 

@@ -37,7 +37,6 @@ from megatron_ext.planner.cost.pipeline import interleaved_inflight
 if TYPE_CHECKING:
     from megatron_ext.planner.cost.model import CostModel
 
-GRAD_BYTES = 4
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -169,7 +168,7 @@ def _vocab_parallel_comm_s(cm: CostModel, pp: int, width: int, tv: int, hidden: 
     per_node = min(pp * tv, tv * max(1, min(pp, g // width)) if width < g else tv)
     group = GroupLayout(size=pp * tv, ranks_per_node=max(1, per_node))
     bcast = 2 * float(cm.comm.time_s("broadcast", hidden, pp_layout))
-    reduce = float(cm.comm.time_s("all_reduce", hidden / cm.element_bytes * GRAD_BYTES, group))
+    reduce = float(cm.comm.time_s("all_reduce", hidden / cm.element_bytes * 4.0, group))
     reduce += float(cm.comm.time_s("all_reduce", hidden, group))
     return bcast + reduce
 
@@ -185,16 +184,17 @@ def _vocab_data_parallel(
     width: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     layout = cm.layout(dpv, tv)
+    gb = cm.training.grad_reduce_bytes  # bytes per gradient element in the reduction
     if vocab_zero >= 1:
         sync = np.asarray(
-            cm.comm.time_s("reduce_scatter", params * GRAD_BYTES, layout), dtype=float
+            cm.comm.time_s("reduce_scatter", params * gb, layout), dtype=float
         )
         gather = np.asarray(
             cm.comm.time_s("all_gather", params * cm.element_bytes, layout), dtype=float
         )
         shard = params / dpv
     else:
-        sync = np.asarray(cm.comm.time_s("all_reduce", params * GRAD_BYTES, layout), dtype=float)
+        sync = np.asarray(cm.comm.time_s("all_reduce", params * gb, layout), dtype=float)
         gather = np.zeros_like(params)
         shard = params
     if dpv == 1:
@@ -203,7 +203,7 @@ def _vocab_data_parallel(
     gather = np.where(params > 0, gather, 0.0)
     if vocab.mode == "tp" and cm.model.tied_embeddings and pp > 1:
         # Megatron all-reduces the tied weight's gradient between the first and last stage.
-        tie = cm.comm.time_s("all_reduce", params[0] * GRAD_BYTES, cm.layout(2, (pp - 1) * width))
+        tie = cm.comm.time_s("all_reduce", params[0] * gb, cm.layout(2, (pp - 1) * width))
         sync = sync.copy()
         sync[0] += float(tie)
         sync[-1] += float(tie)

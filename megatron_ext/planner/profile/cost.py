@@ -153,7 +153,9 @@ def stage_work(cm: CostModel, layout: PlanLayout) -> StageWork:
     f, b = arr["f"], arr["b"]
     share_f = f / np.maximum(f + b, 1e-30)  # communication split between passes by duration
     comm_f, comm_b = arr["comm"] * share_f, arr["comm"] * (1.0 - share_f)
-    tail = gradient_tail_s(f, b, arr["sync"], arr["gather"], 0.0, cm.overlap_slowdown)
+    tail = gradient_tail_s(f, b, arr["sync"], arr["gather"], 0.0, cm.overlap_slowdown,
+                           overlap_grad_reduce=cm.training.overlap_grad_reduce,
+                           overlap_param_gather=cm.training.overlap_param_gather)
     return StageWork(forward_compute_s=f - comm_f, forward_comm_s=comm_f,
                      backward_compute_s=b - comm_b, backward_comm_s=comm_b, p2p_s=ex.p2p_s,
                      tail_comm_s=tail, optimizer_s=arr["opt"],

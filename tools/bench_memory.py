@@ -1,0 +1,291 @@
+"""The cost model's memory terms against the bytes this package's runtime holds, term by term.
+
+    python tools/bench_memory.py [--json bench_memory.json]
+
+Runs tiny Llama-style models (fp32, CPU, 2 gloo ranks) through `build_model` /
+`backend_for_model` / `train_step` and measures, on each rank:
+
+  activations  bytes of the distinct storages autograd saves for backward during one
+               micro-batch's forward (a `torch.autograd.graph.saved_tensors_hooks` pack hook;
+               parameters and their gradient buffers excluded), per transformer layer: the
+               difference between the same plan with 4 and with 2 layers, over 2 (embedding,
+               output layer and loss cancel). Against planner/cost/memory.py
+               layer_activation_bytes (no flash attention on CPU; dropout as configured).
+  in flight    pipeline (pp 2, 4 micro-batches): the peak of the saved bytes alive at once on
+               each stage (a finalizer per saved storage) over one micro-batch's saved bytes,
+               against Megatron's 1F1B count min(pp - stage, m) the cost model uses.
+  states       weights, gradients and optimizer states per ZeRO level (0-3, dp 2) on the live
+               tensors (megatron_adapter/state_memory.py), against memory.py
+               state_bytes_breakdown x the layer's parameters per GPU.
+
+Prints one row per term and grid point (measured, predicted, ratio) and writes --json.
+A benchmark, not a test: no assertion on the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from megatron_ext.plan import LayerStrategy as L
+from megatron_ext.plan import ParallelPlan, VocabStrategy
+from megatron_ext.runtime.testing import run_distributed
+from megatron_ext.specs import ModelSpec
+
+MODEL = ModelSpec(
+    name="bench-mem", num_layers=4, hidden_size=128, ffn_hidden_size=352,
+    num_attention_heads=4, num_query_groups=2, vocab_size=512, max_position_embeddings=256,
+)
+SEQ, MBS = 64, 4
+WORLD = 2
+ACTIVATION_GRID = [  # (label, strategy, dropout)
+    ("tp1 dp2", L(tp=1, dp=2), False),
+    ("tp1 dp2 dropout", L(tp=1, dp=2), True),
+    ("tp2", L(tp=2), False),
+    ("tp2 sp", L(tp=2, sp=True), False),
+    ("tp2 sp dropout", L(tp=2, sp=True), True),
+    ("tp1 dp2 rc:sel", L(tp=1, dp=2, recompute="selective"), False),
+    ("tp2 sp rc:sel", L(tp=2, sp=True, recompute="selective"), False),
+    ("tp1 dp2 rc:full", L(tp=1, dp=2, recompute="full"), False),
+    ("tp2 sp rc:full", L(tp=2, sp=True, recompute="full"), False),
+]
+
+
+def plan_of(strategy: L, *, layers: int, pp: int = 1, num_mb: int = 1) -> ParallelPlan:
+    model = dataclasses.replace(MODEL, num_layers=layers)
+    stages = tuple((i * layers // pp, (i + 1) * layers // pp) for i in range(pp))
+    return ParallelPlan(world_size=WORLD, pp=pp, stages=stages, layers=(strategy,) * layers,
+                        model=model, micro_batch_size=MBS, global_batch_size=MBS * num_mb,
+                        seq_length=SEQ, precision="fp32",
+                        vocab=VocabStrategy(mode="tp", tp=strategy.tp))
+
+
+def batches(plan: ParallelPlan) -> list[dict]:
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for _ in range(plan.num_microbatches):
+        ids = torch.randint(0, plan.model.vocab_size, (plan.micro_batch_size,
+                                                       plan.seq_length + 1), generator=gen)
+        out.append({"tokens": ids[:, :-1], "labels": ids[:, 1:],
+                    "loss_mask": torch.ones(plan.micro_batch_size, plan.seq_length)})
+    return out
+
+
+def opt_config():
+    import torch
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(optimizer="adam", lr=1e-3, weight_decay=0.01, clip_grad=1.0,
+                           params_dtype=torch.float32)
+
+
+class SavedBytes:
+    """Pack hook: distinct storages autograd saves, per micro-batch, parameters excluded; with
+    `track`, a finalizer per storage so the live micro-batches can be counted."""
+
+    def __init__(self, excluded: set[int], track: bool = False) -> None:
+        self.excluded, self.track = excluded, track
+        self.seen: set[int] = set()
+        self.bytes = 0
+        self.first_bytes = 0  # the first micro-batch's saved bytes
+        self.tensors: list[tuple[tuple[int, ...], str, int]] = []  # (shape, dtype, bytes)
+        self.live_bytes = 0
+        self.peak_live_bytes = 0
+        self.micro = -1
+
+    def start(self) -> None:
+        import gc
+
+        gc.collect()  # autograd graphs freed by their backward release their saved storages
+        if self.micro == 0:
+            self.first_bytes = self.bytes
+        self.micro += 1
+        self.seen, self.bytes, self.tensors = set(), 0, []
+
+    def pack(self, tensor):
+        import weakref
+
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.excluded or key in self.seen or storage.nbytes() == 0:
+            return tensor
+        self.seen.add(key)
+        self.bytes += storage.nbytes()
+        self.tensors.append((tuple(tensor.shape), str(tensor.dtype).replace("torch.", ""),
+                             storage.nbytes()))
+        if self.track:
+            self.live_bytes += storage.nbytes()
+            self.peak_live_bytes = max(self.peak_live_bytes, self.live_bytes)
+            weakref.finalize(storage, self._freed, storage.nbytes())
+        return tensor
+
+    def _freed(self, nbytes: int) -> None:
+        self.live_bytes -= nbytes
+
+
+def _run_plan(plan: ParallelPlan, *, dropout: bool, track: bool = False) -> SavedBytes:
+    import torch
+    from torch.autograd.graph import saved_tensors_hooks
+
+    from megatron_ext.megatron_adapter.build import build_model
+    from megatron_ext.megatron_adapter.losses import layerwise_forward_step
+    from megatron_ext.megatron_adapter.optimizer import build_optimizer
+    from megatron_ext.megatron_adapter.training.loop import train_step
+    from megatron_ext.megatron_adapter.training.select import backend_for_model
+    from megatron_ext.megatron_adapter.transformer_config import (
+        ModelOptions,
+        transformer_config,
+    )
+
+    rate = 0.1 if dropout else 0.0
+    config = transformer_config(plan.model, precision="fp32", options=ModelOptions(
+        hidden_dropout=rate, attention_dropout=rate))
+    chunks, groups = build_model(plan, config)
+    optimizer = build_optimizer(chunks, opt_config())
+    excluded = {t.untyped_storage().data_ptr() for c in chunks for p in c.parameters()
+                for t in (p, getattr(p, "main_grad", None)) if t is not None}
+    counter = SavedBytes(excluded, track=track)
+
+    def probe(data_iterator, model):
+        counter.start()
+        with saved_tensors_hooks(counter.pack, lambda t: t):
+            return layerwise_forward_step(data_iterator, model)
+
+    backend = backend_for_model(chunks, groups, optimizer, forward_step_func=probe)
+    torch.manual_seed(0)
+    train_step(backend, iter([backend.shard.rows(b) for b in batches(plan)]))
+    return counter
+
+
+def activation_rank(rank: int, world_size: int, labels: list[str] | None = None) -> dict:
+    warnings.filterwarnings("ignore")
+    out: dict = {"tensors": {}}
+    for label, strategy, dropout in ACTIVATION_GRID:
+        if labels is not None and label not in labels:
+            continue
+        runs = [_run_plan(plan_of(strategy, layers=n), dropout=dropout) for n in (2, 4)]
+        out[label] = (runs[1].bytes - runs[0].bytes) / 2
+        extra = list(runs[1].tensors)  # what two more layers save: 4-layer list minus 2-layer
+        for t in runs[0].tensors:
+            if t in extra:
+                extra.remove(t)
+        out["tensors"][label] = sorted(extra, key=lambda t: -t[2])
+    return out
+
+
+def inflight_rank(rank: int, world_size: int) -> dict:
+    warnings.filterwarnings("ignore")
+    plan = plan_of(L(tp=1), layers=4, pp=2, num_mb=4)
+    counter = _run_plan(plan, dropout=False, track=True)
+    return {"stage": rank, "peak_live_bytes": counter.peak_live_bytes,
+            "microbatch_bytes": counter.first_bytes,
+            "num_microbatches": plan.num_microbatches}
+
+
+def states_rank(rank: int, world_size: int) -> dict:
+    warnings.filterwarnings("ignore")
+    import torch
+
+    from megatron_ext.megatron_adapter.build import build_model
+    from megatron_ext.megatron_adapter.losses import layerwise_forward_step
+    from megatron_ext.megatron_adapter.optimizer import build_optimizer
+    from megatron_ext.megatron_adapter.state_memory import class_state_bytes
+    from megatron_ext.megatron_adapter.training.loop import train_step
+    from megatron_ext.megatron_adapter.training.select import backend_for_model
+
+    plan = dataclasses.replace(plan_of(L(tp=1, dp=2), layers=4, num_mb=2), layers=tuple(
+        L(tp=1, dp=2, zero=z) for z in (0, 1, 2, 3)), vocab=VocabStrategy(mode="tp", tp=2))
+    chunks, groups = build_model(plan)
+    optimizer = build_optimizer(chunks, opt_config())
+    seen: list = []
+    out: dict = {}
+
+    def probe(data_iterator, model):
+        result = layerwise_forward_step(data_iterator, model)
+        seen.append(None)
+        if len(seen) == 2 * plan.num_microbatches:  # last micro-batch of step 2
+            out["classes"] = class_state_bytes(chunks[0], optimizer)
+        return result
+
+    backend = backend_for_model(chunks, groups, optimizer, forward_step_func=probe)
+    for _ in range(2):
+        torch.manual_seed(0)
+        train_step(backend, iter([backend.shard.rows(b) for b in batches(plan)]))
+    return out
+
+
+def report(act: list[dict], inflight: list[dict], states: list[dict]) -> dict:
+    import numpy as np
+
+    from megatron_ext.planner.cost.compute import layer_params
+    from megatron_ext.planner.cost.memory import layer_activation_bytes, state_bytes_breakdown
+    from megatron_ext.planner.cost.pipeline import num_warmup
+
+    rows = []
+    codes = {"none": 0, "selective": 1, "full": 2}
+    for label, s, dropout in ACTIVATION_GRID:
+        if label not in act[0]:
+            continue
+        measured = max(r[label] for r in act)
+        predicted = float(layer_activation_bytes(
+            MODEL, b=MBS / s.dp, seq_length=SEQ, tp=np.array([s.tp]), sp=np.array([s.sp]),
+            cp=np.array([1]), ulysses=np.array([1]), recompute=np.array([codes[s.recompute]]),
+            element_bytes=4, flash_attention=False, dropout=dropout)[0])
+        rows.append({"term": "activations per layer and micro-batch", "case": label,
+                     "measured_bytes": measured, "predicted_bytes": predicted})
+    for r in inflight:
+        predicted = num_warmup(r["stage"], 2, r["num_microbatches"]) + 1
+        rows.append({"term": "micro-batches in flight (1F1B)", "case": f"pp2 stage {r['stage']}",
+                     "measured_bytes": r["peak_live_bytes"] / r["microbatch_bytes"],
+                     "predicted_bytes": min(predicted, r["num_microbatches"])})
+    per_gpu = layer_params(MODEL)
+    names = ("weights", "gradients", "optimizer states")
+    for cls in states[0]["classes"]:
+        if not all(m.endswith("TransformerLayer") for m in cls["modules"]):
+            continue
+        layers = sum(1 for m in cls["modules"] if m.endswith("TransformerLayer"))
+        parts = state_bytes_breakdown(cls["zero"], 2, half_precision=False)
+        for i, (name, key) in enumerate(zip(names, ("param_bytes", "grad_bytes",
+                                                    "optimizer_bytes"))):
+            measured = max(s["classes"][states[0]["classes"].index(cls)][key] for s in states)
+            rows.append({"term": name, "case": f"zero {cls['zero']} dp2",
+                         "measured_bytes": measured,
+                         "predicted_bytes": float(parts[i]) * per_gpu * layers})
+    for r in rows:
+        p = r["predicted_bytes"]
+        r["ratio"] = r["measured_bytes"] / p if p else float("nan")
+    within = [abs(r["ratio"] - 1) <= 0.05 for r in rows]
+    return {"rows": rows, "within_5pct": sum(within), "total": len(rows),
+            "saved_tensors_per_two_layers": act[0]["tensors"],
+            "setup": {"model": MODEL.to_dict(), "seq_length": SEQ, "micro_batch_size": MBS,
+                      "world_size": WORLD, "precision": "fp32"}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args(argv)
+    act = run_distributed(activation_rank, world_size=WORLD, timeout_s=1800)
+    inflight = run_distributed(inflight_rank, world_size=WORLD, timeout_s=600)
+    states = run_distributed(states_rank, world_size=WORLD, timeout_s=600)
+    out = report(act, inflight, states)
+    print(f"{'term':40s} {'case':18s} {'measured':>12s} {'predicted':>12s} {'ratio':>6s}")
+    for r in out["rows"]:
+        print(f"{r['term']:40s} {r['case']:18s} {r['measured_bytes']:12.0f} "
+              f"{r['predicted_bytes']:12.0f} {r['ratio']:6.3f}")
+    print(f"within 5%: {out['within_5pct']} of {out['total']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
