@@ -199,11 +199,9 @@ NO_EFFECT: tuple[tuple[tuple[str, ...], str], ...] = (
       "--fp8-recipe", "--fp4-recipe", "--num-layers-at-start-in-bf16",
       "--num-layers-at-end-in-bf16", "--min-offloaded-tensor-size", "--dsa-indexer-n-heads",
       "--dsa-indexer-head-dim", "--dsa-indexer-topk", "--dsa-indexer-loss-coeff",
-      "--mtp-loss-scaling-factor", "--moe-deepep-num-sms", "--moe-hybridep-num-sms",
-      "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim",
-      "--mscale", "--mscale-all-dim", "--rotary-scaling-factor", "--cache-mla-latents"),
+      "--mtp-loss-scaling-factor", "--moe-deepep-num-sms", "--moe-hybridep-num-sms"),
      "a setting of a model, dataset, tokenizer or feature this run does not use (BERT / vision / "
-     "retrieval / Mamba models, FIM data, MLA, fp8, Muon, CPU offload, the flex MoE "
+     "retrieval / Mamba models, FIM data, fp8, Muon, CPU offload, the flex MoE "
      "dispatcher); " + _NO_PRETRAIN + " without that feature"),
     (("--moe-use-legacy-grouped-gemm", "--moe-permute-fusion", "--moe-router-fusion",
       "--moe-shared-expert-overlap"),
@@ -262,8 +260,8 @@ REFUSED: tuple[tuple[tuple[str, ...], str, str], ...] = (
      "drop it"),
     (("--moe-enable-routing-replay",), "recording and replaying routing decisions (RL)",
      "drop it"),
-    (("--multi-latent-attention", "--q-lora-rank", "--rope-type"),
-     "multi-latent attention (MLA)", "use standard multi-head or grouped-query attention"),
+    (("--cache-mla-latents",), "caching the multi-latent attention latents (an inference "
+     "kernel; megatron-core asserts it off in training)", "drop it"),
     (("--mtp-num-layers", "--mtp-standalone"), "multi-token prediction (MTP)", "drop it"),
     (("--fp8-format", "--fp8-param-gather", "--no-fp8-wgrad", "--disable-fp8-wgrad",
       "--first-last-layers-bf16", "--fp8-quantizer-factory", "--fp4-format", "--fp4-param-gather",

@@ -25,6 +25,7 @@ from megatron_ext.flags.checks import (
     apply_aliases,
     validate_megatron_args,
 )
+from megatron_ext.flags.mla import add_mla_args
 from megatron_ext.flags.moe import add_moe_args
 from megatron_ext.flags.to_plan import (
     apply_strategy_config,
@@ -57,6 +58,7 @@ def _honoured_parser(prog: str) -> argparse.ArgumentParser:
     _add_model(parser)
     _add_parallel(parser)
     add_moe_args(parser)
+    add_mla_args(parser)
     _add_batch_and_precision(parser)
     add_training_groups(parser)
     _add_megatron_ext(parser)
