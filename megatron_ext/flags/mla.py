@@ -96,10 +96,11 @@ def mla_from_args(ns: argparse.Namespace) -> MLASpec | None:
 
 def mla_values(mla: MLASpec | None) -> dict[str, Any]:
     """Megatron-LM dests for a plan's model.mla (None: flag absent). The shape flags are always
-    printed (Megatron-LM's MLA recipes spell them out); the YaRN ones only off their default."""
+    printed (Megatron-LM's MLA recipes spell them out); the YaRN ones only off their default;
+    --no-rope-fusion with plain RoPE, which megatron-core's MLA requires."""
     keys = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
-            "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "rotary_scaling_factor",
-            "mscale", "mscale_all_dim")
+            "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "apply_rope_fusion",
+            "rotary_scaling_factor", "mscale", "mscale_all_dim")
     if mla is None:
         return dict.fromkeys(keys)
     return {
@@ -107,6 +108,8 @@ def mla_values(mla: MLASpec | None) -> dict[str, Any]:
         "kv_lora_rank": mla.kv_lora_rank, "qk_head_dim": mla.qk_head_dim,
         "qk_pos_emb_head_dim": mla.qk_pos_emb_head_dim, "v_head_dim": mla.v_head_dim,
         "rope_type": None if mla.rope_type == "yarn" else mla.rope_type,
+        # megatron-core's fused MLA RoPE is yarn-only: plain RoPE needs --no-rope-fusion
+        "apply_rope_fusion": False if mla.rope_type == "rope" else None,
         "rotary_scaling_factor": None if mla.rotary_scaling_factor == 1.0
         else mla.rotary_scaling_factor,
         "mscale": None if mla.mscale == 1.0 else mla.mscale,

@@ -65,6 +65,7 @@ EMIT_TABLE: tuple[tuple[str, str, str, Kind], ...] = (
     ("mla", "qk_pos_emb_head_dim", "--qk-pos-emb-head-dim", "value"),
     ("mla", "v_head_dim", "--v-head-dim", "value"),
     ("mla", "rope_type", "--rope-type", "value"),
+    ("mla", "apply_rope_fusion", "--no-rope-fusion", "false"),
     ("mla", "rotary_scaling_factor", "--rotary-scaling-factor", "value"),
     ("mla", "mscale", "--mscale", "value"),
     ("mla", "mscale_all_dim", "--mscale-all-dim", "value"),

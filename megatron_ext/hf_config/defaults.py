@@ -82,6 +82,18 @@ DEFAULTS: _Table = {
         "moe_intermediate_size": 1407, "moe_layer_freq": 1, "first_k_dense_replace": 0,
         "norm_topk_prob": False, "scoring_func": "softmax", "aux_loss_alpha": 0.001,
         "seq_aux": True}),
+    # DeepSeek-V2 / V3's own configuration_deepseek.py (remote code), untied embeddings and the
+    # MoE routing fields only: transformers' classes drop those (fixed in their modeling code).
+    # q_lora_rank: both classes' default (null, as DeepSeek-V2-Lite says, is no compression)
+    "deepseek_v2": ("DeepseekV2Config", {
+        "tie_word_embeddings": False, "q_lora_rank": 1536, "moe_layer_freq": 1,
+        "first_k_dense_replace": 0, "norm_topk_prob": False,
+        "scoring_func": "softmax", "aux_loss_alpha": 0.001, "seq_aux": True}),
+    "deepseek_v3": ("DeepseekV3Config", {
+        "tie_word_embeddings": False, "q_lora_rank": 1536, "moe_layer_freq": 1,
+        "first_k_dense_replace": 3, "norm_topk_prob": True,
+        "scoring_func": "sigmoid", "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4,
+        "aux_loss_alpha": 0.001, "seq_aux": True}),
 }
 # Read without a default anywhere: a config must say them (GPT-2 names in brackets).
 REQUIRED = (("num_hidden_layers", "n_layer", "the number of decoder layers"),
@@ -100,6 +112,6 @@ def fill_defaults(data: dict[str, Any], family: str | None
     filled = {**data, **{k: table[k] for k in absent}}
     # the derived ones (None) mean what the 4.x files always meant by leaving them out
     named = tuple(f"{k}={table[k]!r}" for k in absent if table[k] is not None)
-    where = "DeepSeek-MoE's configuration_deepseek.py" if family == "deepseek" else (
-        f"transformers' {source}")
+    where = (f"DeepSeek's configuration_deepseek.py ({source})"
+             if family in ("deepseek", "deepseek_v2", "deepseek_v3") else f"transformers' {source}")
     return filled, named, where
