@@ -51,7 +51,7 @@ def add_mla_args(parser: argparse.ArgumentParser) -> None:
 
 def check_mla_args(ns: argparse.Namespace) -> None:
     """Megatron-LM core_v0.16.1's MLA rules as one-line errors, before any process group."""
-    explicit = getattr(ns, "explicit_args", set())
+    explicit: set[str] = getattr(ns, "explicit_args", set())
     if not ns.multi_latent_attention:
         given = [f for f in MLA_ONLY if f[2:].replace("-", "_") in explicit]
         if given:

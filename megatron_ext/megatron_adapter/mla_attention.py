@@ -44,7 +44,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 __all__ = ["LayerGroupMLASelfAttention"]
 
-_MODULE = importlib.import_module("megatron.core.transformer.multi_latent_attention")
+_MODULE: Any = importlib.import_module("megatron.core.transformer.multi_latent_attention")
 _GROUPLESS = ("gather_from_tensor_model_parallel_region", "scatter_to_sequence_parallel_region")
 
 

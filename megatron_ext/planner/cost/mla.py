@@ -24,9 +24,11 @@ copies add h (r_q + r_kv + d_rope) (1 - 1/t) per layer per GPU that this model l
 
 from __future__ import annotations
 
-from numpy.typing import ArrayLike
+import numpy as np
 
 from megatron_ext.specs import MLASpec, ModelSpec
+
+ArrayLike = float | np.ndarray  # as compute.py: a scalar or one value per strategy
 
 __all__ = ["attention_dim", "attention_params", "gemms", "rope_elements", "saved_widths"]
 
