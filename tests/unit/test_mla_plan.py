@@ -167,3 +167,15 @@ def test_search_space_has_no_ulysses_for_mla() -> None:
     table = layer_strategies(_model(), training, width=8, gpus_per_node=8, micro_batch_size=8)
     assert set(table.ulysses.tolist()) == {1} and {1, 2, 4} <= set(table.tp.tolist())
     assert 2 in set(table.cp.tolist())
+
+
+def test_tensor_parallel_mla_without_te_runs_on_the_layerwise_backend() -> None:
+    """megatron-core's local MLA spec loses gradient under TP (docs/mla.md): uniform MLA plans
+    with tp > 1 and no Transformer Engine go to the layerwise runtime, which fixes it."""
+    from megatron_ext.megatron_adapter.training.select import plan_backend
+
+    tp2 = _plan(_model(), LayerStrategy(tp=2, dp=2), 4)
+    assert plan_backend(tp2, use_transformer_engine=False) == "layerwise"
+    assert plan_backend(tp2, use_transformer_engine=True) == "stock"
+    assert plan_backend(_plan(_model(), LayerStrategy(dp=4), 4),
+                        use_transformer_engine=False) == "stock"
