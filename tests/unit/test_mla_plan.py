@@ -173,8 +173,10 @@ def test_tensor_parallel_mla_without_te_runs_on_the_layerwise_backend() -> None:
     """megatron-core's local MLA spec loses gradient under TP (docs/mla.md): uniform MLA plans
     with tp > 1 and no Transformer Engine go to the layerwise runtime, which fixes it."""
     from megatron_ext.megatron_adapter.training.select import plan_backend
+    from megatron_ext.plan import VocabStrategy
 
-    tp2 = _plan(_model(), LayerStrategy(tp=2, dp=2), 4)
+    tp2 = dataclasses.replace(_plan(_model(), LayerStrategy(tp=2, dp=2), 4),
+                              vocab=VocabStrategy(tp=2))
     assert plan_backend(tp2, use_transformer_engine=False) == "layerwise"
     assert plan_backend(tp2, use_transformer_engine=True) == "stock"
     assert plan_backend(_plan(_model(), LayerStrategy(dp=4), 4),
