@@ -167,7 +167,15 @@ def _check_layer(plan: ParallelPlan, s: LayerStrategy, label: str, first: int) -
     if model.num_attention_heads % s.tp:
         raise PlanError(
             f"{label}.tp={s.tp} does not divide num_attention_heads={model.num_attention_heads}"
+            + ("; multi-latent attention splits its heads over tp: use a tp that divides them"
+               if model.mla is not None else "")
         )
+    if model.mla is not None and s.ulysses > 1:
+        # TE's context-parallel attention with q/k and v head widths that differ takes only
+        # cp_comm_type p2p or a2a+p2p; megatron_ext's Ulysses attention assumes one width
+        raise PlanError(f"{label}.ulysses={s.ulysses} with model.mla: Ulysses attention is not "
+                        "supported for multi-latent attention (its q/k and v head widths differ);"
+                        " use cp (ring attention) instead")
     if model.num_query_groups % s.tp:
         raise PlanError(
             f"{label}.tp={s.tp} does not divide num_query_groups={model.num_query_groups}"

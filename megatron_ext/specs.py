@@ -23,6 +23,7 @@ Activation = Literal["gelu", "swiglu"]
 Normalization = Literal["LayerNorm", "RMSNorm"]
 PositionEmbedding = Literal["rope", "learned_absolute"]
 ScoreFunction = Literal["softmax", "sigmoid"]
+RopeType = Literal["rope", "yarn"]
 TokenDropPolicy = Literal["probs", "position"]
 MAX_NUM_LAYERS = 100_000
 """Upper bound on ModelSpec.num_layers (the largest published models have a few hundred)."""
@@ -76,6 +77,8 @@ class ModelSpec:
     """Its factor (--rope-scaling-factor; Llama 3.1: 8, Llama 3.2: 32)."""
     moe: MoESpec | None = None
     """Mixture-of-Experts shape; None for a dense model."""
+    mla: MLASpec | None = None
+    """Multi-latent attention shape (--multi-latent-attention); None for standard attention."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
@@ -113,7 +116,10 @@ class ModelSpec:
                 raise PlanError("model.add_bias_linear=true with model.moe: megatron-core's "
                                 "experts do not train with linear biases; use "
                                 "--disable-bias-linear (add_bias_linear=false)")
-        if self.kv_channels == 0 and self.hidden_size % self.num_attention_heads:
+        if self.mla is not None:
+            self.mla.check_model(self)
+        if (self.mla is None and self.kv_channels == 0
+                and self.hidden_size % self.num_attention_heads):
             raise PlanError(
                 f"model.hidden_size={self.hidden_size} is not a multiple of "
                 f"num_attention_heads={self.num_attention_heads}; set kv_channels explicitly"
@@ -133,6 +139,8 @@ class ModelSpec:
             del data["moe"]  # dense plans keep their JSON unchanged
         else:
             data["moe"] = self.moe.to_dict()
+        if self.mla is None:
+            del data["mla"]  # standard-attention plans keep their JSON unchanged
         return data
 
     @classmethod
@@ -171,6 +179,8 @@ class ModelSpec:
             rope_scaling_factor=get_float(data, "rope_scaling_factor", path, default=8.0),
             moe=(MoESpec.from_dict(data["moe"], f"{path}.moe")
                  if data.get("moe") is not None else None),
+            mla=(MLASpec.from_dict(data["mla"], f"{path}.mla")
+                 if data.get("mla") is not None else None),
         )
 
 
@@ -346,6 +356,101 @@ class MoESpec:
 
 MOE_BALANCING: tuple[str, ...] = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn",
                                   "none")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MLASpec:
+    """Multi-latent attention (DeepSeek-V2/V3) of a ModelSpec: megatron-core 0.16.1's
+    MLASelfAttention (transformer/multi_latent_attention.py) with MLATransformerConfig's fields.
+
+    Defaults are Megatron-LM core_v0.16.1's flag defaults (`_add_mla_args`), not the dataclass's.
+    YaRN's beta_fast / beta_slow / original_max_position_embeddings have no Megatron-LM flag, so
+    every run uses MLATransformerConfig's 32 / 1 / 4096; they are not plan fields."""
+
+    q_lora_rank: int | None = None
+    """--q-lora-rank: rank of the query's low-rank compression; None = no compression (one
+    linear_q_proj h -> heads x (qk_head_dim + qk_pos_emb_head_dim))."""
+    kv_lora_rank: int = 32
+    """--kv-lora-rank: rank of the compressed key/value latent (the KV cache's width)."""
+    qk_head_dim: int = 128
+    """--qk-head-dim: the per-head query/key width without RoPE."""
+    qk_pos_emb_head_dim: int = 64
+    """--qk-pos-emb-head-dim: the per-head RoPE part of query/key (the key's is shared by all
+    heads)."""
+    v_head_dim: int = 128
+    """--v-head-dim: the per-head value width."""
+    rope_type: RopeType = "yarn"
+    """--rope-type (Megatron-LM: None -> MLATransformerConfig's yarn)."""
+    rotary_scaling_factor: float = 1.0
+    """--rotary-scaling-factor: YaRN's scaling factor (also in the softmax scale's mscale)."""
+    mscale: float = 1.0
+    """--mscale: YaRN's mscale."""
+    mscale_all_dim: float = 0.0
+    """--mscale-all-dim: YaRN's mscale_all_dim (the softmax scale is multiplied by its mscale
+    squared)."""
+
+    def __post_init__(self) -> None:
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise PlanError(f"model.mla.q_lora_rank={self.q_lora_rank} must be >= 1, or null "
+                            "for no query compression")
+        for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+            if getattr(self, name) < 1:
+                raise PlanError(f"model.mla.{name}={getattr(self, name)} must be >= 1")
+        if self.qk_pos_emb_head_dim % 2:
+            raise PlanError(f"model.mla.qk_pos_emb_head_dim={self.qk_pos_emb_head_dim} must be "
+                            "even (RoPE rotates channel pairs)")
+        if self.rope_type not in ("rope", "yarn"):
+            raise PlanError(f"model.mla.rope_type={self.rope_type!r} must be rope or yarn")
+        if not self.rotary_scaling_factor > 0:
+            raise PlanError(f"model.mla.rotary_scaling_factor={self.rotary_scaling_factor} must "
+                            "be > 0")
+        if not self.mscale > 0 or self.mscale_all_dim < 0:
+            raise PlanError(f"model.mla.mscale={self.mscale} must be > 0 and mscale_all_dim="
+                            f"{self.mscale_all_dim} >= 0")
+
+    def check_model(self, model: ModelSpec) -> None:
+        """What megatron-core / Megatron-LM refuse around MLA, as one-line errors."""
+        if model.num_query_groups != model.num_attention_heads:
+            # Megatron-LM arguments.py:1265-1266
+            raise PlanError(f"model.num_query_groups={model.num_query_groups} with model.mla: "
+                            "multi-latent attention has no query groups (Megatron-LM refuses "
+                            "--group-query-attention with it); set it to num_attention_heads="
+                            f"{model.num_attention_heads}")
+        if model.rope_scaling:
+            raise PlanError("model.rope_scaling=true with model.mla: MLA's RoPE takes no Llama-3 "
+                            "frequency scaling; use model.mla.rope_type='yarn' with "
+                            "rotary_scaling_factor")
+        if model.add_qkv_bias:
+            raise PlanError("model.add_qkv_bias=true with model.mla: megatron-core's MLA "
+                            "projections carry no bias; drop --add-qkv-bias")
+
+    def q_head_dim(self) -> int:
+        """Per-head query/key width seen by core attention: qk_head_dim + qk_pos_emb_head_dim."""
+        return self.qk_head_dim + self.qk_pos_emb_head_dim
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, path: str = "model.mla") -> MLASpec:
+        data = expect_object(data, path)
+        reject_unknown(data, set(cls.__dataclass_fields__), path)
+        q_rank = data.get("q_lora_rank")
+        return cls(
+            q_lora_rank=None if q_rank is None else get_int(data, "q_lora_rank", path,
+                                                             minimum=1),
+            kv_lora_rank=get_int(data, "kv_lora_rank", path, default=32, minimum=1),
+            qk_head_dim=get_int(data, "qk_head_dim", path, default=128, minimum=1),
+            qk_pos_emb_head_dim=get_int(data, "qk_pos_emb_head_dim", path, default=64,
+                                        minimum=1),
+            v_head_dim=get_int(data, "v_head_dim", path, default=128, minimum=1),
+            rope_type=get_str(data, "rope_type", path, default="yarn",
+                              choices=("rope", "yarn")),  # type: ignore[arg-type]
+            rotary_scaling_factor=get_float(data, "rotary_scaling_factor", path, default=1.0,
+                                            positive=True),
+            mscale=get_float(data, "mscale", path, default=1.0, positive=True),
+            mscale_all_dim=get_float(data, "mscale_all_dim", path, default=0.0),
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

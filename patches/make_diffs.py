@@ -199,6 +199,43 @@ DIFFS: dict[str, list[Edit]] = {
             r"\1    torch.cuda.default_stream().wait_stream(self.communication_stream)",
         ),
     ],
+    "mla_local_attention": [
+        Edit(
+            path="transformer/dot_product_attention.py",
+            count=1,
+            pattern=r"^(        pg_collection: Optional\[ProcessGroupCollection\] = None,\n)"
+            r"(    \):)",
+            repl=r"\1        k_channels: Optional[int] = None,\n"
+            r"        v_channels: Optional[int] = None,\n\2",
+        ),
+        Edit(
+            path="transformer/dot_product_attention.py",
+            count=1,
+            pattern=r"^        projection_size = self\.config\.kv_channels \* "
+            r"self\.config\.num_attention_heads$",
+            repl="        # MLA (multi_latent_attention.py:155-166) gives its own q/k and v head "
+            "widths\n"
+            "        k_channels = k_channels or self.config.kv_channels\n"
+            "        v_channels = v_channels or self.config.kv_channels\n"
+            "        projection_size = v_channels * self.config.num_attention_heads",
+        ),
+        Edit(
+            path="transformer/dot_product_attention.py",
+            count=1,
+            pattern=r"^        self\.hidden_size_per_attention_head = divide\(projection_size, "
+            r"config\.num_attention_heads\)$",
+            repl="        self.hidden_size_per_attention_head = k_channels",
+        ),
+        Edit(
+            path="transformer/multi_latent_attention.py",
+            count=1,
+            pattern=r"^            HAVE_TE\n"
+            r"            and isinstance\(self\.linear_proj, TELinear\)$",
+            repl="            HAVE_TE\n"
+            "            and isinstance(TELinear, type)  # a MagicMock without TE\n"
+            "            and isinstance(self.linear_proj, TELinear)",
+        ),
+    ],
     "te_gemm_stub": [
         Edit(
             path="transformer/moe/moe_utils.py",

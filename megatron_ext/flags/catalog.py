@@ -204,11 +204,9 @@ NO_EFFECT: tuple[tuple[tuple[str, ...], str], ...] = (
       "--fim-suffix-token", "--fim-pad-token", "--fim-eod-token", "--kitchen-attention-backend",
       "--min-offloaded-tensor-size", "--dsa-indexer-n-heads",
       "--dsa-indexer-head-dim", "--dsa-indexer-topk", "--dsa-indexer-loss-coeff",
-      "--mtp-loss-scaling-factor", "--moe-deepep-num-sms", "--moe-hybridep-num-sms",
-      "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim",
-      "--mscale", "--mscale-all-dim", "--rotary-scaling-factor", "--cache-mla-latents"),
+      "--mtp-loss-scaling-factor", "--moe-deepep-num-sms", "--moe-hybridep-num-sms"),
      "a setting of a model, dataset, tokenizer or feature this run does not use (BERT / vision / "
-     "retrieval / Mamba models, FIM data, MLA, Muon, CPU offload, the flex MoE "
+     "retrieval / Mamba models, FIM data, Muon, CPU offload, the flex MoE "
      "dispatcher); " + _NO_PRETRAIN + " without that feature"),
     (("--moe-use-legacy-grouped-gemm", "--moe-permute-fusion", "--moe-router-fusion",
       "--moe-shared-expert-overlap"),
@@ -281,8 +279,8 @@ REFUSED: tuple[tuple[tuple[str, ...], str, str], ...] = (
      "drop it"),
     (("--moe-enable-routing-replay",), "recording and replaying routing decisions (RL)",
      "drop it"),
-    (("--multi-latent-attention", "--q-lora-rank", "--rope-type"),
-     "multi-latent attention (MLA)", "use standard multi-head or grouped-query attention"),
+    (("--cache-mla-latents",), "caching the multi-latent attention latents (an inference "
+     "kernel; megatron-core asserts it off in training)", "drop it"),
     (("--mtp-num-layers", "--mtp-standalone"), "multi-token prediction (MTP)", "drop it"),
     (("--fp4-format", "--fp4-recipe", "--fp4-param-gather", "--fp4-quantizer-factory"),
      "FP4 training (NVFP4, Blackwell): the cost model has no FP4 GEMM rates and the runtime no "

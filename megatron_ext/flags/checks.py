@@ -15,6 +15,7 @@ import argparse
 import logging
 
 from megatron_ext.errors import PlanError
+from megatron_ext.flags.mla import check_mla_args
 from megatron_ext.flags.moe import check_moe_args
 from megatron_ext.flags.to_plan import data_parallel_size, stage_sizes
 from megatron_ext.plan_checks import check_sequence
@@ -50,6 +51,7 @@ def validate_megatron_args(
             raise PlanError(f"--{dest.replace('_', '-')} is missing; Megatron-LM requires it")
     _check_model(ns, derived)
     check_moe_args(ns, derived)
+    check_mla_args(ns)
     _check_pipeline(ns)
     _check_context(ns)
     _check_recompute(ns)

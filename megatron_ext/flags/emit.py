@@ -52,6 +52,7 @@ from typing import Any
 from megatron_ext.errors import PlanError
 from megatron_ext.flags.catalog import option_sets
 from megatron_ext.flags.fp8 import fp8_values
+from megatron_ext.flags.mla import mla_values
 from megatron_ext.flags.moe import layer_freq_text, moe_values
 from megatron_ext.flags.table import EMIT_TABLE
 from megatron_ext.flags.versions import FlagCatalogVersion, resolve, wrong_version_message
@@ -200,6 +201,7 @@ def _model_values(plan: ParallelPlan) -> dict[str, Any]:
         "rope_scaling_factor": _unless(m.rope_scaling_factor, 8.0),
         "vocab_size": m.vocab_size,
         **moe_values(m.moe),
+        **mla_values(m.mla),
     }
 
 

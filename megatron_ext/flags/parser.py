@@ -33,6 +33,7 @@ from megatron_ext.flags.checks import (
     validate_megatron_args,
 )
 from megatron_ext.flags.fp8 import add_fp8_args
+from megatron_ext.flags.mla import add_mla_args
 from megatron_ext.flags.moe import add_moe_args
 from megatron_ext.flags.to_plan import (
     apply_strategy_config,
@@ -81,6 +82,7 @@ def _honoured_parser(prog: str) -> argparse.ArgumentParser:
     _add_model(parser)
     _add_parallel(parser)
     add_moe_args(parser)
+    add_mla_args(parser)
     _add_batch_and_precision(parser)
     add_fp8_args(parser)
     add_training_groups(parser)

@@ -16,6 +16,7 @@ from typing import Any
 from megatron_ext.errors import PlanError
 from megatron_ext.flags.emit import PLAN_ONLY, megatron_values
 from megatron_ext.flags.fp8 import fp8_from_args
+from megatron_ext.flags.mla import mla_from_args, mla_mismatch
 from megatron_ext.flags.moe import _SPEC_FLAG, moe_from_args
 from megatron_ext.flags.table import EMIT_TABLE, FLAG_OF_DEST
 from megatron_ext.plan import FlexSPConfig, LayerStrategy, ParallelPlan, VocabStrategy
@@ -24,7 +25,7 @@ from megatron_ext.specs import ModelSpec
 _MAX_LAYOUT_CHARS = 1_000_000
 MODEL_DESTS = frozenset(dest for concern, dest, _, _ in EMIT_TABLE if concern == "model")
 _CHECKED_DESTS = frozenset(
-    dest for concern, dest, _, _ in EMIT_TABLE if concern not in ("model", "moe")
+    dest for concern, dest, _, _ in EMIT_TABLE if concern not in ("model", "moe", "mla")
 ) - {"gradient_accumulation_fusion", "strategy_config", "attention_dropout",
      "expert_model_parallel_size", "expert_tensor_parallel_size"}
 """Compared one by one with the plan under --strategy-config; the model and MoE flags are
@@ -163,7 +164,7 @@ def model_from_args(ns: argparse.Namespace, *, vocab_size: int | None = None) ->
             qk_layernorm=ns.qk_layernorm, norm_epsilon=ns.layernorm_epsilon,
             rotary_base=ns.rotary_base, rotary_percent=ns.rotary_percent,
             rope_scaling=ns.use_rope_scaling, rope_scaling_factor=ns.rope_scaling_factor,
-            moe=moe_from_args(ns),
+            moe=moe_from_args(ns), mla=mla_from_args(ns),
         )
     except PlanError as err:
         raise PlanError(f"these Megatron flags give an invalid model: {err}") from None
@@ -426,6 +427,11 @@ def _check_model(ns: argparse.Namespace, plan: ParallelPlan, path: str) -> None:
             f"{_SPEC_FLAG[field]} conflicts with --strategy-config {path}: the flags give "
             f"model.moe.{field}={getattr(given_moe, field)!r}, the plan "
             f"{getattr(want_moe, field)!r}; drop the flag or fix the plan")
+    mla_flag = mla_mismatch(model.mla, plan.model.mla)
+    if mla_flag is not None:
+        raise PlanError(
+            f"{mla_flag} conflicts with --strategy-config {path}: the flags give model.mla="
+            f"{model.mla!r}, the plan {plan.model.mla!r}; drop the flag or fix the plan")
     _check_expert_degrees(ns, plan, path)
 
 

@@ -82,6 +82,36 @@ DEFAULTS: _Table = {
         "moe_intermediate_size": 1407, "moe_layer_freq": 1, "first_k_dense_replace": 0,
         "norm_topk_prob": False, "scoring_func": "softmax", "aux_loss_alpha": 0.001,
         "seq_aux": True}),
+    # multi-latent attention + DeepSeek-MoE; q_lora_rank null (DeepSeek-V2-Lite) is no query
+    # compression, absent the class's 1536
+    "deepseek_v2": ("DeepseekV2Config", {
+        "vocab_size": 102400, "hidden_size": 4096, "intermediate_size": 11008,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": None,
+        "hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+        "head_dim": None, "first_k_dense_replace": 0, "kv_lora_rank": 512, "q_lora_rank": 1536,
+        "n_group": None, "n_routed_experts": 64, "n_shared_experts": 2, "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64, "routed_scaling_factor": 1.0, "topk_group": None,
+        "topk_method": "greedy", "norm_topk_prob": False, "v_head_dim": 128,
+        "num_experts_per_tok": None, "moe_intermediate_size": 1407, "rope_theta": 10000.0}),
+    "deepseek_v3": ("DeepseekV3Config", {
+        "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+        "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 128,
+        "num_key_value_heads": 128, "n_shared_experts": 1, "n_routed_experts": 256,
+        "routed_scaling_factor": 2.5, "kv_lora_rank": 512, "q_lora_rank": 1536,
+        "qk_rope_head_dim": 64, "v_head_dim": 128, "qk_nope_head_dim": 128, "n_group": 8,
+        "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+        "norm_topk_prob": True, "hidden_act": "silu", "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "rope_interleave": True,
+        "attention_bias": False, "rope_theta": 10000.0}),
+}
+# The routing fields transformers' DeepSeek-V2/V3 classes drop (their modeling code fixes them),
+# with the defaults of DeepSeek's own configuration_deepseek.py (remote code) of each model.
+DEEPSEEK_ROUTING: dict[str, dict[str, Any]] = {
+    "deepseek_v2": {"moe_layer_freq": 1, "scoring_func": "softmax", "aux_loss_alpha": 0.001,
+                    "seq_aux": True},
+    "deepseek_v3": {"moe_layer_freq": 1, "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+                    "aux_loss_alpha": 0.001, "seq_aux": True},
 }
 # Read without a default anywhere: a config must say them (GPT-2 names in brackets).
 REQUIRED = (("num_hidden_layers", "n_layer", "the number of decoder layers"),
@@ -96,10 +126,13 @@ def fill_defaults(data: dict[str, Any], family: str | None
     """`data` with the absent fields set to the family's class defaults; which were absent
     ("field=value", the derived ones left out), and the class they came from."""
     source, table = DEFAULTS.get(family or "", ("", {}))
+    table = {**table, **DEEPSEEK_ROUTING.get(family or "", {})}
     absent = [k for k in table if k not in data]
     filled = {**data, **{k: table[k] for k in absent}}
     # the derived ones (None) mean what the 4.x files always meant by leaving them out
     named = tuple(f"{k}={table[k]!r}" for k in absent if table[k] is not None)
     where = "DeepSeek-MoE's configuration_deepseek.py" if family == "deepseek" else (
         f"transformers' {source}")
+    if family in DEEPSEEK_ROUTING:
+        where += " (routing: DeepSeek's configuration_deepseek.py)"
     return filled, named, where

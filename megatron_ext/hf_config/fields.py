@@ -18,7 +18,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "gpt2": {"add_bias_linear": True, "position_embedding": "learned_absolute"},
     "mixtral": {}, "qwen2_moe": {"add_qkv_bias": True}, "qwen3_moe": {"qk_layernorm": True},
     "deepseek": {},
-    # read so that the refusal names multi-latent attention, not the model_type
+    # multi-latent attention (hf_config/mla.py) with DeepSeek-MoE experts (hf_config/moe.py)
     "deepseek_v2": {}, "deepseek_v3": {},
 }
 _PARALLEL = ("compute attention and MLP in parallel from one norm (a parallel block); "
@@ -48,7 +48,7 @@ MOE_DETAIL = {  # meaningful only with experts (read by moe.py); refused without
 }
 MLA_DETAIL = {"qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave",
               "qk_head_dim"}
-MOE_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek"}
+MOE_FAMILIES = {"mixtral", "qwen2_moe", "qwen3_moe", "deepseek", "deepseek_v2", "deepseek_v3"}
 MAPPED = {
     "num_hidden_layers", "n_layer", "hidden_size", "n_embd", "intermediate_size", "n_inner",
     "num_attention_heads", "n_head", "num_key_value_heads", "n_head_kv", "vocab_size",

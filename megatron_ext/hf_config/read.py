@@ -24,6 +24,7 @@ from megatron_ext.hf_config.fields import (
     check_unknown,
 )
 from megatron_ext.hf_config.formats import ROPE_FIELD, rope_refusal, to_4x
+from megatron_ext.hf_config.mla import MLA_FAMILIES, mla_fields, mla_notes
 from megatron_ext.hf_config.moe import moe_fields, moe_notes
 from megatron_ext.specs import ModelSpec
 
@@ -66,6 +67,8 @@ def model_from_hf_config(data: dict[str, Any], label: str) -> HFModel:
     notes = [f"{k}: {IGNORED[k]}" for k in data if k in IGNORED]
     if spec.moe is not None:
         notes += moe_notes(filled)
+    if spec.mla is not None:
+        notes += mla_notes(filled)
     if data.get("sliding_window") is not None:
         notes.append(f"sliding_window: {data['sliding_window']} is off here (use_sliding_window "
                      "false, or the window covers every position): full causal attention")
@@ -85,14 +88,12 @@ def _check_family(family: Any, where: str) -> None:
 
 
 def _refuse_unsupported(data: dict[str, Any], where: str) -> None:
-    for key in MLA_FIELDS:
-        if data.get(key) is not None:
-            raise PlanError(f"{where} {key}={data[key]}: multi-latent attention (MLA) is not "
-                            "supported by megatron_ext")
     family = data.get("model_type")
-    if family in ("deepseek_v2", "deepseek_v3"):
-        raise PlanError(f"{where} model_type {family!r}: multi-latent attention (MLA: "
-                        "kv_lora_rank, q_lora_rank) is not supported by megatron_ext")
+    for key in MLA_FIELDS:
+        if data.get(key) is not None and family not in MLA_FAMILIES:
+            raise PlanError(f"{where} {key}={data[key]}: multi-latent attention in a model_type "
+                            f"({family!r}) megatron_ext does not read as MLA; known: "
+                            f"{', '.join(MLA_FAMILIES)}")
     experts = next((k for k in MOE_FIELDS if _truthy(data.get(k))), None)
     if experts is not None and family not in MOE_FAMILIES:
         raise PlanError(f"{where} {experts}={data[experts]}: experts in a model_type "
@@ -120,7 +121,10 @@ def _refuse_unsupported(data: dict[str, Any], where: str) -> None:
             raise PlanError(f"{where} {key}={data[key]}: per-layer attention variants are not "
                             "something Megatron-LM's GPT model can express")
     scaling = data.get("rope_scaling")
-    if isinstance(scaling, dict):
+    if scaling is not None and family in MLA_FAMILIES:
+        if not isinstance(scaling, dict):
+            raise PlanError(f"{where} rope_scaling={scaling!r} must be an object or null")
+    elif isinstance(scaling, dict):  # MLA's yarn: hf_config/mla.py
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind not in ("default", "llama3"):
             raise rope_refusal(where, data.get(ROPE_FIELD, "rope_scaling"), kind)
@@ -191,7 +195,12 @@ def _spec(data: dict[str, Any], implied: dict[str, Any], where: str, label: str)
     moe = moe_fields(data, fields["num_layers"], where)
     if moe is not None:
         fields["moe"] = moe
-    if fields["position_embedding"] == "rope":
+    mla = mla_fields(data, where)
+    if mla is not None:  # DeepSeek's q_a_layernorm / kv_a_layernorm: the latent norms
+        # transformers' head_dim here is qk_rope_head_dim (its RoPE table), no attention width
+        fields.update(mla=mla, qk_layernorm=True, kv_channels=0)
+        fields.update(_rope({**data, "rope_scaling": None}, head_dim, where))
+    elif fields["position_embedding"] == "rope":
         fields.update(_rope(data, head_dim, where))
     try:
         return ModelSpec.from_dict(fields, path=f"{label} (from config.json)")

@@ -36,6 +36,7 @@ from megatron_ext.megatron_adapter.layers import (
     layer_spec,
     vocab_config,
 )
+from megatron_ext.megatron_adapter.mla_support import check_mla_support
 from megatron_ext.megatron_adapter.model import HeteroGPTModel
 from megatron_ext.megatron_adapter.pg import layout_pg_collection, moe_pg_collection
 from megatron_ext.megatron_adapter.transformer_config import (
@@ -80,6 +81,7 @@ def check_runtime_support(plan: ParallelPlan, *, embedding: bool, output_layer: 
         vocab_parallel_layout(plan)  # its PlanError before any group exists
     if plan.model.moe is not None:
         check_moe_support(plan)
+    check_mla_support(plan)
 
 
 def check_moe_support(plan: ParallelPlan, config: TransformerConfig | None = None) -> None:

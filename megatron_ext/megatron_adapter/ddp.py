@@ -238,8 +238,14 @@ class HeteroDDP(_BaseDataParallel):
         return self.module.sharded_state_dict(prefix, *args, **kwargs)
 
     def allreduce_sequence_parallel_grads(self) -> None:
-        """Sum SP-tagged (and qk-layernorm) grads over each class's own tp group."""
-        qk = bool(getattr(self.config, "qk_layernorm", False))
+        """Sum SP-tagged (and qk-layernorm) grads over each class's own tp group.
+
+        MLA's q_layernorm normalises the whole (gathered) query latent, so without SP its grad
+        is complete on every TP rank; megatron-core's name rule for per-head q/k norms
+        (finalize_model_grads.py:353-355) would double it. Under SP it runs on the sequence
+        shard and is SP-tagged (summed by that rule)."""
+        qk = (bool(getattr(self.config, "qk_layernorm", False))
+              and not getattr(self.config, "multi_latent_attention", False))
         for cls, ddp in zip(self.classes, self._ddps):
             cfg = SimpleNamespace(sequence_parallel=True, qk_layernorm=qk)
             _allreduce_non_tensor_model_parallel_grads([ddp], cfg, cls.pg_collection.tp)

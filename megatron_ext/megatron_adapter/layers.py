@@ -21,6 +21,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_ext.errors import PlanError
 from megatron_ext.geometry.activation import ActivationLayout
 from megatron_ext.megatron_adapter.attention import SequenceParallelCoreAttention
+from megatron_ext.megatron_adapter.mla_attention import LayerGroupMLASelfAttention
 from megatron_ext.megatron_adapter.sp_norm import (
     SPNorm,
     gpt_layer_spec,
@@ -126,9 +127,15 @@ def layer_spec(config: TransformerConfig, strategy: LayerStrategy,
                ulysses_group: dist.ProcessGroup, *, use_te: bool | None = None,
                moe: bool = False) -> ModuleSpec:
     """Stock GPT layer spec (`moe`: with megatron-core's MoELayer); CP/Ulysses layers get
-    `SequenceParallelCoreAttention`."""
+    `SequenceParallelCoreAttention`; MLA layers without Transformer Engine
+    `LayerGroupMLASelfAttention`."""
     use_te = have_transformer_engine() if use_te is None else use_te
     spec = gpt_layer_spec(config, use_transformer_engine=use_te, moe=moe)
+    if config.multi_latent_attention and not use_te:  # latents gathered over the layer's group
+        mla = dataclasses.replace(spec.submodules.self_attention,
+                                  module=LayerGroupMLASelfAttention)
+        spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules,
+                                                                        self_attention=mla))
     if strategy.ulysses == 1 and (strategy.cp == 1 or use_te):
         return spec
     core = ModuleSpec(module=SequenceParallelCoreAttention,

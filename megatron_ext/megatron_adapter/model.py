@@ -202,8 +202,8 @@ class HeteroGPTModel(GPTModel):
         if self.vocab is not None and self.vocab.position_embeddings is not None:
             self._add_vocab_positions(position_ids, seq_length)
         rope = None
-        if self.position_embedding_type == "rope":
-            rope = self.rotary_pos_emb(seq_length)  # [s, 1, 1, d]
+        if self.position_embedding_type == "rope" and not self.config.multi_latent_attention:
+            rope = self.rotary_pos_emb(seq_length)  # [s, 1, 1, d]; MLA layers make their own
         hidden = self.decoder(hidden_states=decoder_input, attention_mask=attention_mask,
                               rotary_pos_emb=rope)  # [s_loc, b_loc, h] in output_layout
         if not self.post_process:

@@ -17,13 +17,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from megatron_ext.plan import LayerStrategy
 from megatron_ext.specs import FP8Spec, ModelSpec
 
-__all__ = ["ModelOptions", "fp8_fields", "gpt_model_kwargs", "moe_fields", "params_dtype",
-           "transformer_config"]
+__all__ = ["ModelOptions", "fp8_fields", "gpt_model_kwargs", "mla_fields", "moe_fields",
+           "params_dtype", "transformer_config"]
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -146,6 +146,24 @@ def fp8_fields(fp8: FP8Spec | None, *, fp8_interval: int = 1) -> dict[str, Any]:
     )
 
 
+def mla_fields(model: ModelSpec) -> dict[str, Any]:
+    """MLATransformerConfig fields of `model.mla` (none for standard attention), as Megatron-LM
+    core_v0.16.1's core_transformer_config_from_args fills them from the --*-lora-rank / head-dim
+    / YaRN flags; beta_fast, beta_slow and original_max_position_embeddings have no flag and keep
+    MLATransformerConfig's defaults."""
+    mla = model.mla
+    if mla is None:
+        return {}
+    return dict(
+        multi_latent_attention=True, q_lora_rank=mla.q_lora_rank,
+        kv_lora_rank=mla.kv_lora_rank, qk_head_dim=mla.qk_head_dim,
+        qk_pos_emb_head_dim=mla.qk_pos_emb_head_dim, v_head_dim=mla.v_head_dim,
+        rope_type=mla.rope_type, rotary_base=model.rotary_base,
+        rotary_percent=model.rotary_percent, rotary_scaling_factor=mla.rotary_scaling_factor,
+        mscale=mla.mscale, mscale_all_dim=mla.mscale_all_dim,
+    )
+
+
 def _recompute_fields(strategy: LayerStrategy) -> dict[str, Any]:
     if strategy.recompute == "full":
         return {"recompute_granularity": "full", "recompute_method": "uniform",
@@ -210,9 +228,10 @@ def transformer_config(
         **_recompute_fields(strategy),
         **moe_fields(model, options, strategy),
         **fp8_fields(fp8),
+        **mla_fields(model),
     )
     fields.update(overrides)
-    return TransformerConfig(**fields)
+    return (TransformerConfig if model.mla is None else MLATransformerConfig)(**fields)
 
 
 def gpt_model_kwargs(model: ModelSpec, options: ModelOptions | None = None) -> dict[str, Any]:

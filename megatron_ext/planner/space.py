@@ -27,6 +27,10 @@ R7 MoE models (`expert_variants`): MoE layers also get every strategy with ep > 
    experts and ep * etp the stage width, etp in {tp, 1} (heuristic only in leaving out other
    etp values, which Megatron-LM's MoE recipes do not use); ep = 1 with etp != tp is left out
    (megatron-core 0.16.1 never reduces those expert gradients over expert-DP).
+R8 multi-latent attention (exact, legality): tp divides the heads (R1; the latent down
+   projections are replicated or gathered, so they set no rule); no Ulysses, since TE's CP
+   attention with q/k and v head widths that differ takes only p2p / a2a+p2p and megatron_ext's
+   Ulysses attention assumes one width: MLA layers use cp (ring, p2p) for long sequences.
 R9 (search.py) MoE models: transient-memory levels rounded up to 1/64 of the cap (heuristic: a
    stage may lose cap/64 of budget, which the exact repair pass gives back layer by layer).
 """
@@ -142,6 +146,7 @@ def layer_strategies(
             continue
         if uly > 1 and (
             uniform or not training.allow_ulysses or model.num_query_groups % (tp * uly)
+            or model.mla is not None  # R8
         ):
             continue
         if cp > 1 and (not training.allow_cp or seq % (2 * cp)):

@@ -14,6 +14,7 @@ import pytest
 import torch
 from megatron.core.fusions import fused_softmax
 from megatron.core.pipeline_parallel import schedules
+from megatron.core.transformer import dot_product_attention
 from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
 from megatron_ext.megatron_adapter.cpu import compat as cpu_compat
@@ -33,6 +34,7 @@ EXPECTED_NAMES = [
     "stream_events",
     "host_splits",
     "uneven_gather",
+    "mla_local_attention",
 ]
 
 
@@ -56,6 +58,7 @@ def _sites() -> dict[str, object]:
         "host_splits_dispatcher": token_dispatcher.maybe_move_tensor_to_cpu,
         "uneven_gather": tp_mappings._gather_along_first_dim,
         "uneven_scatter": tp_mappings._reduce_scatter_along_first_dim,
+        "mla_local_attention": dot_product_attention.DotProductAttention.__init__,
     }
 
 

@@ -109,8 +109,14 @@ def test_deepseek_v3_style_routing_on_a_deepseek_config() -> None:
     ("deepseek-moe-16b", {"num_nextn_predict_layers": 1}, "num_nextn_predict_layers=1: "
      "multi-token prediction"),
     ("deepseek-moe-16b", {"num_experts_per_tok": None}, "num_experts_per_tok=None"),
-    ("DeepSeek-V2-Lite", {"kv_lora_rank": None}, "model_type 'deepseek_v2': multi-latent "
-     "attention"),
+    ("DeepSeek-V2-Lite", {"kv_lora_rank": None}, "kv_lora_rank=None: multi-latent attention "
+     "needs it"),
+    ("DeepSeek-V2-Lite", {"rope_scaling": {"type": "yarn", "factor": 40, "beta_fast": 16}},
+     "rope_scaling.beta_fast=16: Megatron-LM has no flag for it"),
+    ("DeepSeek-V2-Lite", {"qk_head_dim": 128}, "qk_head_dim=128 is not qk_nope_head_dim + "
+     "qk_rope_head_dim = 192"),
+    ("Llama-2-7b-hf", {"kv_lora_rank": 512}, "kv_lora_rank=512: multi-latent attention in a "
+     "model_type ('llama')"),
     ("Qwen3-30B-A3B", {"shared_expert_intermediate_size": 1024},
      "shared_expert_intermediate_size=1024: Qwen3-MoE has no shared expert"),
     ("Qwen3-30B-A3B", {"router_logit_scale": 2}, "field 'router_logit_scale' is not one"),

@@ -154,8 +154,11 @@ HF_EXPECTED: dict[str, float | str] = {
     # 57.4B (the Hub's safetensors count; the card says 57B)
     "Mixtral-8x7B-v0.1": 46.7, "Qwen1.5-MoE-A2.7B": 14.3, "deepseek-moe-16b": 16.4,
     "Qwen3-30B-A3B": 30.5, "Qwen2-57B-A14B": 57.4,
+    # MLA + MoE, total parameters: deepseek-ai/DeepSeek-V2-Lite 15.7B, deepseek-ai/DeepSeek-V3
+    # 671B (the main model; the card's 685B adds the 14B multi-token-prediction module, which
+    # this config does not ask for and megatron_ext refuses)
+    "DeepSeek-V2-Lite": 15.7, "DeepSeek-V3": 671.0,
     "Mistral-7B-v0.1": "sliding_window=4096",
-    "DeepSeek-V2-Lite": "kv_lora_rank=512", "DeepSeek-V3": "kv_lora_rank=512",
     "gemma-2b": "model_type 'gemma'", "gemma-2-2b": "model_type 'gemma2'",
     "gemma-2-9b": "model_type 'gemma2'", "gemma-2-27b": "model_type 'gemma2'",
     "gemma-3-1b-it": "model_type 'gemma3_text'", "gpt-j-6b": "model_type 'gptj'",

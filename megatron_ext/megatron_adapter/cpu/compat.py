@@ -1,4 +1,4 @@
-"""Run megatron-core 0.16.1 on CPU-only torch under gloo: twelve named, opt-in, undoable patches
+"""Run megatron-core 0.16.1 on CPU-only torch under gloo: thirteen named, opt-in, undoable patches
 (the last four for Mixture-of-Experts layers).
 
 Each CUDA hard-code met on the CPU/gloo path is handled by one named patch; its builder's

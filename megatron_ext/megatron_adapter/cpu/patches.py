@@ -1,4 +1,4 @@
-"""The twelve named CPU patches for megatron-core 0.16.1 and their registry (see `cpu_compat`).
+"""The thirteen named CPU patches for megatron-core 0.16.1 and their registry (see `cpu_compat`).
 
 Each patch is a builder returning `(owner, attr, replacement)` targets; its docstring names the
 megatron-core 0.16.1 `file:line` sites (paths relative to megatron/core/) it addresses.
@@ -504,3 +504,53 @@ def _build_uneven_gather() -> list[Target]:
 
     return [(mappings, "_gather_along_first_dim", _gather_along_first_dim),
             (mappings, "_reduce_scatter_along_first_dim", _reduce_scatter_along_first_dim)]
+
+
+@_register("mla_local_attention")
+def _build_mla_local_attention() -> list[Target]:
+    """The local `DotProductAttention` takes MLA's separate query/key and value head widths.
+
+    transformer/multi_latent_attention.py:155-166 builds its core attention with
+    `k_channels=q_head_dim, v_channels=v_head_dim`, which only Transformer Engine's
+    `TEDotProductAttention` accepts; the local spec (models/gpt/gpt_layer_specs.py:376-381, the
+    only MLA spec without Transformer Engine) gives `DotProductAttention`, whose `__init__`
+    (transformer/dot_product_attention.py:42-52) has no such parameters (TypeError), and whose
+    output width (:65, :78) is `kv_channels * heads`. With the two widths given, the scores use
+    the query/key width and the output `v_channels * heads / tp` (the forward already takes the
+    value's own head width, :230-249); without them nothing changes.
+
+    Also, without Transformer Engine, extensions/transformer_engine.py:74-76 binds its TE names
+    to MagicMock attributes, so multi_latent_attention.py:54-62 imports a `TELinear` that is no
+    class and `isinstance(self.linear_proj, TELinear)` (:183-185) raises TypeError; it becomes
+    a class nothing is an instance of.
+    """
+    mla = importlib.import_module("megatron.core.transformer.multi_latent_attention")
+    targets: list[Target] = []
+    if not isinstance(original_value(mla, "TELinear"), type):
+        targets.append((mla, "TELinear", type("AbsentTELinear", (), {})))
+    module = importlib.import_module("megatron.core.transformer.dot_product_attention")
+    cls = module.DotProductAttention
+    original = original_value(cls, "__init__")
+
+    @functools.wraps(original)
+    def __init__(self: Any, config: Any, layer_number: int, attn_mask_type: Any,
+                 attention_type: str, attention_dropout: float | None = None,
+                 softmax_scale: float | None = None, cp_comm_type: str | None = None,
+                 pg_collection: Any = None, k_channels: int | None = None,
+                 v_channels: int | None = None) -> None:
+        original(self, config, layer_number, attn_mask_type, attention_type,
+                 attention_dropout=attention_dropout, softmax_scale=softmax_scale,
+                 cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+        if k_channels is None and v_channels is None:
+            return
+        heads, tp = config.num_attention_heads, self.tp_group.size()
+        k_channels = k_channels or config.kv_channels
+        v_channels = v_channels or config.kv_channels
+        self.hidden_size_per_attention_head = k_channels
+        self.hidden_size_per_partition = v_channels * heads // tp
+        if softmax_scale is None:  # :84-90 with the query/key width
+            self.softmax_scale = 1.0 / k_channels**0.5
+            if config.apply_query_key_layer_scaling:
+                self.softmax_scale /= max(1, layer_number)
+
+    return [*targets, (cls, "__init__", __init__)]

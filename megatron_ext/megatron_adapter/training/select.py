@@ -138,6 +138,11 @@ def plan_backend(plan: ParallelPlan, *, use_transformer_engine: bool) -> Backend
         return "layerwise"
     if plan.layers[0].cp > 1 and not use_transformer_engine:
         return "layerwise"
+    if (plan.model.mla is not None and not use_transformer_engine
+            and any(s.tp > 1 for s in plan.layers)):
+        # megatron-core's local MLA spec loses the RoPE-key gradient over TP and doubles
+        # q_layernorm's; the layerwise runtime's MLA layer fixes both (mla_attention.py)
+        return "layerwise"
     return "stock"
 
 

@@ -29,6 +29,7 @@ from typing import Any, overload
 import numpy as np
 
 from megatron_ext.errors import PlanError
+from megatron_ext.planner.cost import mla
 from megatron_ext.schema import expect_object, get_float, reject_unknown
 from megatron_ext.specs import ClusterSpec, ModelSpec
 
@@ -181,10 +182,17 @@ def kv_dim(model: ModelSpec) -> int:
     return model.num_query_groups * model.head_dim
 
 
+def attention_dim(model: ModelSpec) -> float:
+    """The q of the causal attention FLOPs 2 b s^2 q (MLA: its query and value widths' mean)."""
+    return q_dim(model) if model.mla is None else mla.attention_dim(model)
+
+
 def layer_matmul_params(model: ModelSpec) -> int:
     """Weights of one transformer layer's GEMMs: QKV, output projection, MLP."""
     h, f = model.hidden_size, model.ffn_hidden_size
     attention = h * (q_dim(model) + 2 * kv_dim(model)) + q_dim(model) * h
+    if model.mla is not None:
+        attention = mla.attention_matmul_params(model)
     mlp = h * f * (3 if model.activation == "swiglu" else 2)
     return attention + mlp
 
@@ -206,6 +214,11 @@ def layer_params(model: ModelSpec) -> int:
         biases = q_dim(model) + 2 * kv_dim(model)
     if model.qk_layernorm:  # one norm over head_dim for queries, one for keys
         norms += 2 * model.head_dim * (2 if model.normalization == "LayerNorm" else 1)
+    if model.mla is not None:  # MLA attention, MLP biases, the two layer norms
+        mlp_bias = (f * (2 if model.activation == "swiglu" else 1) + h
+                    if model.add_bias_linear else 0)
+        return (mla.attention_params(model) + h * f * (3 if model.activation == "swiglu" else 2)
+                + mlp_bias + 2 * h * (2 if model.normalization == "LayerNorm" else 1))
     return layer_matmul_params(model) + norms + biases
 
 
@@ -228,7 +241,7 @@ def model_flops_per_token(model: ModelSpec, seq_length: int) -> float:
     MoE layers count the weights a token uses (router, shared and top-k experts; cost/moe.py)."""
     if model.moe is not None:
         return moe_flops_per_token(model, seq_length)
-    per_layer = 6 * layer_matmul_params(model) + 6 * seq_length * q_dim(model)
+    per_layer = 6 * layer_matmul_params(model) + 6 * seq_length * attention_dim(model)
     return model.num_layers * per_layer + 6 * model.hidden_size * model.vocab_size
 
 
@@ -325,7 +338,7 @@ def attention_forward_flops(
     """Causal QK^T and AV: 2 * b * s^2 * q per replica with flash attention (half of
     4 b s^2 q: it skips masked blocks), the full 4 b s^2 q without it (batched GEMMs over the
     whole score matrix), split over `shards` = tp * cp * ulysses GPUs."""
-    return (2.0 if flash else 4.0) * b * seq_length**2 * q_dim(model) / shards
+    return (2.0 if flash else 4.0) * b * seq_length**2 * attention_dim(model) / shards
 
 
 SCORE_BYTES_FORWARD = 12.0
@@ -395,6 +408,8 @@ def layer_elementwise_bytes(
         if model.position_embedding == "rope"
         else 0.0
     )
+    if model.mla is not None:  # MLA applies its own RoPE to the d_rope channels only
+        rope = mla.rope_elements(model, tokens, tp)
     return element_bytes * (hidden + act + rope)
 
 
@@ -403,6 +418,8 @@ def layer_gemms(model: ModelSpec, tp: ArrayLike) -> list[tuple[ArrayLike, ArrayL
     are column-parallel (n / t), the output projection and MLP-out row-parallel (k / t)."""
     h, f = model.hidden_size, model.ffn_hidden_size
     f_in = f * (2 if model.activation == "swiglu" else 1)
+    if model.mla is not None:
+        return mla.gemms(model, tp) + [(h, f_in / tp), (f / tp, h)]
     return [
         (h, (q_dim(model) + 2 * kv_dim(model)) / tp),
         (q_dim(model) / tp, h),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from megatron_ext.planner.cost import mla
 from megatron_ext.planner.cost.compute import kv_dim, q_dim
 from megatron_ext.specs import ModelSpec
 
@@ -102,6 +103,10 @@ def layer_activation_bytes(
     unsharded = (4.0 * e * rows * h + masks) / sp_div
     mlp_in = f * (2 if model.activation == "swiglu" else 1) + f
     sharded = e * rows * (q_dim(model) + 2 * kv_dim(model) + q_dim(model) + mlp_in) / tp
+    if model.mla is not None:  # q, k, v, attention output and the latents (cost/mla.py)
+        attention, latent = mla.saved_widths(model)
+        sharded = e * rows * (attention + mlp_in) / tp
+        unsharded = unsharded + e * rows * latent / sp_div
     core = core_attention_bytes(
         model,
         rows=rows,

@@ -298,7 +298,8 @@ class CostModel:
     ) -> tuple[FloatArray, FloatArray]:
         """Ring attention: cp-1 steps each passing this rank's K and V chunk [rows, 2kv/t]
         (forward) and K, V plus their gradients (backward), hidden behind attention compute."""
-        kv_bytes = 2 * rows * C.kv_dim(self.model) / table.tp * self.element_bytes
+        kv = C.kv_dim(self.model) if self.model.mla is None else C.attention_dim(self.model)
+        kv_bytes = 2 * rows * kv / table.tp * self.element_bytes
         step = np.zeros_like(kv_bytes)
         for cp, tp in set(zip(table.cp.tolist(), table.tp.tolist())):
             if cp == 1:
