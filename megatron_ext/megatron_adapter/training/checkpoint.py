@@ -28,11 +28,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core import dist_checkpointing, package_info, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_ext.errors import PlanError
-from megatron_ext.megatron_adapter.training import checkpoint_optim
+from megatron_ext.megatron_adapter.training import checkpoint_optim, checkpoint_write
 from megatron_ext.megatron_adapter.training.checkpoint_files import (
     TRACKER_FILE,
     LoadTarget,
@@ -144,6 +144,7 @@ def _state_dict(backend: Any, scheduler: Any, state: TrainState, plan: ParallelP
     sd["megatron_ext"] = {"plan": plan.to_json(), "fingerprint": _plan_fingerprint(plan),
                           "padded_vocab_size": backend.padded_vocab_size,
                           "optimizer_layout": PARAM_KEYED,
+                          "megatron_core_version": package_info.__version__,
                           "model_format": backend.chain_format, "layer_keys": LAYER_KEYS}
     if with_rng:
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -202,21 +203,35 @@ def _commit(root: Path, tmp: Path, iteration: int) -> None:
 def save_checkpoint(root: str | Path, backend: Any, scheduler: Any, state: TrainState,
                     plan: ParallelPlan, *, with_optimizer: bool = True) -> Path:
     """Write iteration `state.iteration` under `root`; returns the published directory.
-    `with_optimizer=False`: Megatron-LM's --no-save-optim (weights, scheduler, RNG only)."""
+    `with_optimizer=False`: Megatron-LM's --no-save-optim (weights, scheduler, RNG only). A
+    write that fails on any rank is one CheckpointWriteError line on every rank
+    (checkpoint_write.py); the tracker keeps naming the last complete checkpoint."""
     root = Path(root)
     tmp = root / f"iter_{state.iteration:07d}.tmp"
-    if dist.get_rank() == 0:
+
+    def step(action: Any, on_rank0_only: bool) -> None:
+        """Run `action`; every rank raises the same one line if it failed on any rank."""
+        error = None
+        if dist.get_rank() == 0 or not on_rank0_only:
+            try:
+                action()
+            except checkpoint_write.SAVE_ERRORS as err:  # OSError, or the writer's wrapped one
+                error = checkpoint_write.describe(err, root, tmp, state.iteration)
+        error = checkpoint_write.agree(error)
+        if error is not None:
+            checkpoint_write.discard(tmp)
+            raise checkpoint_write.CheckpointWriteError(error)
+
+    def prepare() -> None:
         if tmp.exists():  # left over by a run killed mid-save
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-    dist.barrier()
+
+    step(prepare, on_rank0_only=True)
     sd = _state_dict(backend, scheduler, state, plan, is_loading=False,
                      optimizer=PARAM_KEYED if with_optimizer else None)
-    dist_checkpointing.save(sd, str(tmp))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        _commit(root, tmp, state.iteration)
-    dist.barrier()
+    step(lambda: dist_checkpointing.save(sd, str(tmp)), on_rank0_only=False)
+    step(lambda: _commit(root, tmp, state.iteration), on_rank0_only=True)
     return iteration_dir(root, state.iteration)
 
 
