@@ -14,11 +14,11 @@ import os
 import sys
 from collections.abc import Sequence
 
-from megatron_ext.commands import args, evaluate, flexsp, profile, search, validate
+from megatron_ext.commands import args, checkpoint, evaluate, flexsp, profile, search, validate
 from megatron_ext.errors import InfeasiblePlanError, PlanError
 
 # Subcommand modules, in the order `--help` lists them.
-COMMAND_MODULES = (search, evaluate, args, validate, profile, flexsp)
+COMMAND_MODULES = (search, evaluate, args, validate, profile, flexsp, checkpoint)
 
 logger = logging.getLogger("megatron_ext")
 
