@@ -166,5 +166,6 @@ def run_inspect(args: argparse.Namespace) -> int:
 def run_export(args: argparse.Namespace) -> int:
     from megatron_ext.commands.checkpoint_export import export_hf
 
-    sys.stderr.write(f"wrote {export_hf(args.dir, args.out)}\n")
+    ckpt, _, _ = _locate(Path(args.dir))
+    sys.stderr.write(f"wrote {export_hf(ckpt, _common(ckpt), args.out)}\n")
     return 0

@@ -87,19 +87,18 @@ def hf_tensors(tensors: dict[str, Any], model: dict[str, Any]) -> dict[str, Any]
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def export_hf(path: str | Path, out: str | Path) -> Path:
-    """Write `out`/model.safetensors and config.json for the checkpoint `path` names."""
+def export_hf(ckpt: Path, common: dict[str, Any], out: str | Path) -> Path:
+    """Write `out`/model.safetensors and config.json for the iteration directory `ckpt`
+    (`common`: its common.pt; checkpoint.py's `run_export` finds both)."""
     from safetensors.torch import save_file
 
-    from megatron_ext.commands.checkpoint import _common, _locate
     from megatron_ext.megatron_adapter.training.checkpoint_files import find_damage
 
-    ckpt, _, _ = _locate(Path(path))
     damage = find_damage(ckpt)
     if damage is not None:
         raise PlanError(f"checkpoint export-hf: {ckpt} is damaged ({damage}); export an intact "
                         "iteration (pass its iter_NNNNNNN directory)")
-    ext = _common(ckpt).get("megatron_ext") or {}
+    ext = common.get("megatron_ext") or {}
     if "plan" not in ext:
         raise PlanError(f"checkpoint export-hf: {ckpt} has no megatron_ext record (written by "
                         "Megatron-LM?); resume it once with pretrain_gpt.py and save")
