@@ -15,13 +15,22 @@ import re
 import sys
 from collections.abc import Sequence
 
-from megatron_ext.commands import args, evaluate, flexsp, launch, profile, search, validate
+from megatron_ext.commands import (
+    args,
+    checkpoint,
+    evaluate,
+    flexsp,
+    launch,
+    profile,
+    search,
+    validate,
+)
 from megatron_ext.errors import InfeasiblePlanError, PlanError
 from megatron_ext.schema import closest
 from megatron_ext.warning_filters import install as install_warning_filters
 
 # Subcommand modules, in the order `--help` lists them.
-COMMAND_MODULES = (search, evaluate, args, validate, profile, flexsp, launch)
+COMMAND_MODULES = (search, evaluate, args, validate, profile, flexsp, launch, checkpoint)
 
 logger = logging.getLogger("megatron_ext")
 

@@ -4,12 +4,13 @@ layerwise runtime, FlexSP), resumed across them with weights and optimizer state
 One corpus without end-of-document tokens, so a FlexSP sample is a single document and every
 backend computes the same causal loss on the same samples; dropout off; fp32.
   S   stock (tp=2, dp=2), 6 iterations, a checkpoint every 2.
-  H   a heterogeneous plan (layers 0-1 tp=2 + SP, dp=2; layers 2-3 tp=2, Ulysses 2), loading S's
-      iteration 2 (weights and Adam moments): iterations 3-4 continue S's losses.
+  H   a heterogeneous plan (layers 0-1 tp=2 + SP, dp=2, ZeRO-1; layers 2-3 tp=2, Ulysses 2),
+      loading S's iteration 2 (weights and Adam moments; one optimizer per rank saved them, two
+      of different kinds load them): iterations 3-4 continue S's losses.
   T   stock (tp=1, dp=4) loading H's iteration 4: iterations 5-6 continue S's losses.
   F   FlexSP (4 ranks, one data-parallel group), 4 iterations, a checkpoint at 2.
-  FH  a heterogeneous plan (layers 0-1 dp=4, layers 2-3 Ulysses 2 x dp=2) loading F's iteration
-      2: iterations 3-4 continue F's losses.
+  FH  a heterogeneous plan (layers 0-1 dp=4 ZeRO-3, layers 2-3 Ulysses 2 x dp=2) loading F's
+      iteration 2: iterations 3-4 continue F's losses.
 Tolerance: rel 1e-5 on the logged global mean loss. Only reduction orders differ between the
 plans (TP partial sums, Ulysses all-to-alls, DDP bucket sums over different groups), which moves
 the loss by a few float32 ulps (~1e-7 relative); a misplaced shard or lost Adam moments change
@@ -101,7 +102,7 @@ def hetero_from_stock(data: list[str], stock: tuple[dict, Path],
     ckpt.mkdir()
     (ckpt / "iter_0000002").symlink_to(source / "iter_0000002")
     (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
-    plan = _plan_file(ckpt, [{"start": 0, "end": 2, "tp": 2, "sp": True, "dp": 2},
+    plan = _plan_file(ckpt, [{"start": 0, "end": 2, "tp": 2, "sp": True, "dp": 2, "zero": 1},
                              {"start": 2, "end": 4, "tp": 2, "ulysses": 2, "dp": 1}],
                       ckpt.parent / "hetero.json")
     save = tmp_path_factory.mktemp("format_hetero")
@@ -131,7 +132,7 @@ def test_flexsp_checkpoint_resumes_under_a_heterogeneous_plan(
     ckpt.mkdir()
     (ckpt / "iter_0000002").symlink_to(save / "iter_0000002")
     (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
-    plan = _plan_file(ckpt, [{"start": 0, "end": 2, "tp": 1, "dp": 4},
+    plan = _plan_file(ckpt, [{"start": 0, "end": 2, "tp": 1, "dp": 4, "zero": 3},
                              {"start": 2, "end": 4, "tp": 1, "ulysses": 2, "dp": 2}],
                       tmp_path / "hetero.json")
     losses = _run([*data, "--strategy-config", str(plan), "--load", str(ckpt),

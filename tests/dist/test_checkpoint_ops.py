@@ -11,6 +11,10 @@ when something goes wrong.
      checkpoint and `--ckpt-step`; --ckpt-step 8 then continues R's losses bit for bit.
   B  a typo in --load while --save holds R's iteration 12: refused in one line before any
      process group; nothing in --save changes.
+  F  --save on a file system with room for one checkpoint (a tmpfs of 1.6 times R's iteration
+     4): the save of iteration 8 fails with one line naming the directory, ENOSPC and the bytes
+     written; the tracker still names 4, no partial directory is left, and resuming from it
+     gives R's losses bit for bit.
 """
 
 from __future__ import annotations
@@ -190,3 +194,35 @@ def test_typo_in_load_is_refused_before_rolling_save_back(
     assert f"pass --load {save} to resume it" in errors[0]
     assert not LOSS_LINE.search(result.stdout)
     assert {p.name: p.stat().st_mtime_ns for p in save.rglob("*")} == before
+
+
+def test_full_disk_is_one_line_and_the_last_checkpoint_resumes(
+        reference: tuple[dict[int, str], Path], tmp_path: Path) -> None:
+    expected, source = reference
+    size = sum(f.stat().st_size for f in (source / "iter_0000004").rglob("*") if f.is_file())
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(size * 1.6) >> 10}k",
+                              "tmpfs", str(disk)], check=False, capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        result = _torchrun(["--save", str(disk), "--save-interval", "4"])
+        assert result.returncode != 0, result.stdout[-3000:]
+        errors = ERROR_LINE.findall(result.stdout)
+        assert len(errors) == 1, result.stdout[-3000:]  # rank 0 only, one line
+        assert errors[0].startswith(f"could not save iteration 8 to {disk}/iter_0000008.tmp: "
+                                    "No space left on device (ENOSPC"), errors
+        assert re.search(r", after [1-9]\d* bytes were written; latest_checkpointed_iteration"
+                         rf"\.txt still names iteration 4, which resumes with --load {disk};",
+                         errors[0]), errors
+        assert "Traceback" not in result.stdout.split("pretrain_gpt.py: error:")[0]
+        assert (disk / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+        assert sorted(p.name for p in disk.iterdir()) == [
+            "iter_0000004", "latest_checkpointed_iteration.txt"]
+
+        resumed = _torchrun(["--load", str(disk), "--exit-interval", "6"])
+        assert resumed.returncode == 0, resumed.stdout[-4000:]
+        assert _losses(resumed.stdout) == {5: expected[5], 6: expected[6]}
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)

@@ -8,21 +8,19 @@ killed mid-save therefore leaves the previous checkpoint as the latest complete 
 verifies the directory against its manifest first (`resolve_load`, before any process group).
 
 Tensors are keyed by global layer index (`decoder.layers.7...`), so a different TP/PP/DP layout
-reshards on load. RNG states are per rank and restored only when the plan is unchanged; the data
-position is a sample count and is restored under any plan.
+reshards on load; so is the optimizer state, per parameter (checkpoint_optim.py), whatever
+optimizers the plan chains. RNG states are per rank and restored only when the plan is
+unchanged; the data position is a sample count and is restored under any plan.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
 import os
 import random
 import shutil
 import signal
 import threading
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,11 +28,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core import dist_checkpointing, package_info, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_ext.errors import PlanError
-from megatron_ext.megatron_adapter.ddp import chain_kinds, vocab_zero
+from megatron_ext.megatron_adapter.training import checkpoint_optim, checkpoint_write
 from megatron_ext.megatron_adapter.training.checkpoint_files import (
     TRACKER_FILE,
     LoadTarget,
@@ -43,12 +41,25 @@ from megatron_ext.megatron_adapter.training.checkpoint_files import (
     resolve_load,
     write_manifest,
 )
+from megatron_ext.megatron_adapter.training.checkpoint_legacy import (
+    DISTOPT_SHARDING,
+    check_legacy_format,
+    check_optimizer_layout,
+    ensure_distopt_state,
+    gradient_class_counts,
+    restore_legacy,
+)
+from megatron_ext.megatron_adapter.training.checkpoint_optim import PARAM_KEYED
 from megatron_ext.plan import ParallelPlan
 
 if TYPE_CHECKING:
     from megatron_ext.megatron_adapter.training.backend import Backend
 
+__all__ = ["TrainState", "check_layer_keys", "check_optimizer_layout", "checkpoint_info",
+           "gradient_class_counts", "load_checkpoint", "prewarm_checkpoint_writer",
+           "save_checkpoint"]
 logger = logging.getLogger(__name__)
+_SLOTS = "megatron_ext.optimizer_slots"
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version
 
 
@@ -93,29 +104,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
 
 
-# The distributed optimizer's state is saved in the layout-independent format, so a checkpoint
-# loads under any other plan (Megatron-LM's --dist-ckpt-optim-fully-reshardable). Its default
-# `dp_reshardable` only survives a change of the DP degree; `fully_sharded_model_space` fails in
-# 0.16.1 ("ShardedTensor.flattened_range is not supported", dist_checkpointing/mapping.py:134).
-DISTOPT_SHARDING = "fully_reshardable"
-
-
-def _optimizer_format(optimizer: Any) -> str:
-    """'distributed' (ZeRO-1 state: per-parameter fp32 main copy + moments), 'local', or both
-    ('distributed+local') when a heterogeneous plan mixes ZeRO levels. ZeRO-2/3 classes of the
-    layerwise runtime are 'local' in fp32 (megatron's FP32Optimizer, as for DDP layers: the same
-    state layout) and 'sharded' under bf16/fp16, where their fp32 shards are the master weights
-    while DDP layers keep a separate fp32 copy (Float16OptimizerWithFloat16Params)."""
-    inner = _inner_optimizers(optimizer)
-    sharded = getattr(optimizer, "_sharded", None) or [False] * len(inner)
-    config = getattr(optimizer, "config", None)
-    half = bool(getattr(config, "bf16", False) or getattr(config, "fp16", False))
-    kinds = {"distributed" if getattr(opt.config, "use_distributed_optimizer", False) else
-             "sharded" if is_sharded and half else "local"
-             for opt, is_sharded in zip(inner, sharded)}
-    return "+".join(sorted(kinds))
-
-
 LAYER_KEYS = "global"
 """Recorded as megatron_ext.layer_keys: layers are saved as `decoder.layers.{i}.*` with the
 global layer index `i` in the key (megatron-core's `non_homogeneous_layers`,
@@ -135,11 +123,21 @@ def _metadata(backend: Backend, sharding: str = DISTOPT_SHARDING, *,
 
 
 def _state_dict(backend: Backend, scheduler: Any, state: TrainState, plan: ParallelPlan, *,
-                is_loading: bool, with_rng: bool = True, with_optimizer: bool = True,
-                global_layer_keys: bool = True) -> dict[str, Any]:
+                is_loading: bool, with_rng: bool = True, optimizer: str | None = PARAM_KEYED,
+                global_layer_keys: bool = True, saved_keys: set[str] | None = None,
+                root: str | Path = "") -> dict[str, Any]:
+    """`optimizer`: PARAM_KEYED (checkpoint_optim.py), "legacy" (megatron-core's chained
+    layout, checkpoints written before it) or None (no optimizer state); `saved_keys`: the
+    checkpoint's tensor keys (loading PARAM_KEYED)."""
     metadata = _metadata(backend, global_layer_keys=global_layer_keys)
     sd = backend.sharded_state_dict(metadata)
-    if with_optimizer:
+    if optimizer == PARAM_KEYED and is_loading:
+        sd["optimizer"], slots = checkpoint_optim.load_request(
+            backend.optimizer, sd, saved_keys or set(), str(root))
+        sd[_SLOTS] = slots  # taken out again before dist_checkpointing.load
+    elif optimizer == PARAM_KEYED:
+        sd["optimizer"] = checkpoint_optim.save_state(backend.optimizer, sd)
+    elif optimizer == "legacy":
         sd["optimizer"] = backend.optimizer.sharded_state_dict(
             sd, is_loading=is_loading, metadata=metadata)
     sd["opt_param_scheduler"] = scheduler.state_dict()
@@ -148,10 +146,9 @@ def _state_dict(backend: Backend, scheduler: Any, state: TrainState, plan: Paral
     sd["train_state"] = asdict(state)
     sd["megatron_ext"] = {"plan": plan.to_json(), "fingerprint": _plan_fingerprint(plan),
                           "padded_vocab_size": backend.padded_vocab_size,
-                          "optimizer_format": _optimizer_format(backend.optimizer),
-                          "model_format": backend.chain_format, "layer_keys": LAYER_KEYS,
-                          "optimizer_chain": [list(k) for k in chain_kinds(plan)]
-                          if backend.chain_format == "layerwise" else None}
+                          "optimizer_layout": PARAM_KEYED,
+                          "megatron_core_version": package_info.__version__,
+                          "model_format": backend.chain_format, "layer_keys": LAYER_KEYS}
     if with_rng:
         rank, world = dist.get_rank(), dist.get_world_size()
         sd["rng_state"] = ShardedObject("rng_state", _rng_state(), (world,), (rank,), replica_id=0)
@@ -206,50 +203,38 @@ def _commit(root: Path, tmp: Path, iteration: int) -> None:
                        TRACKER_FILE, root, iteration)
 
 
-@torch.no_grad()
-def _materialize_adam_state(optimizer: Any) -> None:
-    """Give torch Adam parameters that have never been stepped the state Adam's first step
-    creates (step 0, zero moments; torch/optim/adam.py `_init_group`), so a save before the
-    first successful step works: without apex/TE, megatron's DistributedOptimizer.state_dict
-    asserts one shared `step` (distrib_optimizer.py:642), and under fp16 every step before the
-    loss scale has come down is skipped. Adam then behaves exactly as with lazy state."""
-    for opt in _inner_optimizers(optimizer):
-        inner = getattr(opt, "optimizer", None)
-        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
-            continue
-        for group in inner.param_groups:
-            for param in group["params"]:
-                if inner.state[param]:
-                    continue
-                inner.state[param] = {
-                    "step": torch.tensor(0.0, dtype=torch.float32),
-                    "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
-                    "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format)}
-                if group.get("amsgrad"):
-                    inner.state[param]["max_exp_avg_sq"] = torch.zeros_like(
-                        param, memory_format=torch.preserve_format)
-
-
 def save_checkpoint(root: str | Path, backend: Backend, scheduler: Any, state: TrainState,
                     plan: ParallelPlan, *, with_optimizer: bool = True) -> Path:
     """Write iteration `state.iteration` under `root`; returns the published directory.
-    `with_optimizer=False`: Megatron-LM's --no-save-optim (weights, scheduler, RNG only)."""
+    `with_optimizer=False`: Megatron-LM's --no-save-optim (weights, scheduler, RNG only). A
+    write that fails on any rank is one CheckpointWriteError line on every rank
+    (checkpoint_write.py); the tracker keeps naming the last complete checkpoint."""
     root = Path(root)
     tmp = root / f"iter_{state.iteration:07d}.tmp"
-    if dist.get_rank() == 0:
+
+    def step(action: Any, on_rank0_only: bool) -> None:
+        """Run `action`; every rank raises the same one line if it failed on any rank."""
+        error = None
+        if dist.get_rank() == 0 or not on_rank0_only:
+            try:
+                action()
+            except checkpoint_write.SAVE_ERRORS as err:  # OSError, or the writer's wrapped one
+                error = checkpoint_write.describe(err, root, tmp, state.iteration)
+        error = checkpoint_write.agree(error)
+        if error is not None:
+            checkpoint_write.discard(tmp)
+            raise checkpoint_write.CheckpointWriteError(error)
+
+    def prepare() -> None:
         if tmp.exists():  # left over by a run killed mid-save
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-    dist.barrier()
-    if with_optimizer:
-        _materialize_adam_state(backend.optimizer)
+
+    step(prepare, on_rank0_only=True)
     sd = _state_dict(backend, scheduler, state, plan, is_loading=False,
-                     with_optimizer=with_optimizer)
-    dist_checkpointing.save(sd, str(tmp))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        _commit(root, tmp, state.iteration)
-    dist.barrier()
+                     optimizer=PARAM_KEYED if with_optimizer else None)
+    step(lambda: dist_checkpointing.save(sd, str(tmp)), on_rank0_only=False)
+    step(lambda: _commit(root, tmp, state.iteration), on_rank0_only=True)
     return iteration_dir(root, state.iteration)
 
 
@@ -263,75 +248,6 @@ def checkpoint_info(target: LoadTarget | str | Path | None) -> dict[str, Any] | 
         return None
     common = dist_checkpointing.load_common_state_dict(str(target.directory))
     return dict(common["megatron_ext"])
-
-
-def gradient_class_counts(plan: ParallelPlan) -> tuple[int, ...]:
-    """Per pipeline stage, how many optimizers the layerwise runtime chains there.
-
-    Mirrors ddp.grad_classes: one class per distinct (tp, zero) among the stage's embedding
-    (first stage), layers, final norm and output layer (last stage), or its vocabulary shards
-    (vocabulary parallelism, every stage), plus one per distinct (ep, etp, zero) of the routed
-    experts of its MoE layers. Pure: computed from the plan alone, before any group.
-    """
-    counts = [0] * plan.pp
-    vocab_parallel = plan.vocab.mode == "vocab_parallel"
-    last = len(plan.stages) - 1
-    for chunk, (start, end) in enumerate(plan.stages):  # interleaved: one chain per model chunk
-        keys: set[tuple] = {(s.tp, s.zero) for s in plan.layers[start:end]}
-        keys |= {("experts", plan.layers[i].ep, plan.layers[i].expert_tp, plan.layers[i].zero)
-                 for i in range(start, end) if plan.model.is_moe_layer(i)}
-        if chunk == last:  # final norm (and the output layer unless vocab-parallel)
-            keys.add((plan.vocab.tp, vocab_zero(plan.layers[end - 1].zero)))
-        if (chunk == 0 and not vocab_parallel) or vocab_parallel:  # embedding / vocab shards
-            keys.add((plan.vocab.tp, vocab_zero(plan.layers[start].zero)))
-        counts[chunk % plan.pp] += len(keys)
-    return tuple(counts)
-
-
-def optimizer_chain(plan: ParallelPlan, model_format: str) -> tuple[int, ...]:
-    """Per pipeline stage, how many optimizers are chained on a rank of the backend that runs
-    `plan` (`model_format`: the backend's ChainFormat, "layerwise" for the layerwise runtime,
-    "megatron" for the stock and FlexSP backends, which build one megatron-core optimizer per
-    rank)."""
-    if model_format == "layerwise":
-        return gradient_class_counts(plan)
-    return (1,) * plan.pp
-
-
-def check_optimizer_layout(info: dict[str, Any], plan: ParallelPlan, root: str | Path, *,
-                           use_transformer_engine: bool = True) -> None:
-    """One-line PlanError when a checkpoint's optimizer state (`info`: its checkpoint_info
-    record) cannot be restored under `plan`; checked before any model group.
-
-    The moments are keyed by the parameters' own (global layer) keys, so they reshard like the
-    weights, and one optimizer per rank reloads under any plan (stock, FlexSP, or a layerwise
-    plan with one gradient class per stage); but megatron-core's ChainedOptimizer keeps one
-    entry per chained optimizer, with its param groups in the checkpoint's common (rank-0) part,
-    and reloads only into the same number of optimizers per stage (optimizer.py:1218). Weights
-    reshard under any plan (--no-load-optim keeps them and restarts the moments).
-    """
-    from megatron_ext.megatron_adapter.training.select import chain_format
-
-    saved = ParallelPlan.from_dict(json.loads(info["plan"]))
-    was = optimizer_chain(saved, info.get("model_format", "megatron"))
-    now_format = chain_format(plan, use_transformer_engine=use_transformer_engine)
-    now = optimizer_chain(plan, now_format)
-    if was != now and not (set(was) == set(now) == {1}):
-        raise PlanError(
-            f"--load={root} holds optimizer state of a plan with {list(was)} gradient classes "
-            f"per pipeline stage, this plan has {list(now)}; megatron-core's chained optimizer "
-            "cannot reshard between them: add --no-load-optim (weights still load) or resume "
-            "under the saved plan")
-    kinds_was = [tuple(k) for k in info.get("optimizer_chain") or []]
-    kinds_now = [] if now_format == "megatron" else list(chain_kinds(plan))
-    if (len(set(kinds_was)) > 1 or len(set(kinds_now)) > 1) and kinds_was != kinds_now:
-        raise PlanError(
-            f"--load={root} holds optimizer state of a plan whose optimizers per pipeline stage "
-            f"are {[list(k) for k in kinds_was]}, this plan's are "
-            f"{[list(k) for k in kinds_now]}; stages chaining different kinds of optimizer "
-            "(ZeRO-1 distributed, ZeRO-2/3 sharded, local) are saved per stage and reload only "
-            "into the same chains: add --no-load-optim (weights still load) or keep each "
-            "stage's ZeRO levels")
 
 
 def check_layer_keys(info: dict[str, Any], plan: ParallelPlan, root: str | Path) -> None:
@@ -348,108 +264,73 @@ def check_layer_keys(info: dict[str, Any], plan: ParallelPlan, root: str | Path)
             "load that checkpoint")
 
 
-def _inner_optimizers(optimizer: Any) -> list[Any]:
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
-def _ensure_distopt_state(optimizer: Any) -> None:
-    """Give a never-stepped DistributedOptimizer a state to load into.
+def load_summary(*, same_plan: bool, load_optimizer: bool, load_rng: bool, with_rng: bool,
+                 finetune: bool, iteration: int, schedule_samples: int) -> str:
+    """What a load restored and what restarted, as Megatron-LM's load_checkpoint decides it for
+    the same flags: --no-load-optim restarts the optimizer state and the learning-rate schedule
+    (it keeps the iteration and consumed samples); --finetune also restarts the iteration, the
+    consumed samples and the RNG states."""
+    flag = "--finetune" if finetune else "--no-load-optim"
 
-    Without TE/apex its `state_dict()` asserts one shared `step` (distrib_optimizer.py:642),
-    which an empty torch Adam state does not have. megatron-core's own dummy initialisation
-    steps on zero grads; its effect on the weights is overwritten by the model load that
-    follows, and `_fix_adam_step` then sets the real step count.
-    """
-    for opt in _inner_optimizers(optimizer):
-        init = getattr(opt, "_init_optimizer_states_with_dummy_values", None)
-        if init is not None and not getattr(opt.optimizer, "state", True):
-            init()
+    def restored(what: str, loaded: bool, why: str) -> str:
+        return f"{what} {'restored' if loaded else f'restarted ({why})'}"
 
-
-@contextlib.contextmanager
-def _tolerate_missing_step(optimizer: Any) -> Iterator[None]:
-    """Load `fully_reshardable` distributed-optimizer state into torch Adam.
-
-    The checkpoint holds param/exp_avg/exp_avg_sq per parameter, but the copy loop copies every
-    key of the live state, including torch Adam's per-parameter `step`, and raises
-    KeyError('step') (megatron/core/optimizer/distrib_optimizer.py:940). For the duration of
-    the load, `step` is set aside around each copy; `_fix_adam_step` sets it afterwards.
-    """
-    patched = []
-    for opt in _inner_optimizers(optimizer):
-        original = getattr(opt, "_set_main_param_and_optimizer_states", None)
-        if original is None:
-            continue
-
-        def tolerant(model_param: Any, tensors: Any, _opt: Any = opt,
-                     _orig: Any = original) -> None:
-            group_index, group_order = _opt.model_param_group_index_map[model_param]
-            main_param = _opt.optimizer.param_groups[group_index]["params"][group_order]
-            state = _opt.optimizer.state[main_param]
-            step = state.pop("step", None)
-            try:
-                _orig(model_param, tensors)
-            finally:
-                if step is not None:
-                    state["step"] = step
-
-        opt._set_main_param_and_optimizer_states = tolerant
-        patched.append(opt)
-    try:
-        yield
-    finally:
-        for opt in patched:
-            del opt._set_main_param_and_optimizer_states
-
-
-def _fix_adam_step(optimizer: Any, num_steps: int) -> None:
-    """Set torch Adam's per-parameter `step` lost by the distributed optimizer's load
-    (distrib_optimizer.py:940 restores exp_avg/exp_avg_sq, not `step`): every parameter has been
-    stepped `num_steps` times."""
-    for opt in _inner_optimizers(optimizer):
-        inner = getattr(opt, "optimizer", None)
-        if inner is None or not hasattr(inner, "state"):
-            continue
-        for param_state in inner.state.values():
-            if "step" in param_state:
-                step = param_state["step"]
-                param_state["step"] = (torch.full_like(step, float(num_steps))
-                                       if torch.is_tensor(step) else num_steps)
+    rng_why = ("--finetune" if finetune else "--no-load-rng") if not load_rng else (
+        "saved under another plan, and they are per rank")
+    return "; ".join([
+        "weights restored" + ("" if same_plan else " (resharded from another plan)"),
+        restored("optimizer state", load_optimizer, flag)
+        + ("" if same_plan or not load_optimizer else " (resharded)"),
+        f"learning-rate schedule restored (at sample {schedule_samples})" if load_optimizer
+        else f"learning-rate schedule restarted ({flag})",
+        f"iteration {iteration} and consumed samples restored" if not finetune else
+        f"iteration and consumed samples restarted at 0 (--finetune, saved at {iteration})",
+        restored("RNG states", with_rng, rng_why)])
 
 
 def load_checkpoint(target: LoadTarget, backend: Backend, scheduler: Any, plan: ParallelPlan, *,
-                    load_optimizer: bool = True, load_rng: bool = True) -> TrainState:
-    """Restore the checkpoint `target` names (checkpoint_files.resolve_load verified it)."""
+                    load_optimizer: bool = True, load_rng: bool = True,
+                    finetune: bool = False) -> TrainState:
+    """Restore the checkpoint `target` names (checkpoint_files.resolve_load verified it), as
+    Megatron-LM's load_checkpoint (megatron/training/checkpointing.py) does for the same flags:
+    weights always; optimizer state and the learning-rate schedule unless
+    `load_optimizer=False` (--no-load-optim, --finetune); RNG states unless `load_rng=False`
+    (--no-load-rng, --finetune) and only under the same plan (they are per rank); the
+    iteration and consumed samples unless `finetune` (then a fresh TrainState is returned)."""
     root, iteration = target.root, target.iteration
     ckpt_dir = str(target.directory)
     common = dist_checkpointing.load_common_state_dict(ckpt_dir)
-    global_layer_keys = common["megatron_ext"].get("layer_keys") == LAYER_KEYS
-    same_plan = common["megatron_ext"]["fingerprint"] == _plan_fingerprint(plan)
+    record = common["megatron_ext"]
+    global_layer_keys = record.get("layer_keys") == LAYER_KEYS
+    same_plan = record["fingerprint"] == _plan_fingerprint(plan)
     with_rng = load_rng and same_plan
-    saved_format = common["megatron_ext"]["optimizer_format"]  # rank 0's (the common part)
-    chain = common["megatron_ext"].get("optimizer_chain")
-    if chain and backend.chain_format == "layerwise" and len(chain) == plan.pp:
-        # this rank's stage as saved: stages may chain different kinds (check_optimizer_layout
-        # compared the chains stage by stage)
-        saved_format = "+".join(sorted(set(chain[dist.get_rank() // plan.stage_width])))
-    if load_optimizer and saved_format != _optimizer_format(backend.optimizer):
-        raise PlanError(
-            f"--load={root} holds {saved_format} optimizer state but this plan uses the "
-            f"{_optimizer_format(backend.optimizer)} optimizer (the ZeRO level changed); add "
-            "--no-load-optim to restart the optimizer moments, or keep the ZeRO level")
+    layout = None
     if load_optimizer:
-        _ensure_distopt_state(backend.optimizer)
+        if "optimizer" not in common:
+            raise PlanError(f"--load={root}: iteration {iteration} was saved without optimizer "
+                            "state (--no-save-optim); add --no-load-optim or --finetune")
+        layout = PARAM_KEYED if record.get("optimizer_layout") == PARAM_KEYED else "legacy"
+    saved_keys = None
+    if layout == PARAM_KEYED:
+        saved_keys = set(dist_checkpointing.load_tensors_metadata(ckpt_dir))
+    elif layout == "legacy":
+        saved_format = check_legacy_format(common, backend, plan, root, dist.get_rank())
+        ensure_distopt_state(backend.optimizer)
     sd = _state_dict(backend, scheduler, TrainState(), plan, is_loading=True, with_rng=with_rng,
-                     with_optimizer=load_optimizer, global_layer_keys=global_layer_keys)
+                     optimizer=layout, global_layer_keys=global_layer_keys,
+                     saved_keys=saved_keys, root=root)
+    slots = sd.pop(_SLOTS, None)
     loaded = dist_checkpointing.load(sd, ckpt_dir)
     backend.load_model_state(loaded)
     state = TrainState(**loaded["train_state"])
+    if layout == PARAM_KEYED:
+        checkpoint_optim.restore(backend.optimizer, slots, loaded["optimizer"])
+    elif layout == "legacy":
+        restore_legacy(backend, loaded["optimizer"], saved_format,
+                       state.iteration - state.skipped_iterations)
     if load_optimizer:
-        # no_grad: distopt copies into views of leaf params (distrib_optimizer.py:940)
-        with torch.no_grad(), _tolerate_missing_step(backend.optimizer):
-            backend.optimizer.load_state_dict(loaded["optimizer"])
-        if "distributed" in saved_format:
-            _fix_adam_step(backend.optimizer, state.iteration - state.skipped_iterations)
         try:
             scheduler.load_state_dict(loaded["opt_param_scheduler"])
         except AssertionError as err:  # megatron-core asserts that the schedule flags match
@@ -458,7 +339,9 @@ def load_checkpoint(target: LoadTarget, backend: Backend, scheduler: Any, plan: 
     if with_rng:
         _set_rng_state(loaded["rng_state"])
     if dist.get_rank() == 0:
-        logger.info("loaded %s (iteration %d%s)", ckpt_dir, iteration,
-                    "" if same_plan else "; written under a different plan: weights and "
-                    "optimizer resharded, RNG streams start fresh")
-    return state
+        logger.info("loaded %s: %s", ckpt_dir, load_summary(
+            same_plan=same_plan, load_optimizer=load_optimizer, load_rng=load_rng,
+            with_rng=with_rng, finetune=finetune, iteration=iteration,
+            schedule_samples=scheduler.num_steps))
+    return TrainState() if finetune else state
+

@@ -171,10 +171,9 @@ def run(config: RunConfig, tokenizer: Any, *, start_time_s: float | None = None,
     scheduler = build_scheduler(config, backend.optimizer)
     state = TrainState()
     if target is not None:
-        loaded = load_checkpoint(
+        state = load_checkpoint(
             target, backend, scheduler, plan, load_optimizer=load_optimizer,
-            load_rng=not (ckpt.no_load_rng or ckpt.finetune))
-        state = TrainState() if ckpt.finetune else loaded
+            load_rng=not (ckpt.no_load_rng or ckpt.finetune), finetune=ckpt.finetune)
     elif ckpt.load and dist.get_rank() == 0:
         logger.warning("no checkpoint under --load=%s; starting from scratch", ckpt.load)
     datasets = build_datasets(config, tokenizer)
