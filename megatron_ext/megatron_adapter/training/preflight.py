@@ -84,15 +84,19 @@ def _checkpoint_info(target: LoadTarget | None) -> dict[str, Any] | None:
 def check_load(info: dict[str, Any], args: argparse.Namespace, plan: ParallelPlan, *,
                use_transformer_engine: bool) -> None:
     """What pretrain.run and load_checkpoint refuse about a checkpoint (`info`: its
-    megatron_ext record) under `plan`, before a model exists."""
+    megatron_ext record) under `plan`, before a model exists: stacked layer keys under a plan
+    only the layerwise runtime runs and, for checkpoints in megatron-core's chained optimizer
+    layout (written before optimizer state was keyed by parameter), another optimizer chain or
+    ZeRO level."""
     from megatron_ext.megatron_adapter.training.checkpoint import (
         check_layer_keys,
         check_optimizer_layout,
     )
+    from megatron_ext.megatron_adapter.training.checkpoint_optim import PARAM_KEYED
 
     check_layer_keys(info, plan, args.load)
-    if args.no_load_optim or args.finetune:
-        return
+    if args.no_load_optim or args.finetune or info.get("optimizer_layout") == PARAM_KEYED:
+        return  # parameter-keyed optimizer state reshards to any plan (checkpoint_optim.py)
     check_optimizer_layout(info, plan, args.load, use_transformer_engine=use_transformer_engine)
     check_optimizer_kind(info, plan, args.load, use_transformer_engine=use_transformer_engine)
 
