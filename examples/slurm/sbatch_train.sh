@@ -78,13 +78,6 @@ else
         --out "$PLAN" > /dev/null  # the report goes to the log (stderr); stdout repeats step 2
 fi
 
-# ---- 2. the plan as Megatron-LM flags, one argv token per line ----------------------------------
-# mapfile keeps tokens such as layout strings ("E|(t|)*3") intact; $( ) alone would split and
-# glob them.
-ARGS_TEXT=$(srun --nodes=1 --ntasks=1 --overlap "${CONTAINER[@]}" megatron-ext args "$PLAN")
-mapfile -t PLAN_ARGS <<< "$ARGS_TEXT"
-[[ -n "$ARGS_TEXT" ]] || fail "megatron-ext args printed nothing for $PLAN"
-
 # ---- checks before any rank starts: one line, exit 2 -------------------------------------------
 PLAN_WORLD=$(grep -o '"world_size" *: *[0-9]*' "$PLAN" | grep -o '[0-9]*$' || true)
 (( ${PLAN_WORLD:-0} == NNODES * GPUS_PER_NODE )) || fail "$PLAN is for ${PLAN_WORLD:-?} ranks;" \
@@ -96,6 +89,13 @@ MISSING=$(srun --ntasks-per-node=1 --overlap "${CONTAINER[@]}" bash -c \
     _ "$DATA_PATH")
 [[ -z "$MISSING" ]] || fail "DATA_PATH=$DATA_PATH: cannot read ${MISSING//$'\n'/, } inside the" \
     "job; check the path and MOUNTS=$MOUNTS"
+
+# ---- 2. the plan as Megatron-LM flags, one argv token per line ----------------------------------
+# mapfile keeps tokens such as layout strings ("E|(t|)*3") intact; $( ) alone would split and
+# glob them.
+ARGS_TEXT=$(srun --nodes=1 --ntasks=1 --overlap "${CONTAINER[@]}" megatron-ext args "$PLAN")
+mapfile -t PLAN_ARGS <<< "$ARGS_TEXT"
+[[ -n "$ARGS_TEXT" ]] || fail "megatron-ext args printed nothing for $PLAN"
 
 # ---- CUDA_DEVICE_MAX_CONNECTIONS, per feature ---------------------------------------------------
 # 1: tensor/sequence/context parallelism need the kernel order Megatron-LM relies on to overlap
