@@ -2,7 +2,7 @@
 bad layout is refused by the launcher in one line, before torchrun; a resume under another layout
 and ZeRO level runs and keeps the optimizer state.
 
-Run 1 trains ZeRO-1 (--use-distributed-optimizer, dp=2) for 2 iterations and saves. Run 2 asks
+Run 1 trains ZeRO-1 (--use-distributed-optimizer, dp=2) for 2 of 4 iterations and saves. Run 2 asks
 for tp=3 on 2 ranks: refused by the launcher (one line, exit 2, nothing from torchrun). Run 3
 asks for tp=2 without the distributed optimizer: the launcher checks the checkpoint's record
 (parameter-keyed optimizer state reshards to any plan) and torchrun resumes it at iteration 3
@@ -42,7 +42,9 @@ def _launch(tmp_path: Path, *flags: str) -> subprocess.CompletedProcess[str]:
 
 def test_launch_trains_refuses_a_bad_layout_and_resumes_under_another(
         tmp_path: Path) -> None:
-    first = _launch(tmp_path, "--train-iters", "2", "--use-distributed-optimizer")
+    # the same --train-iters in every run: the resumed learning-rate schedule must match it
+    first = _launch(tmp_path, "--train-iters", "4", "--exit-interval", "2",
+                    "--use-distributed-optimizer")
     assert first.returncode == 0, first.stderr[-4000:]
     assert first.stderr.startswith("megatron-ext launch: checked custom on 2 ranks, pp=1, stock "
                                    "backend, no checkpoint; starting torchrun\n"), first.stderr
