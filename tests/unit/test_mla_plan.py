@@ -164,7 +164,7 @@ def test_search_space_has_no_ulysses_for_mla() -> None:
     from megatron_ext.planner.training import TrainingSpec
 
     training = TrainingSpec(global_batch_size=8, seq_length=4096, allow_ulysses=True)
-    table = layer_strategies(_model(), training, width=8, gpus_per_node=8, micro_batch_size=8)
+    table = layer_strategies(_model(), training, width=8, nvlink_gpus=8, micro_batch_size=8)
     assert set(table.ulysses.tolist()) == {1} and {1, 2, 4} <= set(table.tp.tolist())
     assert 2 in set(table.cp.tolist())
 

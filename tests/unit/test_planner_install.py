@@ -83,8 +83,9 @@ def test_the_environment_has_no_torch_and_no_megatron(planner_env: Path, tmp_pat
 def test_only_numpy_and_scipy_are_required_and_train_asks_for_a_range(planner_env: Path) -> None:
     probe = "import importlib.metadata, json; print(json.dumps(importlib.metadata.requires(" \
             "'megatron_ext')))"
+    # cwd: not the repository, whose megatron_ext.egg-info (an editable install) would be found
     done = subprocess.run([str(planner_env / "python"), "-c", probe], capture_output=True,
-                          text=True, env={"PATH": os.environ.get("PATH", "")})
+                          text=True, env={"PATH": os.environ.get("PATH", "")}, cwd=planner_env)
     requires = json.loads(done.stdout)
     unconditional = sorted(r.split(">")[0].split("=")[0] for r in requires if ";" not in r)
     assert unconditional == ["numpy", "scipy"]

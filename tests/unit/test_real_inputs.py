@@ -126,7 +126,7 @@ def test_moe_functional_tests_and_model_files_plan():
     # its flags say tp 4 (not the 2 of its name), ep 2, etp 2: experts fold inside attention TP
     assert {(s.tp, s.sp, s.ep, s.expert_tp, s.expert_dp) for s in plan.layers} == {
         (4, True, 2, 2, 1)}
-    assert len([n for n in plain if n.startswith("functional_tests_moe/")]) == 19
+    assert len([n for n in plain if n.startswith("functional_tests_moe/")]) == 20
 
 
 def test_llama31_flags_reach_the_plan():

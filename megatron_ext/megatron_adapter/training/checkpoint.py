@@ -188,7 +188,19 @@ def prewarm_checkpoint_writer(shield: tuple[int, ...] = ()) -> threading.Thread:
 
     thread = threading.Thread(target=warm, name="megatron_ext-ckpt-prewarm", daemon=True)
     thread.start()
+    _PREWARMING.append(thread)
     return thread
+
+
+_PREWARMING: list[threading.Thread] = []
+"""Prewarm threads still to be waited for: a save must not put its results into the queue while
+the prewarm's object is still being unpickled there, or the Manager's server imports torch in
+two threads at once and fails ("'torch._C' is not a package")."""
+
+
+def _wait_for_prewarm() -> None:
+    while _PREWARMING:
+        _PREWARMING.pop().join()
 
 
 def _commit(root: Path, tmp: Path, iteration: int) -> None:
@@ -231,6 +243,7 @@ def save_checkpoint(root: str | Path, backend: Backend, scheduler: Any, state: T
         tmp.mkdir(parents=True)
 
     step(prepare, on_rank0_only=True)
+    _wait_for_prewarm()
     sd = _state_dict(backend, scheduler, state, plan, is_loading=False,
                      optimizer=PARAM_KEYED if with_optimizer else None)
     step(lambda: dist_checkpointing.save(sd, str(tmp)), on_rank0_only=False)
