@@ -68,12 +68,14 @@ LLAMA_FLAGS = ("--num-layers 32 --hidden-size 4096 --ffn-hidden-size 11008 "
                "--num-attention-heads 32 --seq-length 4096 --max-position-embeddings 4096 "
                "--position-embedding-type rope --normalization RMSNorm --swiglu "
                "--untie-embeddings-and-output-weights --disable-bias-linear --vocab-size 32000")
-PLAN_FROM_ARGS = (f"megatron-ext plan-from-args --world-size 16 --out mine.json -- {LLAMA_FLAGS} "
-                  "--tensor-model-parallel-size 4 --sequence-parallel "
-                  "--pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers 14 "
-                  "--use-distributed-optimizer --recompute-granularity full --recompute-method "
-                  "block --recompute-num-layers 4 --micro-batch-size 2 --global-batch-size 128 "
-                  "--bf16 --lr 3e-4 --train-iters 1000 --mock-data")
+README_PLAN_FLAGS = (f"{LLAMA_FLAGS} --tensor-model-parallel-size 4 --sequence-parallel "
+                     "--pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers 14 "
+                     "--use-distributed-optimizer --recompute-granularity full "
+                     "--recompute-method block --recompute-num-layers 4 --micro-batch-size 2 "
+                     "--global-batch-size 128 --bf16 --lr 3e-4 --train-iters 1000 --mock-data")
+"""README's plan-from-args example, every flag spelled out (docs/cli.md elides some)."""
+PLAN_FROM_ARGS = (f"megatron-ext plan-from-args --world-size 16 --out mine.json -- "
+                  f"{README_PLAN_FLAGS}")
 # a 6-rank plan giving layers [0, 4) tp=3 on a 32-head model (cli.md's `validate bad.json`)
 BAD_PLAN = """python - <<'PY'
 import json

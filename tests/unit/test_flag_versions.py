@@ -33,21 +33,14 @@ from megatron_ext.planner.search import search
 from megatron_ext.planner.suite import MOE_SUITE, SUITE
 from megatron_ext.planner.training import TrainingSpec
 from megatron_ext.presets import cluster_preset, model_preset
+from tests.doc_excerpts import README_PLAN_FLAGS
 
 ROOT = Path(__file__).resolve().parents[2]
 V019 = resolve("0.19")
 # The search suite's cases (tools/bench_search.py) that search in a few seconds here; the others
 # (up to 40 s each) print from the same EMIT_TABLE, checked flag by flag below.
 FAST_CASES = ("llama2-7b@8@24GiB", "llama3-8b@8@24GiB", "mixtral-8x7b@64", "qwen2-57b-a14b@128")
-README_FLAGS = (
-    "--num-layers 32 --hidden-size 4096 --ffn-hidden-size 11008 --num-attention-heads 32 "
-    "--seq-length 4096 --max-position-embeddings 4096 --position-embedding-type rope "
-    "--normalization RMSNorm --swiglu --untie-embeddings-and-output-weights "
-    "--disable-bias-linear --vocab-size 32000 --tensor-model-parallel-size 4 --sequence-parallel "
-    "--pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers 14 "
-    "--use-distributed-optimizer --recompute-granularity full --recompute-method block "
-    "--recompute-num-layers 4 --micro-batch-size 2 --global-batch-size 128 --bf16 --lr 3e-4 "
-    "--train-iters 1000 --mock-data").split()
+README_FLAGS = README_PLAN_FLAGS.split()
 
 
 def _megatron_tokens(argv: tuple[str, ...]) -> set[str]:

@@ -22,19 +22,12 @@ from pathlib import Path
 import pytest
 
 from megatron_ext.megatron_adapter.compat_versions import SUPPORTED_RANGE
+from tests.doc_excerpts import README_PLAN_FLAGS
 
 ROOT = Path(__file__).resolve().parents[2]
 PLANS = ROOT / "examples" / "plans"
 # README's plan-from-args example (docs/cli.md spells out its elided flags)
-MEGATRON_FLAGS = (
-    "--num-layers 32 --hidden-size 4096 --ffn-hidden-size 11008 --num-attention-heads 32 "
-    "--seq-length 4096 --max-position-embeddings 4096 --position-embedding-type rope "
-    "--normalization RMSNorm --swiglu --untie-embeddings-and-output-weights "
-    "--disable-bias-linear --vocab-size 32000 --tensor-model-parallel-size 4 --sequence-parallel "
-    "--pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers 14 "
-    "--use-distributed-optimizer --recompute-granularity full --recompute-method block "
-    "--recompute-num-layers 4 --micro-batch-size 2 --global-batch-size 128 --bf16 --lr 3e-4 "
-    "--train-iters 1000 --mock-data").split()
+MEGATRON_FLAGS = README_PLAN_FLAGS.split()
 
 
 def _pip(python: Path, *args: str) -> None:
