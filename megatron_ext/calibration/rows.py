@@ -105,7 +105,11 @@ def virtual_stages_of(row: dict[str, Any]) -> int:
 
 
 def cluster_name(row: dict[str, Any]) -> str:
-    """The GPU preset the row is priced on (its kernel constants)."""
+    """The GPU preset the row is priced on (its kernel constants): the row's `cluster_preset`
+    where it names one (the H100 / GB200 / GB300 rows of published_runs_fp8.json), else the A100
+    preset of its memory size."""
+    if row.get("cluster_preset"):
+        return str(row["cluster_preset"])
     gpu = str(row["gpu_type"])
     return "dgx-a100-80g" if "80GB" in gpu else "dgx-a100-40g"
 
@@ -121,7 +125,11 @@ def cluster_of(row: dict[str, Any]) -> ClusterSpec:
     (inter_node_bytes_per_s_per_gpu, derived in cluster_notes from the cluster's published
     spec) gets that inter-node bandwidth instead of the DGX's 8 HDR NICs."""
     gpus, per_node = int(row["num_gpus"]), int(row["gpus_per_node"])
-    cluster = cluster_preset(cluster_name(row), num_nodes=max(1, gpus // per_node))
+    if row.get("nvlink_domain_gpus"):  # an NVL72 job using part of each rack (its SEGMENT)
+        cluster = dataclasses.replace(cluster_preset(cluster_name(row)), num_nodes=gpus // per_node,
+                                      nvlink_domain_size=int(row["nvlink_domain_gpus"]))
+    else:
+        cluster = cluster_preset(cluster_name(row), num_nodes=max(1, gpus // per_node))
     if gpus < per_node:  # a partial node (the 2020 single-node weak-scaling rows)
         cluster = dataclasses.replace(cluster, gpus_per_node=gpus)
     if row.get("inter_node_bytes_per_s_per_gpu"):
@@ -147,6 +155,15 @@ def megatron_flags(row: dict[str, Any]) -> list[str]:
     ]
     if row.get("sequence_parallel") and int(row["tp"]) > 1:
         flags.append("--sequence-parallel")
+    kv = int(row.get("num_kv_heads") or row["num_heads"])
+    if kv < int(row["num_heads"]):
+        flags += ["--group-query-attention", "--num-query-groups", str(kv)]
+    if int(row.get("cp") or 1) > 1:
+        flags += ["--context-parallel-size", str(row["cp"])]
+    flags += fp8_flags(row)
+    if row.get("uneven_embedding_loss_stages"):
+        flags += ["--account-for-embedding-in-pipeline-split",
+                  "--account-for-loss-in-pipeline-split"]
     if is_mosaic(row) or row.get("bias_linear") is False:
         flags.append("--disable-bias-linear")
     if not dropout_of(row):
@@ -168,9 +185,18 @@ def megatron_flags(row: dict[str, Any]) -> list[str]:
     v = virtual_stages_of(row)
     if v > 1:
         flags += ["--num-virtual-stages-per-pipeline-rank", v]
-    if is_zero3(row) or is_zero1(row):
+    if is_zero3(row) or is_zero1(row) or row.get("distributed_optimizer"):
         flags.append("--use-distributed-optimizer")  # ZeRO-3: raised to zero=3 by build_plan
     return [str(f) for f in flags]
+
+
+def fp8_flags(row: dict[str, Any]) -> list[str]:
+    """An FP8 row's Megatron-LM FP8 flags: --fp8-format, --fp8-recipe, --fp8-param-gather as
+    its configuration sets them (`fp8_format`, `fp8_recipe`, `fp8_param_gather`)."""
+    if not row.get("fp8_format"):
+        return []
+    flags = ["--fp8-format", str(row["fp8_format"]), "--fp8-recipe", str(row["fp8_recipe"])]
+    return flags + (["--fp8-param-gather"] if row.get("fp8_param_gather") else [])
 
 
 def build_plan(row: dict[str, Any]) -> ParallelPlan:
@@ -240,6 +266,10 @@ def layout_label(row: dict[str, Any]) -> str:
     v = virtual_stages_of(row)
     if v > 1:
         parts.append(f"v{v}")
+    if int(row.get("cp") or 1) > 1:
+        parts.append(f"cp{row['cp']}")
+    if row.get("fp8_recipe"):
+        parts.append(f"fp8:{str(row['fp8_recipe'])[:5]}")
     parts.append(f"mb{micro_batch_of(row)}")
     rc = recompute_of(row)
     if rc != "none":
