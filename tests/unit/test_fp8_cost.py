@@ -152,3 +152,58 @@ def test_fp8_kinds_in_the_layerwise_search_match_evaluate():
     assert evaluate(cm, plan.layout).iteration_s == pytest.approx(
         plan.prediction.iteration_time_s, rel=1e-9)
     assert np.isfinite(plan.prediction.iteration_time_s)
+
+
+def test_fp8_moe_layer_prices_its_expert_gemms_in_fp8():
+    """An FP8 MoE layer's routed experts (grouped GEMM: one GEMM per local expert at its own
+    token count), shared experts and attention projections run at the FP8 GEMM model; the
+    difference from the bf16 layer is exactly those GEMMs' FP8 - bf16 time, and it grows with
+    the tokens per expert (few tokens per expert gain little or lose to the quantisation)."""
+    from megatron_ext.planner.cost.moe import moe_layer_costs
+
+    model = model_preset("qwen2-57b-a14b")  # 64 experts, top-8, shared expert
+    s = LayerStrategy(tp=2, sp=True, dp=8, ep=8, etp=1, zero=1)
+    table = StrategyTable.of([s])
+
+    # host floor off: each pass is then its GPU time, and the FP8 saving adds up exactly
+    no_host = ComputeProfile(host_kernel_s=0.0, host_collective_step_s=0.0,
+                             host_microbatch_s=0.0)
+
+    def costs(fp8, mbs, cluster="dgx-h100"):
+        cm = CostModel(model, cluster_preset(cluster, num_nodes=2),
+                       TrainingSpec(global_batch_size=64, seq_length=4096, fp8=fp8,
+                                    moe_imbalance=1.0), compute=no_host)
+        return cm, moe_layer_costs(cm, table, mbs)
+
+    cm, f8 = costs(HYBRID, 8)
+    _, bf = costs(None, 8)
+    # the shapes moe_layer_costs prices: b = 1 sample per replica, rows = b s tokens per rank
+    # (no CP), T = rows / tp after the SP split, recv = T k rows for the 8 local experts
+    moe, h = model.moe, model.hidden_size
+    b, seq = 8 / 8, 4096
+    rows = b * seq
+    recv = rows / 2 * moe.router_topk  # tokens after the SP split, top-k, rho 1
+    local = moe.num_experts / 8
+    per_expert = 1 * recv / local
+    f, u = moe.expert_ffn_hidden_size(model), 2
+    e = F.shapes_times_s(cm.compute, cm.cluster, HYBRID,
+                         [(per_expert, h, u * f), (per_expert, f, h)], count=local)
+    assert e[2] < e[0] and e[3] < e[1]  # the grouped expert GEMMs gain at this size
+    d_f, d_b = F.moe_fp8_delta_s(cm, table, rows=rows, per_expert=per_expert, local=local)
+    assert d_f < 0 and d_b < 0
+    assert float(f8.forward_s[0] - bf.forward_s[0]) == pytest.approx(float(d_f[0]), rel=1e-9)
+    assert float(f8.backward_s[0] - bf.backward_s[0]) == pytest.approx(float(d_b[0]),
+                                                                        rel=1e-9)
+    # the routed experts are a real share of the saving (here 44%; the shared expert and the
+    # attention projections the rest), and few tokens per expert gain less
+    assert (e[2] - e[0]) < 0.25 * float(d_f[0])
+
+    def gain(rows_per_expert: float) -> float:
+        g = F.shapes_times_s(cm.compute, cm.cluster, HYBRID, [(rows_per_expert, h, u * f),
+                                                              (rows_per_expert, f, h)])
+        return float((g[0] + g[1]) / (g[2] + g[3]))
+
+    assert gain(per_expert / 32) < gain(per_expert) < gain(per_expert * 8)
+    # a layer kept in bf16 stays bf16-priced (kinds MOE + BF16 use the model without FP8)
+    bf16_kept = moe_layer_costs(cm.without_fp8(), table, 8)
+    assert float(bf16_kept.forward_s[0]) == pytest.approx(float(bf.forward_s[0]))

@@ -31,8 +31,10 @@ Memory per weight-GEMM parameter of an FP8 layer (docs/fp8.md; reference: TE ten
 all-gather moves 1 B per weight-GEMM parameter. Activations: the four GEMM inputs are saved in
 FP8 (1 B instead of 2) unless the layer recomputes in full (which keeps only its input).
 
-Mixture-of-Experts layers are priced in bf16 (cost/moe.py): their expert GEMMs' FP8 gain is
-not modelled yet, so an FP8 MoE prediction errs slow.
+Mixture-of-Experts layers (cost/moe.py): in an FP8 layer the attention projections, the routed
+experts' grouped GEMMs (one GEMM per local expert at its own token count) and the shared experts
+run at the FP8 GEMM model above (moe_fp8_delta_s); the router stays bf16. Their FP8 weight copies
+and FP8-saved activations are not priced yet (MoE memory is the bf16 layer's).
 """
 
 from __future__ import annotations
@@ -81,12 +83,23 @@ def gemm_times_s(model: ModelSpec, profile: C.ComputeProfile, cluster: ClusterSp
                  tokens: Any, tp: Any) -> tuple[Any, Any, Any, Any]:
     """(bf16 forward, bf16 backward, FP8 forward, FP8 backward) seconds of the layer's four
     weight GEMMs, FP8 including its quantisation passes."""
+    return shapes_times_s(profile, cluster, fp8, [(tokens, k, n) for k, n in
+                                                   C.layer_gemms(model, tp)])
+
+
+def shapes_times_s(profile: C.ComputeProfile, cluster: ClusterSpec, fp8: FP8Spec,
+                   shapes: list[tuple[Any, Any, Any]], *, count: Any = 1.0
+                   ) -> tuple[Any, Any, Any, Any]:
+    """(bf16 forward, bf16 backward, FP8 forward, FP8 backward) seconds of `count` times the
+    GEMMs [m, k] x [k, n] of `shapes` (m, k, n), FP8 with its quantisation passes (module
+    doc). `count` > 1: a grouped GEMM of that many equal experts (each at its own shape's
+    efficiency, as Transformer Engine's grouped GEMM runs one GEMM per expert)."""
     peak, peak8 = cluster.peak_flops, cluster.peak_fp8_flops
     hbm = profile.hbm_for(cluster)
     cast = QUANT_BYTES_PER_ELEMENT + (AMAX_BYTES_PER_ELEMENT if fp8.recipe == "tensorwise"
                                       else 0.0)
     bf_f = bf_b = f8_f = f8_b = 0.0
-    for k, n in C.layer_gemms(model, tp):
+    for tokens, k, n in shapes:
         x = np.minimum(np.minimum(tokens, k), n)
         flops = 2.0 * tokens * k * n
         bf = flops / (peak * C.gemm_efficiency(profile, x))
@@ -95,7 +108,29 @@ def gemm_times_s(model: ModelSpec, profile: C.ComputeProfile, cluster: ClusterSp
         f8_f = f8_f + f8 + cast * tokens * k / hbm
         wgrad = f8 if fp8.wgrad else bf
         f8_b = f8_b + f8 + wgrad + cast * tokens * n / hbm
-    return bf_f, bf_b, f8_f, f8_b
+    return bf_f * count, bf_b * count, f8_f * count, f8_b * count
+
+
+def moe_fp8_delta_s(cm: Any, table: Any, *, rows: Any, per_expert: Any, local: Any
+                    ) -> tuple[Any, Any]:
+    """(forward, backward) seconds an FP8 MoE layer saves (negative) or adds over its bf16
+    pricing in cost/moe.py: the attention block's weight GEMMs (QKV / MLA projections and the
+    output projection, `rows` tokens), the routed experts' grouped GEMMs (`local` experts of
+    `per_expert` rows each: fc1 [rows, h] x [h, u f / etp], fc2 [rows, f / etp] x
+    [f / etp, h]) and the shared experts (TP-sharded, `rows` tokens), each at the FP8 GEMM
+    model with its quantisation. The router stays bf16 (Megatron-LM's router is not a
+    Transformer Engine module)."""
+    m, fp8 = cm.model, cm.training.fp8
+    moe = m.moe
+    h, u = m.hidden_size, (2 if m.activation == "swiglu" else 1)
+    f, f_s, et, tp = moe.expert_ffn_hidden_size(m), moe.shared_expert_intermediate_size, \
+        table.etp, table.tp
+    attention = [(rows, k, n) for k, n in C.layer_gemms(m, tp)[:-2]]
+    shapes = attention + ([(rows, h, u * f_s / tp), (rows, f_s / tp, h)] if f_s else [])
+    a = shapes_times_s(cm.compute, cm.cluster, fp8, shapes)
+    e = shapes_times_s(cm.compute, cm.cluster, fp8,
+                       [(per_expert, h, u * f / et), (per_expert, f / et, h)], count=local)
+    return (a[2] - a[0]) + (e[2] - e[0]), (a[3] - a[1]) + (e[3] - e[1])
 
 
 def fp8_layer_costs(cm: Any, table: Any, b: Any, costs: Any) -> Any:

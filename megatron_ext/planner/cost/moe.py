@@ -57,6 +57,7 @@ from megatron_ext.planner.cost.compute import (  # noqa: F401  (the MoE shape, r
     router_params,
     shared_expert_params,
 )
+from megatron_ext.planner.cost.fp8 import moe_fp8_delta_s
 from megatron_ext.planner.cost.memory import layer_activation_bytes, layer_transient_bytes
 from megatron_ext.planner.cost.memory import state_bytes_per_param as _per_param
 from megatron_ext.planner.cost.model import CostModel, LayerCosts
@@ -169,6 +170,9 @@ def moe_layer_costs(cm: CostModel, table: StrategyTable, micro_batch_size: int) 
     moe_f = router + experts + shared + elem
     attn_f = comp.forward_s - dense_mlp
     attn_b = comp.backward_s - 2.0 * dense_mlp
+    if t.fp8 is not None:  # an FP8 layer: its weight GEMMs at the FP8 GEMM model
+        d_f, d_b = moe_fp8_delta_s(cm, table, rows=rows, per_expert=per_expert, local=local)
+        attn_f, attn_b = attn_f + d_f, attn_b + d_b
     # Communication, one way (forward; backward repeats it).
     hidden_bytes = rows * h * e_b
     tp_block = np.where(table.sp, 2 * cm.collective_s("all_gather", hidden_bytes, tp, 1),
