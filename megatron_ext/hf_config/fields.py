@@ -21,6 +21,12 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # multi-latent attention (hf_config/mla.py) with DeepSeek-MoE experts (hf_config/moe.py)
     "deepseek_v2": {}, "deepseek_v3": {},
 }
+# model_types that are another family's model under a new name: (family, why).
+FAMILY_ALIASES: dict[str, tuple[str, str]] = {
+    "kimi_k2": ("deepseek_v3", "Kimi K2 is DeepSeek-V3's model (its config.json names "
+                "DeepseekV3ForCausalLM and configuration_deepseek.DeepseekV3Config) with other "
+                "sizes"),
+}
 _PARALLEL = ("compute attention and MLP in parallel from one norm (a parallel block); "
              "Megatron-LM's GPT layer runs them one after the other")
 _GEGLU = ("gated GeGLU MLP (tanh gelu with a gate; Megatron-LM has --swiglu and --quick-geglu "
@@ -80,6 +86,8 @@ IGNORED = {
     "initializer_range": "the init std of the original run; pass --init-method-std to "
                          "pretrain_gpt.py",
     "auto_map": "remote-code class names",
+    "quantization_config": "how the published weights are stored (a quantized checkpoint for "
+                           "inference); training precision is --bf16 / --fp8-format",
     "task_specific_params": "generation settings",
     "rope_traditional": "an MLX export switch",
     "output_hidden_states": _PRETRAINED, "output_attentions": _PRETRAINED,
@@ -119,7 +127,7 @@ COMMON_IGNORED = {
     "eos_token_id", "pad_token_id", "tokenizer_class", "initializer_range", "auto_map",
     "task_specific_params", "rope_traditional", "output_hidden_states", "output_attentions",
     "return_dict", "id2label", "label2id", "problem_type", "chunk_size_feed_forward",
-    "is_encoder_decoder", "attention_dropout",
+    "is_encoder_decoder", "attention_dropout", "quantization_config",
 }
 _QWEN = {"max_window_layers"}
 _ROUTER = {"output_router_logits"}

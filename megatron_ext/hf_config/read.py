@@ -12,6 +12,7 @@ from megatron_ext.errors import PlanError
 from megatron_ext.hf_config.defaults import REQUIRED, fill_defaults
 from megatron_ext.hf_config.fields import (
     FAMILIES,
+    FAMILY_ALIASES,
     IGNORED,
     MLA_DETAIL,
     MLA_FIELDS,
@@ -57,6 +58,9 @@ def model_from_hf_config(data: dict[str, Any], label: str) -> HFModel:
     """Read a HuggingFace config.json (already parsed, 4.x or 5.x format); `label` names the file
     in messages."""
     where = f"{label}: config.json"
+    alias = FAMILY_ALIASES.get(str(data.get("model_type")))
+    if alias is not None:
+        data = {**data, "model_type": alias[0]}
     family = data.get("model_type")
     _check_family(family, where)
     check_types(data, where)
@@ -65,6 +69,8 @@ def model_from_hf_config(data: dict[str, Any], label: str) -> HFModel:
     check_unknown(data, family, where)
     spec = _spec(filled, FAMILIES.get(family or "", {}), where, label)
     notes = [f"{k}: {IGNORED[k]}" for k in data if k in IGNORED]
+    if alias is not None:
+        notes.append(f"model_type: read as {alias[0]!r}: {alias[1]}")
     if spec.moe is not None:
         notes += moe_notes(filled)
     if spec.mla is not None:

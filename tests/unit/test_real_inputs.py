@@ -158,6 +158,9 @@ HF_EXPECTED: dict[str, float | str] = {
     # 671B (the main model; the card's 685B adds the 14B multi-token-prediction module, which
     # this config does not ask for and megatron_ext refuses)
     "DeepSeek-V2-Lite": 15.7, "DeepSeek-V3": 671.0,
+    # moonshotai/Kimi-K2-Instruct's YaRN beta_fast 1.0 has no Megatron-LM flag (MLA fixes 32):
+    # refused by name; test_kimi_k2_style_config_plans reads it with Megatron's 32
+    "Kimi-K2-Instruct": "rope_scaling.beta_fast=1.0",
     "Mistral-7B-v0.1": "sliding_window=4096",
     "gemma-2b": "model_type 'gemma'", "gemma-2-2b": "model_type 'gemma2'",
     "gemma-2-9b": "model_type 'gemma2'", "gemma-2-27b": "model_type 'gemma2'",
@@ -191,6 +194,35 @@ def test_hf_config(name: str) -> None:
     data = json.loads(path.read_text())
     for key in data:  # every field mapped onto the spec or noted with a reason
         assert key in _mapped_fields() or any(n.startswith(f"{key}: ") for n in notes), key
+
+
+def test_kimi_k2_style_config_plans():
+    """Kimi K2 (model_type kimi_k2, DeepSeek-V3's model class: MLA + 384 experts, top-8, one
+    shared expert, one dense layer) read as DeepSeek-V3 is; with the YaRN beta_fast Megatron-LM
+    can express (32, MLATransformerConfig's fixed value; the parameters do not depend on it) it
+    becomes a plan-ready model of the Hub checkpoint's size: 1,026.47B parameters (the sum of
+    the published safetensors' tensor sizes, which the model card rounds to 1T) and ~32B active
+    per token (the card's figure: 8 of 384 routed experts, the shared one, attention, the dense
+    first layer and the embeddings)."""
+    from megatron_ext.hf_config.read import model_from_hf_config
+    from megatron_ext.planner.cost.compute import expert_params
+
+    data = json.loads((DATA / "hf_configs" / "Kimi-K2-Instruct.json").read_text())
+    data["rope_scaling"] = {**data["rope_scaling"], "beta_fast": 32.0}
+    hf = model_from_hf_config(data, "Kimi-K2-Instruct")
+    model = hf.spec
+    assert model.mla is not None and model.moe is not None
+    assert (model.mla.q_lora_rank, model.mla.kv_lora_rank, model.mla.rope_type) == (1536, 512,
+                                                                                    "yarn")
+    assert (model.moe.num_experts, model.moe.router_topk, model.num_layers) == (384, 8, 61)
+    assert sum(model.is_moe_layer(i) for i in range(61)) == 60
+    total = _parameters(model)
+    assert abs(total / 1e9 - 1026.47) <= 0.01 * 1026.47, total
+    # active: every parameter but the 376 routed experts a token does not use, per MoE layer
+    per_expert = expert_params(model) / model.moe.num_experts
+    active = total - 60 * (384 - 8) * per_expert
+    assert abs(active / 1e9 - 32.0) <= 0.05 * 32.0, active
+    assert any(n.startswith("model_type: read as 'deepseek_v3'") for n in hf.notes)
 
 
 def _parameters(model) -> int:
