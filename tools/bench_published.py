@@ -14,6 +14,9 @@ its layout. For every row this
   3. converts the measured figure to seconds per iteration with the source's own convention
      (`measured_unit`, `flops_convention`): TFLOP/s per GPU under Narayanan et al. eq. (3)
      -> F / (TFLOP/s x GPUs); tokens/s -> global batch x seq / tokens/s; or the iteration time.
+The FP8 rows (--data tools/data/published_runs_fp8.json: MLPerf Training v5.0/v5.1 on H100,
+GB200 and GB300, torchtitan's H100 Float8 runs) are scored the same way, and then held out one
+source at a time with the FP8 GEMM efficiency refitted on the others (calibration/fp8_fit.py).
 It prints per row predicted/measured, then the median |error|, how many rows are optimistic
 (predicted faster) or pessimistic, memory false negatives (runs that ran but are predicted not
 to fit), and Spearman's rank correlation of predicted vs measured GPU-seconds per token among
@@ -35,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 
+from megatron_ext.calibration.fp8_fit import fp8_leave_one_source_out, print_fp8_report
 from megatron_ext.calibration.inputs import benchmark_rows
 from megatron_ext.calibration.lucie import LUCIE_DIR
 from megatron_ext.calibration.report import print_report
@@ -86,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     out["timing"] = {"rows": len(rows), "wall_s": time.perf_counter() - wall,
                      "cpu_s": time.process_time() - cpu}
     print_report(out)
+    if not args.no_loso:
+        out["fp8_leave_one_source_out"] = fp8_leave_one_source_out(rows)
+        print_fp8_report(out["fp8_leave_one_source_out"])
     print(f"{len(rows)} rows in {out['timing']['wall_s']:.1f} s wall, "
           f"{out['timing']['cpu_s']:.1f} s CPU")
     if args.write_residuals:

@@ -96,6 +96,12 @@ HOST_CONSTANTS: dict[str, HostConstants] = {
 """Per GPU preset; other clusters (custom specs, measured CPU clusters) have none unless the
 compute profile sets them."""
 
+FP8_GEMM_EFFICIENCY = 0.6
+"""Share of the FP8 peak a large FP8 GEMM reaches. An assumption to calibrate on measured FP8
+runs (fp8.md section 4: no public shape sweep; MLPerf Training v5.0's 405B runs reach 39-44% of
+the FP8 peak end to end on H100, which with the non-GEMM work puts the GEMMs near 0.6-0.7)."""
+
+
 HOST_OVERLAP_POWER = 3.25
 """k of the soft maximum (gpu^k + host^k)^(1/k) of a pass (fitted with A100_HOST)."""
 
@@ -121,6 +127,9 @@ class ComputeProfile:
     """Achievable HBM bandwidth for elementwise kernels; 0 means a guess from the cluster."""
     fp32_flops_ratio: float = 0.5
     """Peak of fp32 (TF32) GEMMs relative to bf16 peak."""
+    fp8_gemm_efficiency: float = FP8_GEMM_EFFICIENCY
+    """Share of the FP8 peak a large FP8 GEMM reaches (planner/cost/fp8.py; the FP8 rows of
+    tools/bench_published.py refit it leave-one-source-out)."""
     host_kernel_s: float = -1.0
     """Host seconds per kernel of a layer pass (HostConstants.kernel_s); -1: the cluster
     preset's (HOST_CONSTANTS), 0: no host floor (measured model profiles already contain it)."""

@@ -6,7 +6,8 @@ n); b = samples per replica; t = tp. Vectorised over strategies.
 
 Time of one FP8 layer = the bf16 layer (compute.layer_compute) with its four weight GEMMs
 replaced by:
-- FP8 GEMMs at `cluster.peak_fp8_flops` x FP8_GEMM_EFFICIENCY x x / (x + FP8_GEMM_HALF_DIM):
+- FP8 GEMMs at `cluster.peak_fp8_flops` x E8 x x / (x + FP8_GEMM_HALF_DIM), E8 =
+  ComputeProfile.fp8_gemm_efficiency:
   forward (fprop), backward dgrad and wgrad; wgrad runs bf16 with the delayed recipe's
   --no-fp8-wgrad. A GEMM whose smallest side is x gains
   speedup(x) = (peak8 / peak) (E8 / E) (x + H) / (x + H8) over bf16 (E, H: the bf16 profile's
@@ -45,12 +46,8 @@ from typing import Any
 import numpy as np
 
 from megatron_ext.planner.cost import compute as C
+from megatron_ext.planner.cost.compute import FP8_GEMM_EFFICIENCY  # noqa: F401  (re-exported)
 from megatron_ext.specs import ClusterSpec, FP8Spec, ModelSpec
-
-FP8_GEMM_EFFICIENCY = 0.6
-"""Share of the FP8 peak a large FP8 GEMM reaches. An assumption to calibrate on measured FP8
-runs (fp8.md section 4: no public shape sweep; MLPerf Training v5.0's 405B runs reach 39-44% of
-the FP8 peak end to end on H100, which with the non-GEMM work puts the GEMMs near 0.6-0.7)."""
 
 FP8_GEMM_HALF_DIM = 256.0
 """x at which an FP8 GEMM reaches half of FP8_GEMM_EFFICIENCY: twice the bf16 profile's 128,
@@ -75,8 +72,10 @@ def weight_copy_bytes(fp8: FP8Spec, cluster: ClusterSpec) -> float:
     return 2.0 if both else 1.0
 
 
-def fp8_gemm_efficiency(smallest_dim: Any) -> Any:
-    return FP8_GEMM_EFFICIENCY * smallest_dim / (smallest_dim + FP8_GEMM_HALF_DIM)
+def fp8_gemm_efficiency(smallest_dim: Any, large: float = FP8_GEMM_EFFICIENCY) -> Any:
+    """Share of the FP8 peak an FP8 GEMM whose smallest side is `smallest_dim` reaches, `large`
+    for large GEMMs (ComputeProfile.fp8_gemm_efficiency)."""
+    return large * smallest_dim / (smallest_dim + FP8_GEMM_HALF_DIM)
 
 
 def gemm_times_s(model: ModelSpec, profile: C.ComputeProfile, cluster: ClusterSpec, fp8: FP8Spec, *,
@@ -103,7 +102,7 @@ def shapes_times_s(profile: C.ComputeProfile, cluster: ClusterSpec, fp8: FP8Spec
         x = np.minimum(np.minimum(tokens, k), n)
         flops = 2.0 * tokens * k * n
         bf = flops / (peak * C.gemm_efficiency(profile, x))
-        f8 = flops / (peak8 * fp8_gemm_efficiency(x))
+        f8 = flops / (peak8 * fp8_gemm_efficiency(x, profile.fp8_gemm_efficiency))
         bf_f, bf_b = bf_f + bf, bf_b + 2.0 * bf
         f8_f = f8_f + f8 + cast * tokens * k / hbm
         wgrad = f8 if fp8.wgrad else bf
