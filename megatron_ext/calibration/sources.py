@@ -22,6 +22,9 @@ DATA_DIR = Path(__file__).resolve().parents[2] / "tools" / "data"
 """The repository's calibration inputs (a checkout or an editable install has them)."""
 DEFAULT_DATA = str(DATA_DIR / "published_runs_a100.json")
 """The published A100 runs (`about` in the file says what it holds)."""
+FP8_DATA = str(DATA_DIR / "published_runs_fp8.json")
+"""The published FP8 runs on H100 / GB200 / GB300 (same schema, read by load_published):
+`python tools/bench_published.py --data` this file `--no-vtrain --no-lucie`."""
 
 
 def load_published(path: str | Path = DEFAULT_DATA) -> list[dict[str, Any]]:

@@ -1,0 +1,79 @@
+"""The published FP8 rows (tools/data/published_runs_fp8.json): each quotes its source and the
+numbers it was read from, becomes the flags and cluster the run used, and the FP8 held-out refit
+(calibration/fp8_fit.py) scores a source with the efficiency fitted on the others."""
+
+from __future__ import annotations
+
+import re
+import statistics
+
+import pytest
+
+from megatron_ext.calibration import fp8_fit
+from megatron_ext.calibration.rows import build_plan, cluster_of, megatron_flags
+from megatron_ext.calibration.scoring import predict
+from megatron_ext.calibration.sources import FP8_DATA, load_published
+from megatron_ext.planner.cost.compute import ComputeProfile
+
+ROWS = {r["id"]: r for r in load_published(FP8_DATA)}
+
+
+def test_every_row_quotes_its_source_and_numbers():
+    assert len(ROWS) >= 15
+    for row in ROWS.values():
+        assert row["source"] and row["source_ref"] and row["quote"], row["id"]
+        assert row["fp8_format"] in ("e4m3", "hybrid") and row["fp8_recipe"], row["id"]
+        if row["source"].startswith("MLPerf"):
+            # the measured time is the median of the per-log medians the quote lists
+            listed = re.search(r"train_step_time of result_\S+ = ([0-9. /]+) s", row["quote"])
+            assert listed, row["id"]
+            medians = [float(x) for x in listed.group(1).split(" / ")]
+            assert len(medians) == len(row["results"])
+            assert row["iter_time_s"] == pytest.approx(statistics.median(medians), abs=1e-4)
+            assert any("config_" in c for c in row["config"])
+        else:
+            # torchtitan: the TPS/GPU figure as the table prints it (with its thousands comma)
+            assert f"| {row['tokens_per_s_per_gpu']:,} |" in row["quote"], row["id"]
+
+
+def test_an_mlperf_row_becomes_its_flags_and_cluster():
+    h100 = ROWS["mlperf50-h100-405b-512"]
+    flags = megatron_flags(h100)
+    for expected in (["--fp8-format", "e4m3"], ["--fp8-recipe", "delayed"],
+                     ["--context-parallel-size", "2"], ["--num-query-groups", "8"],
+                     ["--num-virtual-stages-per-pipeline-rank", "8"]):
+        i = flags.index(expected[0])
+        assert flags[i:i + 2] == expected
+    assert "--fp8-param-gather" in flags and "--use-distributed-optimizer" in flags
+    plan = build_plan(h100)
+    assert (plan.pp, plan.virtual_stages, plan.layers[0].tp, plan.layers[0].cp) == (8, 8, 8, 2)
+    gb200 = ROWS["mlperf50-gb200-405b-512"]
+    cluster = cluster_of(gb200)
+    # 512 GPUs of 4-GPU trays, one 64-GPU model replica per NVL72 rack (row's SEGMENT rule)
+    assert (cluster.name, cluster.gpus_per_node, cluster.num_nodes,
+            cluster.nvlink_domain_size) == ("gb200-nvl72", 4, 128, 64)
+
+
+def test_fp8_efficiency_refit_holds_each_source_out():
+    """Two sources: each is predicted with the grid value that fits the other best, and its
+    interval is built without it."""
+    rows = [ROWS["mlperf51-gb200-8b-72"], ROWS["mlperf51-gb300-8b-72"],
+            ROWS["torchtitan-h100-8b-128"]]
+    out = fp8_fit.fp8_leave_one_source_out(rows)
+    assert {s["source"] for s in out["sources"]} == {r["source"] for r in rows}
+    by_id = {r["id"]: r for r in out["rows"]}
+    for entry in out["sources"]:
+        assert entry["fp8_gemm_efficiency"] in fp8_fit.FP8_EFFICIENCY_GRID
+        for row in rows:
+            if row["source"] != entry["source"]:
+                continue
+            profile = ComputeProfile(fp8_gemm_efficiency=entry["fp8_gemm_efficiency"])
+            expected = predict(row, build_plan(row), profile)["predicted_s"]
+            held = by_id[row["id"]]
+            assert held["loso_predicted_s"] == pytest.approx(expected)
+            assert held["interval_low_s"] < held["loso_predicted_s"] < held["interval_high_s"]
+    # the FP8 efficiency reaches the FP8 rows' GEMMs: a higher one predicts faster
+    row = ROWS["mlperf51-gb200-8b-72"]
+    slow, fast = (predict(row, build_plan(row), ComputeProfile(fp8_gemm_efficiency=e))
+                  ["predicted_s"] for e in (0.4, 0.8))
+    assert fast < slow
