@@ -14,14 +14,16 @@ Two ways to render (SPECS below says which, per excerpt):
   naming the line (edit the excerpt by hand, then render again); a change of numbers is
   rewritten.
 - keep (machine-dependent runs: training, measured profiles): the fresh lines matching the
-  spec's regexes, `...` for the runs of lines left out.
+  spec's `keep` regexes, `...` for the runs of lines left out; in a kept line, the first group
+  of each `cut` regex that matches becomes `...` (the fields of a long line left out).
 
 tests/unit/test_doc_excerpts.py renders every `cheap` excerpt afresh and compares it with the
-text on disk, timings masked (`TIMINGS`); the others are rendered by this script only.
+text on disk, timings masked (`TIMINGS`); the others (training and profiling runs, minutes on
+a CPU) are rendered by this script only.
 
     python tools/render_docs.py            # rewrite every excerpt
     python tools/render_docs.py --check    # exit 1 listing the excerpts that differ
-    python tools/render_docs.py --only NAME [--only NAME ...] [--cheap]
+    python tools/render_docs.py --only NAME [--only NAME ...] [--cheap | --training]
 """
 
 from __future__ import annotations
@@ -60,6 +62,8 @@ class Spec:
     """Shown command (after `$ `) -> the command that runs, where the shown one is cut."""
     keep: tuple[str, ...] = ()
     """Regexes of output lines to keep (keep mode); empty: template mode."""
+    cut: tuple[str, ...] = ()
+    """Keep mode: regexes with one group, the part of a kept line shown as `...`."""
     setup: str = ""
     """Shell run first in the scratch directory, not shown."""
 
@@ -87,6 +91,18 @@ d["layers"] = [dict(d["layers"][0], start=0, end=4, tp=3, dp=2),
                dict(d["layers"][0], start=4, end=32, tp=2, dp=3)]
 json.dump(d, open("bad.json", "w"))
 PY"""
+TRAIN_PLAN = "examples/plans/tiny-llama_searched_cpu4.json"
+TRAIN = ('megatron-ext launch --nproc_per_node 4 examples/pretrain_gpt.py --cpu '
+         '--transformer-impl local "${PLAN_ARGS[@]}" --mock-data --tokenizer-type NullTokenizer '
+         '--train-iters 4 --lr 3e-3 --log-interval 1')
+"""README's training run of the searched 4-rank CPU plan (PLAN_ARGS from `megatron-ext args`)."""
+TRAIN_LOG = (r"^megatron-ext launch: checked ", r"\] plan: ", r"^  layers \[",
+             r"^  predicted iteration", r"^  data: ", r"^  load: ", r"\] backend: ",
+             r" iteration +1/", r" iteration +(\d+)/ +\1 \|")
+"""The log lines a training excerpt shows: the check, the plan, the first and last iteration."""
+ITERATION_CUT = (r" iteration +\d+/ *\d+ \| (.*?) \| lm loss",
+                 r"lm loss: \S+ \| (.*?) \| predicted ")
+"""An iteration line as excerpts show it: the loss and the predicted / measured time."""
 SPECS: dict[str, Spec] = {
     "readme-search-70b": Spec(),
     "readme-search-p90": Spec(),
@@ -113,6 +129,15 @@ SPECS: dict[str, Spec] = {
     "cli-flexsp": Spec(),
     "cli-launch-errors": Spec(),
     "moe-search": Spec(),
+    "readme-train": Spec(cheap=False, keep=TRAIN_LOG, cut=ITERATION_CUT, runs={
+        TRAIN: f"mapfile -t PLAN_ARGS < <(megatron-ext args {TRAIN_PLAN} 2>/dev/null); {TRAIN}"}),
+    "cli-profile-hardware": Spec(cheap=False, keep=(
+        r" node\(s\) x \d+ ranks, ", r"^collective ", r"^\w+ +2 +1 +2 +[\d.]+ ",
+        r"^all_to_all +4 +1 +4 ", r"^wrote ")),
+    "cli-profile-model": Spec(cheap=False, keep=(
+        r"^tiny-llama on ", r"^ tp  sp ", r"^ +1 +n +1 +64 ", r"^ +1 +n +2 +128 ",
+        r"^ +2 +y +2 +128 ", r"^fit ", r"^wrote "),
+        cut=(r"recompute_s [^,]*, (.*)$",)),
 }
 
 
@@ -198,11 +223,17 @@ def fill_template(shown: list[str], fresh: list[str], where: str) -> list[str]:
     return out
 
 
-def keep_lines(fresh: list[str], keep: tuple[str, ...]) -> list[str]:
+def keep_lines(fresh: list[str], keep: tuple[str, ...], cut: tuple[str, ...] = ()
+               ) -> list[str]:
     patterns = [re.compile(k) for k in keep]
+    cuts = [re.compile(c) for c in cut]
     out: list[str] = []
     for line in fresh:
         if any(p.search(line) for p in patterns):
+            for c in cuts:  # in the order given, each on the line as cut so far
+                m = c.search(line)
+                if m is not None:
+                    line = line[:m.start(1)] + "..." + line[m.end(1):]
             out.append(line)
         elif not out or out[-1] != "...":
             out.append("...")
@@ -220,7 +251,7 @@ def render_body(name: str, body: str, workdir: Path) -> str:
         fresh = run_command(spec.runs.get(command, command), workdir)
         lines.append(f"$ {command}")
         if spec.keep:
-            lines += keep_lines(fresh, spec.keep)
+            lines += keep_lines(fresh, spec.keep, spec.cut)
         else:
             lines += fill_template(shown, fresh, f"{name}: $ {command}")
     return "\n".join(lines) + "\n"
@@ -240,14 +271,16 @@ def mask_timings(text: str) -> str:
 
 
 def render_file(path: Path, *, only: set[str] | None, cheap_only: bool,
-                write: bool) -> list[str]:
-    """Render the excerpts of one file; returns the names whose text changed."""
+                write: bool, runs_only: bool = False) -> list[str]:
+    """Render the excerpts of one file (cheap_only: the cheap ones; runs_only: the others, the
+    training and profiling runs); returns the names whose text changed."""
     text = path.read_text()
     changed: list[str] = []
 
     def replace(match: re.Match[str]) -> str:
         name, body = match.group("name"), match.group("body")
-        if (only and name not in only) or (cheap_only and not SPECS[name].cheap):
+        if ((only and name not in only) or (cheap_only and not SPECS[name].cheap)
+                or (runs_only and SPECS[name].cheap)):
             return match.group(0)
         with scratch_dir() as tmp:
             new = render_body(name, body, Path(tmp))

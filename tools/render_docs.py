@@ -5,6 +5,7 @@
     python tools/render_docs.py            # rewrite every excerpt
     python tools/render_docs.py --check    # exit 1 listing the excerpts that differ
     python tools/render_docs.py --only NAME [--only NAME ...] [--cheap]
+    python tools/render_docs.py --training  # only the training and profiling runs' excerpts
 """
 
 from __future__ import annotations
@@ -23,7 +24,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="rewrite nothing; exit 1 on drift")
     parser.add_argument("--only", action="append", help="render only this excerpt (repeatable)")
-    parser.add_argument("--cheap", action="store_true", help="only the excerpts the test checks")
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument("--cheap", action="store_true", help="only the excerpts the test checks")
+    kind.add_argument("--training", action="store_true",
+                      help="only the excerpts of training and profiling runs (keep mode: real "
+                           "runs on this machine, minutes on a CPU; the test never runs them)")
     args = parser.parse_args(argv)
     names = {m.group("name") for doc in DOCS for m in excerpts((REPO / doc).read_text())}
     unknown = sorted(set(args.only or ()) - names) + sorted(names - set(SPECS))
@@ -34,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     for doc in DOCS:
         try:
             drift += render_file(REPO / doc, only=set(args.only or ()) or None,
-                                 cheap_only=args.cheap, write=not args.check)
+                                 cheap_only=args.cheap, runs_only=args.training,
+                                 write=not args.check)
         except ValueError as err:  # the structure changed: the excerpt needs a hand edit
             sys.stderr.write(f"render_docs.py: {doc}: {err}\n")
             return 1

@@ -1,6 +1,8 @@
 #!/bin/bash
 # Multi-node training with a searched layout: `megatron-ext search` -> plan.json ->
-# `megatron-ext args` (one flag per line) -> torchrun examples/pretrain_gpt.py on every node.
+# `megatron-ext args` (one flag per line) -> `megatron-ext launch` examples/pretrain_gpt.py on
+# every node (torchrun's command line; it checks the flags, the plan on the allocation's world
+# size and the checkpoint to --load in one process per node, then becomes torchrun).
 #
 #   sbatch --nodes 4 examples/slurm/sbatch_train.sh
 #   IMAGE=/shared/megatron-ext.sqsh MODEL=llama3-8b DATA_PATH=/data/corpus_text_document \
@@ -131,13 +133,16 @@ LOGGING_ARGS=(--log-interval 10 --eval-interval 1000 --eval-iters 10
 LAUNCH_ARGS=(--nnodes "$NNODES" --nproc_per_node "$GPUS_PER_NODE" --rdzv_backend c10d
              --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv_id "${SLURM_JOB_ID:-0}")
 
+# A bad flag, a plan that does not fit this world size or a checkpoint that does not load under it
+# is one line from `megatron-ext launch` (exit 2) before any rank starts; the job fails with it.
 # Slurm signals every process of the step, torchrun's agent too. The agent would forward SIGTERM,
-# kill ranks still saving after 30 s and exit 1; it ignores SIGTERM instead (trap '' and not in
-# torchrun's --signals-to-handle) and exits 0 once the ranks have saved and exited 0.
+# kill ranks still saving after 30 s and exit 1; it ignores SIGTERM instead (trap '' survives
+# launch's exec of torchrun; SIGTERM is not in torchrun's --signals-to-handle) and exits 0 once
+# the ranks have saved and exited 0.
 export PET_SIGNALS_TO_HANDLE=SIGINT,SIGHUP,SIGQUIT
 echo "torchrun: $NNODES node(s) x $GPUS_PER_NODE ranks, rendezvous at $MASTER_ADDR:$MASTER_PORT"
 srun --ntasks-per-node=1 --export="$EXPORTS" "${CONTAINER[@]}" \
-    bash -c 'trap "" TERM; exec "$@"' torchrun \
-    python -m torch.distributed.run "${LAUNCH_ARGS[@]}" examples/pretrain_gpt.py \
+    bash -c 'trap "" TERM; exec "$@"' launch \
+    megatron-ext launch "${LAUNCH_ARGS[@]}" examples/pretrain_gpt.py \
     "${PLAN_ARGS[@]}" "${DATA_ARGS[@]}" "${TRAINING_ARGS[@]}" "${CHECKPOINT_ARGS[@]}" \
     "${LOGGING_ARGS[@]}" "${EXTRA[@]}"

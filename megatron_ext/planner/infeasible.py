@@ -1,10 +1,23 @@
 """When nothing fits: the least memory per GPU, and the fewest GPUs, that would.
 
+State floor (any model, any GPU count): every parameter's copies over the d ranks that share it
+hold at least its bytes at d = 1 (each ZeRO level's bytes per GPU are kept + sharded / d,
+memory.py), so the cluster holds at least P x min over ZeRO levels of those bytes (mixed
+precision with Adam: ZeRO-3's fp32 weight 4 + fp32 gradient 4 + two states 8 = 16 B), and needs
+at least that over the usable memory per GPU (cap = memory - reserve) of GPUs.
+
 Minimum memory at a given GPU count (exact for the cost model up to the DP's quantisation): for
 every pp, micro-batch size and vocabulary layout, each layer of stage k takes the strategy with the
 least memory there (states + inflight_k * activations, plus its transient), so stage k with n
 layers needs c_k + n a_k. The smallest max_k (c_k + n_k a_k) with sum n_k = L is found by
-bisection on the bound M (stage k then holds at most (M - c_k) / a_k layers).
+bisection on the bound M (stage k then holds at most (M - c_k) / a_k layers). MoE models price
+every layer at its cheapest kind (a dense layer's state where the model has any), so there the
+state floor over the GPUs is the tighter bound; the larger of the two is used.
+
+Fewest nodes: from the first node count that both bounds allow, the search itself is run at
+each count in turn (a few tries: a count whose GPUs divide the model or the batch badly may
+not fit where the next one does); the hint names the first count where it finds a layout, or
+says the floor and how far the search looked.
 """
 
 from __future__ import annotations
@@ -15,12 +28,17 @@ from collections.abc import Callable
 
 import numpy as np
 
+from megatron_ext.planner.cost.compute import model_parameters
+from megatron_ext.planner.cost.memory import state_bytes_per_param
 from megatron_ext.planner.cost.model import CostModel, LayerCosts
 from megatron_ext.planner.cost.moe import kind_costs, layer_kinds, valid_for
 from megatron_ext.planner.cost.vocab import stage_extras
 from megatron_ext.planner.space import StrategyTable, divisors, layer_strategies, vocab_options
+from megatron_ext.specs import ClusterSpec
 
 GIB = 2**30
+MAX_GPUS = 65536
+"""The largest GPU count the hints consider."""
 
 
 def _stage_capacity(
@@ -102,7 +120,7 @@ def _least_memory_costs(cm: CostModel, table: StrategyTable, mbs: int) -> LayerC
 
 def min_memory_gib(cm: CostModel) -> float:
     """Smallest --memory-gib at which some layout fits (the reserve grows with memory)."""
-    need = min_allocated_bytes(cm) / GIB
+    need = max(min_allocated_bytes(cm), state_floor_bytes(cm) / cm.cluster.num_gpus) / GIB
     if not math.isfinite(need):
         return math.inf
     if cm.training.reserve_gib is not None:
@@ -110,22 +128,75 @@ def min_memory_gib(cm: CostModel) -> float:
     return (need + 1.0) / 0.96  # memory - (1 + 0.04 memory) >= need
 
 
-def min_nodes(cm: CostModel, max_gpus: int = 65536) -> int | None:
-    """Fewest nodes (same GPUs) at which some layout fits; doubling, then bisection."""
+def state_floor_bytes(cm: CostModel) -> float:
+    """Least weight, gradient and optimizer-state bytes the whole cluster holds for the model
+    (module docstring: the state floor)."""
+    t = cm.training
+    per_param = min(
+        float(state_bytes_per_param(zero, 1, half_precision=t.half_precision,
+                                    num_optimizer_states=t.num_optimizer_states))
+        for zero in range(4)
+    )
+    return model_parameters(cm.model) * per_param
 
-    def fits(nodes: int) -> bool:
-        other = cm.with_cluster(dataclasses.replace(cm.cluster, num_nodes=nodes))
-        return min_memory_gib(other) <= cm.cluster.memory_gib
 
-    lo, hi = cm.cluster.num_nodes, cm.cluster.num_nodes * 2
-    while not fits(hi):
-        lo, hi = hi, hi * 2
-        if hi * cm.cluster.gpus_per_node > max_gpus:
-            return None
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-    return hi
+def state_floor_gpus(cm: CostModel) -> int:
+    """Fewest GPUs of this cluster's memory whose usable bytes hold the state floor (more than
+    MAX_GPUS where the reserve leaves no usable bytes)."""
+    if cm.memory_cap_bytes <= 0:
+        return MAX_GPUS + 1
+    return max(1, math.ceil(state_floor_bytes(cm) / cm.memory_cap_bytes))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class NodeHint:
+    """What the node search found."""
+
+    floor: int
+    """Fewest nodes both lower bounds allow (above the cluster's own count)."""
+    fits: int | None
+    """Fewest nodes from `floor` on at which the search found a layout; None if none of the
+    counts tried did."""
+    tried_up_to: int
+    """The largest node count tried (`floor - 1` if none was: beyond max_gpus)."""
+
+
+def min_nodes(cm: CostModel, fits: Callable[[ClusterSpec], bool], *, tries: int = 8,
+              max_gpus: int = MAX_GPUS) -> NodeHint:
+    """Fewest nodes (same GPUs) at which the search finds a layout. `fits(cluster)` runs it.
+
+    The floor is the larger of the state floor and the memory bound's count (doubling, then
+    bisection on min_memory_gib); from there `tries` counts are searched in turn (a count the
+    memory bound rules out is skipped without a search)."""
+    c = cm.cluster
+    gpn = c.gpus_per_node
+
+    def at(nodes: int) -> CostModel:
+        return cm.with_cluster(dataclasses.replace(c, num_nodes=nodes))
+
+    def bound_fits(nodes: int) -> bool:
+        return min_memory_gib(at(nodes)) <= c.memory_gib
+
+    floor = max(c.num_nodes + 1, math.ceil(state_floor_gpus(cm) / gpn))
+    if floor * gpn > max_gpus:
+        return NodeHint(floor=floor, fits=None, tried_up_to=floor - 1)
+    if not bound_fits(floor):
+        lo, hi = floor, floor * 2
+        while not bound_fits(hi):
+            lo, hi = hi, hi * 2
+            if hi * gpn > max_gpus:
+                return NodeHint(floor=hi, fits=None, tried_up_to=hi - 1)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if bound_fits(mid) else (mid, hi)
+        floor = hi
+    nodes = floor
+    for nodes in range(floor, floor + tries):
+        if nodes * gpn > max_gpus:
+            return NodeHint(floor=floor, fits=None, tried_up_to=nodes - 1)
+        if bound_fits(nodes) and fits(dataclasses.replace(c, num_nodes=nodes)):
+            return NodeHint(floor=floor, fits=nodes, tried_up_to=nodes)
+    return NodeHint(floor=floor, fits=None, tried_up_to=nodes)
 
 
 def verified_min_memory_gib(cm: CostModel, fits: Callable[[float], bool]) -> float:
@@ -141,25 +212,38 @@ def verified_min_memory_gib(cm: CostModel, fits: Callable[[float], bool]) -> flo
     return math.inf
 
 
-def explain_infeasible(cm: CostModel, fits: Callable[[float], bool]) -> str:
+def explain_infeasible(cm: CostModel, fits: Callable[[ClusterSpec], bool]) -> str:
     """One line: what does not fit and the smallest memory or GPU count that would.
 
-    `fits(memory_gib)` says whether the search finds a layout with that much memory per GPU."""
+    `fits(cluster)` says whether the search finds a layout on that cluster (this one with more
+    memory per GPU, or with more nodes)."""
     c = cm.cluster
-    memory = verified_min_memory_gib(cm, fits)
-    nodes = min_nodes(cm)
-    parts = [
-        (
-            f"no layout of {cm.model.name} fits {c.num_gpus} GPUs x {c.memory_gib:g} GiB "
-            f"(global batch {cm.training.global_batch_size}, seq {cm.training.seq_length})"
-        )
-    ]
+    memory = verified_min_memory_gib(
+        cm, lambda gib: fits(dataclasses.replace(c, memory_gib=gib)))
+    nodes = min_nodes(cm, fits)
+    head = (
+        f"no layout of {cm.model.name} fits {c.num_gpus} GPUs x {c.memory_gib:g} GiB "
+        f"(global batch {cm.training.global_batch_size}, seq {cm.training.seq_length})"
+    )
+    gpn = c.gpus_per_node
+    needs = []
     if math.isfinite(memory):
-        parts.append(
-            f"it needs at least {math.ceil(memory * 10) / 10:g} GiB per GPU (--memory-gib)"
-        )
-    if nodes is not None:
-        parts.append(f"or {nodes * c.gpus_per_node} GPUs (--nodes {nodes})")
-    if len(parts) == 1:
-        parts.append("no GPU count up to 65536 fits either; lower --seq-length or the batch")
-    return "; ".join(parts[:2]) + (" " + parts[2] if len(parts) > 2 else "")
+        needs.append(f"at least {math.ceil(memory * 10) / 10:g} GiB per GPU (--memory-gib)")
+    if nodes.fits is not None:
+        needs.append(f"{nodes.fits * gpn} GPUs (--nodes {nodes.fits})")
+        return f"{head}; it needs {' or '.join(needs)}"
+    states = state_floor_gpus(cm)
+    if cm.memory_cap_bytes <= 0:
+        more = (f"{c.memory_gib:g} GiB per GPU leaves nothing after the "
+                f"{cm.training.reserve_bytes(c.memory_gib) / GIB:g} GiB reserve")
+    elif states > MAX_GPUS:
+        more = (f"its weights, gradients and optimizer states alone need {states} GPUs of "
+                f"{c.memory_gib:g} GiB, more than {MAX_GPUS}")
+    elif nodes.tried_up_to < nodes.floor:
+        more = f"no GPU count up to {MAX_GPUS} fits either; lower --seq-length or the batch"
+    else:
+        more = (f"at {c.memory_gib:g} GiB it needs at least {nodes.floor * gpn} GPUs "
+                f"(--nodes {nodes.floor}), and the search found no layout up to "
+                f"{nodes.tried_up_to * gpn} GPUs (--nodes {nodes.tried_up_to}): try more nodes, "
+                "a shorter --seq-length or a smaller batch")
+    return f"{head}; " + (f"it needs {needs[0]}; " if needs else "") + more

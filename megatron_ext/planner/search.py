@@ -66,7 +66,7 @@ from megatron_ext.planner.uniform import (
     search_uniform,
     virtual_stage_options,
 )
-from megatron_ext.specs import FP8Spec, ModelSpec
+from megatron_ext.specs import ClusterSpec, FP8Spec, ModelSpec
 
 Progress = Callable[[str], None]
 
@@ -151,7 +151,7 @@ def search(
     if best is None:
         if not options.explain_infeasible:
             raise InfeasiblePlanError(f"no layout of {cm.model.name} fits")
-        raise InfeasiblePlanError(explain_infeasible(cm, partial(_fits_with_memory, cm)))
+        raise InfeasiblePlanError(explain_infeasible(cm, partial(_fits_on, cm)))
     _near_candidates(cm, options, best, stats, seen)
     ranked = _rank_candidates(cm, best, seen, options)
     plan, evaluation = ranked[0]
@@ -251,9 +251,8 @@ def runner_up(plan: ParallelPlan) -> dict[str, object]:
     }
 
 
-def _fits_with_memory(cm: CostModel, memory_gib: float) -> bool:
-    """Whether the search finds a layout when every GPU has `memory_gib`."""
-    cluster = dataclasses.replace(cm.cluster, memory_gib=memory_gib)
+def _fits_on(cm: CostModel, cluster: ClusterSpec) -> bool:
+    """Whether the search finds a layout on `cluster` (more memory per GPU, or more nodes)."""
     try:
         search(cm.with_cluster(cluster), options=SearchOptions(explain_infeasible=False))
     except InfeasiblePlanError:

@@ -249,3 +249,19 @@ def test_bad_input_fails_before_training_in_one_line(
     assert state["JobState"] == "FAILED" and state["ExitCode"] == "2:0", lines
     assert len(lines) == 1 and lines[0].startswith("sbatch_train.sh: error: "), lines
     assert expected in lines[0], lines
+
+
+def test_bad_flag_fails_in_launch_before_any_rank(reference, slurm, tmp_path: Path) -> None:
+    """A misspelt pretrain_gpt.py flag: `megatron-ext launch` refuses it in one line on every
+    node before torchrun starts a rank, and the job fails with its exit code 2."""
+    _, plan, reference_env = reference
+    env = dict(reference_env, RUN_DIR=str(tmp_path / "run"), PLAN_FILE=str(plan),
+               EXTRA_ARGS=reference_env["EXTRA_ARGS"] + " --hiden-size 64")
+    log = tmp_path / "job.log"
+    state = _wait(slurm, _sbatch(slurm, "sbatch_train.sh", env, log), log)
+    text = log.read_text()
+    assert state["JobState"] == "FAILED" and state["ExitCode"] == "2:0", text[-3000:]
+    errors = [ln for ln in text.splitlines() if ln.startswith("megatron-ext launch: error: ")]
+    assert len(errors) == 1 and "--hiden-size" in errors[0] and "--hidden-size" in errors[0], text
+    assert "Traceback" not in text and not LOSS_LINE.search(text), text[-3000:]
+    assert "starting torchrun" not in text, text[-3000:]

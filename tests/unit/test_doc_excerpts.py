@@ -58,3 +58,19 @@ def test_keep_mode_and_timing_masks() -> None:
     assert render_docs.keep_lines(["a 1", "b", "c", "a 2", "d"], ("^a",)) == [
         "a 1", "...", "a 2", "..."]
     assert render_docs.mask_timings("planner: 14.8 ms CPU, 1.5 s") == "planner: # ms CPU, 1.5 s"
+
+
+def test_keep_mode_cuts_the_fields_of_an_iteration_line() -> None:
+    """The training excerpts' iteration line keeps the loss and the predicted / measured time;
+    a line no cut matches is kept whole, and every training spec is left out of the test."""
+    line = ("[2026-11-29 08:15:07]  iteration        1/       4 | consumed samples:           32 "
+            "| elapsed time per iteration (ms): 1790.9 | learning rate: 3.0E-03 | "
+            "lm loss: 6.478097290E+00 | loss scale: 1.0 | grad norm: 2.1 | "
+            "predicted 904.8 ms / measured 1790.9 ms (+97.9%) |")
+    spec = render_docs.SPECS["readme-train"]
+    assert render_docs.keep_lines(["W0 noise", line, "  load: none"], spec.keep, spec.cut) == [
+        "...", "[2026-11-29 08:15:07]  iteration        1/       4 | ... | "
+        "lm loss: 6.478097290E+00 | ... | predicted 904.8 ms / measured 1790.9 ms (+97.9%) |",
+        "  load: none"]
+    assert [n for n, s in render_docs.SPECS.items() if s.keep] == [
+        n for n, s in render_docs.SPECS.items() if not s.cheap]

@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+from pathlib import Path
 
 import pytest
 
 from megatron_ext.cli import main
 from megatron_ext.errors import InfeasiblePlanError
 from megatron_ext.plan import ParallelPlan
+from megatron_ext.planner.cost.compute import model_parameters
 from megatron_ext.planner.cost.evaluate import evaluate
 from megatron_ext.planner.cost.model import CostModel
 from megatron_ext.planner.infeasible import min_memory_gib
 from megatron_ext.planner.search import SearchOptions, search
 from megatron_ext.planner.training import TrainingSpec
-from megatron_ext.presets import cluster_preset, model_preset
+from megatron_ext.presets import cluster_preset, model_file_with_notes, model_preset
 
 
 def cost_model(
@@ -120,6 +123,39 @@ def test_infeasible_names_memory_and_gpus_that_fit():
     need = min_memory_gib(cm)
     fits = dataclasses.replace(cm.cluster, memory_gib=need * 1.03)
     search(CostModel(cm.model, fits, cm.training))  # the suggestion really fits
+
+
+@pytest.mark.parametrize(("model", "memory_gib", "gbs", "seq"), [
+    ("DeepSeek-V3", 80, 512, 4096),  # 671B, 58 of 61 layers MoE
+    ("llama2-13b", 8, 16, 2048),  # dense
+])
+def test_node_hint_holds_the_states_and_the_search_fits_there(model, memory_gib, gbs, seq):
+    """The GPU count an infeasible search suggests holds the model's weights, gradients and Adam
+    states (16 B per parameter at the least: fp32 weight, fp32 gradient, two fp32 moments) in
+    the memory left after the reserve, the search finds a layout there, and not one node less.
+    DeepSeek-V3 on 8 x 80 GiB once got "16 GPUs (--nodes 2)": 1.3 TB for 10.7 TB of states."""
+    if model == "DeepSeek-V3":
+        path = Path(__file__).parents[1] / "data" / "hf_configs" / "DeepSeek-V3.json"
+        spec = model_file_with_notes(path)[0]
+        cluster = cluster_preset("dgx-h100", memory_gib=memory_gib)
+    else:
+        spec = model_preset(model)
+        cluster = cluster_preset("dgx-a100-80g", memory_gib=memory_gib)
+    cm = CostModel(spec, cluster, TrainingSpec(global_batch_size=gbs, seq_length=seq))
+    with pytest.raises(InfeasiblePlanError) as err:
+        search(cm)
+    found = re.search(r"it needs .*?(\d+) GPUs \(--nodes (\d+)\)$", str(err.value))
+    assert found, str(err.value)
+    gpus, nodes = int(found[1]), int(found[2])
+    assert gpus == nodes * cluster.gpus_per_node
+    usable = (memory_gib - (1 + 0.04 * memory_gib)) * 2**30  # TrainingSpec's default reserve
+    assert gpus * usable >= 16 * model_parameters(spec)
+    options = SearchOptions(explain_infeasible=False)
+    search(cm.with_cluster(dataclasses.replace(cluster, num_nodes=nodes)), options=options)
+    if nodes - 1 > cluster.num_nodes:
+        with pytest.raises(InfeasiblePlanError):
+            search(cm.with_cluster(dataclasses.replace(cluster, num_nodes=nodes - 1)),
+                   options=options)
 
 
 def test_cli_default_case_writes_plan_and_flags(tmp_path, capsys):

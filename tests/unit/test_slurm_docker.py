@@ -5,7 +5,8 @@ ranks). What only stand-ins can show stays here: two nodes (the rendezvous at th
 multi-node allocation), the pyxis container flags, and plans for 4 to 16 GPUs.
 
 The stand-ins record their argv (one JSON list per call). `srun` runs `megatron-ext ...` commands
-for real (search, args) and only records the others (the torchrun launch), so the test checks the
+for real (search, args) and only records the others (the training launch, `megatron-ext launch`
+behind `bash -c`, and the profiler's torchrun), so the test checks the
 exact training command a cluster would get: rendezvous at the allocation's first node, container
 flags, CUDA_DEVICE_MAX_CONNECTIONS chosen per feature, and plan flags that arrive intact and parse
 with megatron_ext's Megatron-LM parser.
@@ -79,9 +80,16 @@ def _sbatch(script: str, env: dict[str, str], log: Path) -> list[list[str]]:
     return [json.loads(line) for line in log.read_text().splitlines()]
 
 
-def _launch(calls: list[list[str]]) -> list[str]:
-    launches = [c for c in calls if c[0] == "srun" and "torch.distributed.run" in c]
+def _launch(calls: list[list[str]], via: tuple[str, ...] = ("megatron-ext", "launch")
+            ) -> list[str]:
+    """The one srun call that starts the ranks: through `megatron-ext launch` (training, which
+    checks the run first) or `python -m torch.distributed.run` (the profiler)."""
+    def has(call: list[str]) -> bool:
+        return any(tuple(call[i:i + len(via)]) == via for i in range(len(call)))
+
+    launches = [c for c in calls if c[0] == "srun" and has(c)]
     assert len(launches) == 1, calls
+    assert not any("torch.distributed.run" in c for c in calls if c not in launches), calls
     return launches[0]
 
 
@@ -141,7 +149,7 @@ def test_train_script_sets_connections_per_feature(
 
 def test_profile_script_runs_the_hardware_profiler(cluster: tuple[dict, Path]) -> None:
     env, log = cluster
-    launch = _launch(_sbatch("sbatch_profile.sh", env, log))
+    launch = _launch(_sbatch("sbatch_profile.sh", env, log), via=("-m", "torch.distributed.run"))
     _check_launch_common(launch)
     tail = launch[launch.index("-m", launch.index("torch.distributed.run")):]
     assert tail[:4] == ["-m", "megatron_ext.cli", "profile", "hardware"]
