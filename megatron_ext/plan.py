@@ -326,6 +326,15 @@ class ParallelPlan:
     flexsp: FlexSPConfig | None = None
     """When set, sequence-parallel groups are chosen per step (FlexSP); needs pp=1,
     tp=cp=ulysses=1."""
+    overlap_grad_reduce: bool = False
+    """The run passes Megatron-LM's --overlap-grad-reduce: the data-parallel gradient reduction
+    runs bucket by bucket during the last backward. False (Megatron-LM's default, and files
+    without the key): after the last backward, on the critical path. `search` turns it on
+    unless asked not to (--no-overlap)."""
+    overlap_param_gather: bool = False
+    """The run passes Megatron-LM's --overlap-param-gather: ZeRO-1's weight all-gather overlaps
+    the next forward. Needs overlap_grad_reduce and a ZeRO-1 layer (Megatron-LM: a distributed
+    optimizer)."""
     cluster: ClusterSpec | None = None
     """The cluster this plan was made for, when known."""
     prediction: Prediction | None = None
@@ -401,6 +410,8 @@ class ParallelPlan:
             "precision": self.precision,
             **({"fp8": self.fp8.to_dict()} if self.fp8 is not None else {}),
             "flexsp": dataclasses.asdict(self.flexsp) if self.flexsp else None,
+            **({"overlap_grad_reduce": True} if self.overlap_grad_reduce else {}),
+            **({"overlap_param_gather": True} if self.overlap_param_gather else {}),
             "model": self.model.to_dict(),
             "cluster": self.cluster.to_dict() if self.cluster else None,
             "prediction": self.prediction.to_dict() if self.prediction else None,
@@ -446,6 +457,8 @@ class ParallelPlan:
             seq_length=get_int(data, "seq_length", "", minimum=1),
             precision=get_str(data, "precision", "", default="bf16",
                               choices=("bf16", "fp16", "fp32")),  # type: ignore[arg-type]
+            overlap_grad_reduce=get_bool(data, "overlap_grad_reduce", "", default=False),
+            overlap_param_gather=get_bool(data, "overlap_param_gather", "", default=False),
             **extra,
         )
 
@@ -453,7 +466,7 @@ class ParallelPlan:
 _PLAN_KEYS = frozenset({
     "schema_version", "world_size", "pp", "virtual_stages", "stages", "layers", "vocab",
     "micro_batch_size", "global_batch_size", "seq_length", "precision", "fp8", "flexsp",
-    "model", "cluster", "prediction",
+    "overlap_grad_reduce", "overlap_param_gather", "model", "cluster", "prediction",
 })
 
 

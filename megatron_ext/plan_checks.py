@@ -72,6 +72,7 @@ def check_plan(plan: ParallelPlan) -> None:
     _check_batch(plan)
     _check_vocab(plan)
     _check_flexsp(plan)
+    _check_overlap(plan)
     _check_fp8(plan)
     _check_prediction(plan)
 
@@ -260,6 +261,20 @@ def _check_vocab(plan: ParallelPlan) -> None:
             micro_batch_size=plan.micro_batch_size,
             seq_length=plan.seq_length,
         )
+
+
+def _check_overlap(plan: ParallelPlan) -> None:
+    """Megatron-LM's rules for --overlap-param-gather (validate_args): it needs
+    --overlap-grad-reduce and a distributed optimizer or Megatron-FSDP (here: a layer with
+    ZeRO >= 1)."""
+    if not plan.overlap_param_gather:
+        return
+    if not plan.overlap_grad_reduce:
+        raise PlanError("overlap_param_gather=true needs overlap_grad_reduce=true (Megatron-LM's "
+                        "--overlap-param-gather needs --overlap-grad-reduce); set both or drop it")
+    if not any(s.zero >= 1 for s in plan.layers):
+        raise PlanError("overlap_param_gather=true needs a ZeRO-1 layer (Megatron-LM's "
+                        "--overlap-param-gather needs --use-distributed-optimizer); drop it")
 
 
 def _check_flexsp(plan: ParallelPlan) -> None:

@@ -10,7 +10,9 @@ Runs tiny Llama-style models (fp32, CPU, 2 gloo ranks) through `build_model` /
                parameters and their gradient buffers excluded), per transformer layer: the
                difference between the same plan with 4 and with 2 layers, over 2 (embedding,
                output layer and loss cancel). Against planner/cost/memory.py
-               layer_activation_bytes (no flash attention on CPU; dropout as configured).
+               layer_activation_bytes (no flash attention on CPU; dropout as configured) plus
+               unfused_activation_bytes (what the unfused local layers keep beyond that
+               fused-kernel formula); the JSON keeps the formula alone as `fused_formula_bytes`.
   in flight    pipeline (pp 2, 4 micro-batches): the peak of the saved bytes alive at once on
                each stage (a finalizer per saved storage) over one micro-batch's saved bytes,
                against Megatron's 1F1B count min(pp - stage, m) the cost model uses.
@@ -42,9 +44,12 @@ MODEL = ModelSpec(
     name="bench-mem", num_layers=4, hidden_size=128, ffn_hidden_size=352,
     num_attention_heads=4, num_query_groups=2, vocab_size=512, max_position_embeddings=256,
 )
+MHA_MODEL = dataclasses.replace(MODEL, name="bench-mem-mha", hidden_size=192,
+                                ffn_hidden_size=512, num_attention_heads=6, num_query_groups=6)
+"""A second shape to check the terms on (no grouped-query attention, other widths)."""
 SEQ, MBS = 64, 4
 WORLD = 2
-ACTIVATION_GRID = [  # (label, strategy, dropout)
+ACTIVATION_GRID = [  # (label, strategy, dropout); labels starting "mha " use MHA_MODEL
     ("tp1 dp2", L(tp=1, dp=2), False),
     ("tp1 dp2 dropout", L(tp=1, dp=2), True),
     ("tp2", L(tp=2), False),
@@ -54,11 +59,18 @@ ACTIVATION_GRID = [  # (label, strategy, dropout)
     ("tp2 sp rc:sel", L(tp=2, sp=True, recompute="selective"), False),
     ("tp1 dp2 rc:full", L(tp=1, dp=2, recompute="full"), False),
     ("tp2 sp rc:full", L(tp=2, sp=True, recompute="full"), False),
+    ("mha tp2 sp dropout", L(tp=2, sp=True), True),
+    ("mha tp1 dp2 rc:sel", L(tp=1, dp=2, recompute="selective"), True),
 ]
 
 
-def plan_of(strategy: L, *, layers: int, pp: int = 1, num_mb: int = 1) -> ParallelPlan:
-    model = dataclasses.replace(MODEL, num_layers=layers)
+def grid_model(label: str) -> ModelSpec:
+    return MHA_MODEL if label.startswith("mha ") else MODEL
+
+
+def plan_of(strategy: L, *, layers: int, pp: int = 1, num_mb: int = 1,
+            base: ModelSpec = MODEL) -> ParallelPlan:
+    model = dataclasses.replace(base, num_layers=layers)
     stages = tuple((i * layers // pp, (i + 1) * layers // pp) for i in range(pp))
     return ParallelPlan(world_size=WORLD, pp=pp, stages=stages, layers=(strategy,) * layers,
                         model=model, micro_batch_size=MBS, global_batch_size=MBS * num_mb,
@@ -171,7 +183,8 @@ def activation_rank(rank: int, world_size: int, labels: list[str] | None = None)
     for label, strategy, dropout in ACTIVATION_GRID:
         if labels is not None and label not in labels:
             continue
-        runs = [_run_plan(plan_of(strategy, layers=n), dropout=dropout) for n in (2, 4)]
+        runs = [_run_plan(plan_of(strategy, layers=n, base=grid_model(label)), dropout=dropout)
+                for n in (2, 4)]
         out[label] = (runs[1].bytes - runs[0].bytes) / 2
         extra = list(runs[1].tensors)  # what two more layers save: 4-layer list minus 2-layer
         for t in runs[0].tensors:
@@ -226,7 +239,11 @@ def report(act: list[dict], inflight: list[dict], states: list[dict]) -> dict:
     import numpy as np
 
     from megatron_ext.planner.cost.compute import layer_params
-    from megatron_ext.planner.cost.memory import layer_activation_bytes, state_bytes_breakdown
+    from megatron_ext.planner.cost.memory import (
+        layer_activation_bytes,
+        state_bytes_breakdown,
+        unfused_activation_bytes,
+    )
     from megatron_ext.planner.cost.pipeline import num_warmup
 
     rows = []
@@ -235,12 +252,15 @@ def report(act: list[dict], inflight: list[dict], states: list[dict]) -> dict:
         if label not in act[0]:
             continue
         measured = max(r[label] for r in act)
-        predicted = float(layer_activation_bytes(
-            MODEL, b=MBS / s.dp, seq_length=SEQ, tp=np.array([s.tp]), sp=np.array([s.sp]),
-            cp=np.array([1]), ulysses=np.array([1]), recompute=np.array([codes[s.recompute]]),
-            element_bytes=4, flash_attention=False, dropout=dropout)[0])
+        shape = dict(b=MBS / s.dp, seq_length=SEQ, tp=np.array([s.tp]), sp=np.array([s.sp]),
+                     cp=np.array([1]), ulysses=np.array([1]),
+                     recompute=np.array([codes[s.recompute]]), element_bytes=4, dropout=dropout)
+        model = grid_model(label)
+        fused = float(layer_activation_bytes(model, flash_attention=False, **shape)[0])
+        unfused = float(unfused_activation_bytes(model, **shape)[0])
         rows.append({"term": "activations per layer and micro-batch", "case": label,
-                     "measured_bytes": measured, "predicted_bytes": predicted})
+                     "measured_bytes": measured, "predicted_bytes": fused + unfused,
+                     "fused_formula_bytes": fused, "unfused_term_bytes": unfused})
     for r in inflight:
         predicted = num_warmup(r["stage"], 2, r["num_microbatches"]) + 1
         rows.append({"term": "micro-batches in flight (1F1B)", "case": f"pp2 stage {r['stage']}",
@@ -265,8 +285,9 @@ def report(act: list[dict], inflight: list[dict], states: list[dict]) -> dict:
     within = [abs(r["ratio"] - 1) <= 0.05 for r in rows]
     return {"rows": rows, "within_5pct": sum(within), "total": len(rows),
             "saved_tensors_per_two_layers": act[0]["tensors"],
-            "setup": {"model": MODEL.to_dict(), "seq_length": SEQ, "micro_batch_size": MBS,
-                      "world_size": WORLD, "precision": "fp32"}}
+            "setup": {"model": MODEL.to_dict(), "mha_model": MHA_MODEL.to_dict(),
+                      "seq_length": SEQ, "micro_batch_size": MBS, "world_size": WORLD,
+                      "precision": "fp32"}}
 
 
 def main(argv: list[str] | None = None) -> int:

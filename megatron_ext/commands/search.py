@@ -95,6 +95,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "and the uniform baseline",
     )
     p.add_argument(
+        "--no-overlap",
+        dest="overlap",
+        action="store_false",
+        help="plan for a run without --overlap-grad-reduce / --overlap-param-gather "
+        "(Megatron-LM's defaults): the data-parallel gradient reduction and ZeRO-1's weight "
+        "all-gather on the critical path. Default: both on (param gather where the plan has a "
+        "distributed optimizer), priced and printed with the plan's flags",
+    )
+    p.add_argument(
         "--uniform",
         action="store_true",
         help="search only what stock Megatron-LM expresses (same strategy every layer)",
@@ -181,6 +190,8 @@ def _cost_model(args: argparse.Namespace, model: ModelSpec) -> CostModel:
         **({} if args.moe_imbalance is None else {"moe_imbalance": args.moe_imbalance}),
         allow_interleaving=args.interleaving,
         fp8=_fp8(args),
+        overlap_grad_reduce=args.overlap,
+        overlap_param_gather=args.overlap,
     )
     if not args.cluster_profile and not args.model_profile:
         cluster = cluster_preset(

@@ -218,7 +218,10 @@ def _check_data_parallel(ns: argparse.Namespace) -> None:
         if ns.ckpt_format != "fsdp_dtensor":
             raise PlanError("--use-megatron-fsdp needs --ckpt-format fsdp_dtensor "
                             "(Megatron-LM requires it)")
-    if ns.overlap_param_gather and not (ns.use_distributed_optimizer or ns.use_megatron_fsdp):
+    strategy_plan = getattr(ns, "strategy_plan", None)  # per-layer ZeRO: its ZeRO-1 layers
+    sharded = strategy_plan is not None and any(s.zero == 1 for s in strategy_plan.layers)
+    if ns.overlap_param_gather and not (ns.use_distributed_optimizer or ns.use_megatron_fsdp
+                                        or sharded):
         raise PlanError("--overlap-param-gather needs --use-distributed-optimizer")
     if ns.overlap_param_gather and not ns.overlap_grad_reduce:
         raise PlanError("--overlap-param-gather needs --overlap-grad-reduce")

@@ -35,6 +35,9 @@ Mapping decisions (Megatron-LM core_v0.16.1 semantics):
   `--expert-model-parallel-size` / `--expert-tensor-parallel-size` (the latter only when it
   differs from tp, Megatron-LM's default). The dispatcher and grouped GEMM are training flags,
   not plan fields: add `--moe-token-dispatcher-type alltoall` / `--moe-grouped-gemm` yourself.
+- overlap: plan.overlap_grad_reduce / overlap_param_gather are `--overlap-grad-reduce` /
+  `--overlap-param-gather` (`search` turns both on where Megatron-LM allows them: param gather
+  only with a distributed optimizer, i.e. a ZeRO-1 layer).
 - vocab_size is printed as `--vocab-size`; Megatron-LM reads it only with NullTokenizer, other
   tokenizers take the size from their files.
 - version: `megatron_version` picks the Megatron-LM flag catalog (flags/versions.py; None: the
@@ -114,6 +117,8 @@ def megatron_values(plan: ParallelPlan) -> MegatronView:
         reasons.append(f"layers kept in bf16 in an FP8 run (fp8.bf16_layers "
                        f"{list(plan.fp8.bf16_layers)})")
     values.update(_ext_values(plan, values["tensor_model_parallel_size"], reasons))
+    values["overlap_grad_reduce"] = plan.overlap_grad_reduce
+    values["overlap_param_gather"] = plan.overlap_param_gather
     values["strategy_config"] = None
     return MegatronView(values=values, reasons=tuple(reasons))
 

@@ -88,6 +88,9 @@ EMIT_TABLE: tuple[tuple[str, str, str, Kind], ...] = (
     ("parallel", "use_distributed_optimizer", "--use-distributed-optimizer", "true"),
     ("parallel", "use_torch_fsdp2", "--use-torch-fsdp2", "true"),
     ("parallel", "gradient_accumulation_fusion", "--no-gradient-accumulation-fusion", "false"),
+    # how the run overlaps its data-parallel traffic: run settings the plan records, not layout
+    ("ddp", "overlap_grad_reduce", "--overlap-grad-reduce", "true"),
+    ("ddp", "overlap_param_gather", "--overlap-param-gather", "true"),
     ("parallel", "recompute_granularity", "--recompute-granularity", "value"),
     ("parallel", "recompute_method", "--recompute-method", "value"),
     ("parallel", "recompute_num_layers", "--recompute-num-layers", "value"),

@@ -25,11 +25,14 @@ from megatron_ext.specs import ModelSpec
 _MAX_LAYOUT_CHARS = 1_000_000
 MODEL_DESTS = frozenset(dest for concern, dest, _, _ in EMIT_TABLE if concern == "model")
 _CHECKED_DESTS = frozenset(
-    dest for concern, dest, _, _ in EMIT_TABLE if concern not in ("model", "moe", "mla")
+    dest for concern, dest, _, _ in EMIT_TABLE if concern not in ("model", "moe", "mla", "ddp")
 ) - {"gradient_accumulation_fusion", "strategy_config", "attention_dropout",
      "expert_model_parallel_size", "expert_tensor_parallel_size"}
 """Compared one by one with the plan under --strategy-config; the model and MoE flags are
-compared as the ModelSpec they give, the expert degrees against the plan's MoE layers."""
+compared as the ModelSpec they give, the expert degrees against the plan's MoE layers. The
+overlap flags (concern "ddp") are run settings: the plan's fill in what the flags leave out,
+and a flag given turns its overlap on whatever the plan says (Megatron-LM has no flag to turn
+one off)."""
 _MODEL_FLAG = {
     "num_layers": "--num-layers", "hidden_size": "--hidden-size",
     "ffn_hidden_size": "--ffn-hidden-size", "num_attention_heads": "--num-attention-heads",
@@ -95,6 +98,8 @@ def plan_from_megatron_args(
             fp8=fp8,
             flexsp=FlexSPConfig(max_group_size=ns.flexsp_max_group_size,
                                 min_group_size=ns.flexsp_min_group_size) if ns.flexsp else None,
+            overlap_grad_reduce=bool(ns.overlap_grad_reduce),
+            overlap_param_gather=bool(ns.overlap_param_gather),
         )
     except PlanError as err:
         raise PlanError(f"these Megatron flags give an invalid layout: {err}") from None

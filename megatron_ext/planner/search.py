@@ -275,6 +275,9 @@ def layout_to_plan(cm: CostModel, layout: PlanLayout, evaluation: Evaluation) ->
         vocab=layout.vocab,
         precision=t.precision,
         fp8=t.fp8,
+        overlap_grad_reduce=t.overlap_grad_reduce,
+        # Megatron-LM overlaps the weight all-gather of a distributed optimizer only
+        overlap_param_gather=t.overlap_param_gather and any(s.zero == 1 for s in layout.layers),
         cluster=cm.cluster,
         prediction=evaluation.prediction(),
     ))

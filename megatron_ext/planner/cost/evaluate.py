@@ -152,9 +152,10 @@ def plan_training(plan: ParallelPlan, *, flash_attention: bool = True, dropout: 
                   overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
                   ) -> TrainingSpec:
     """The training settings a plan is scored with (`megatron-ext evaluate` and the published
-    runs' benchmark, megatron_ext/calibration): its batch, sequence and precision, and how the run
-    executes, which the plan does not record (--no-flash-attention, --no-dropout, --engine,
-    --overlap-grad-reduce, --overlap-param-gather)."""
+    runs' benchmark, megatron_ext/calibration): its batch, sequence, precision and overlap flags
+    (plan.overlap_grad_reduce / overlap_param_gather, or the arguments' when they turn one on),
+    and how the run executes, which the plan does not record (--no-flash-attention,
+    --no-dropout, --engine)."""
     return TrainingSpec(
         global_batch_size=plan.global_batch_size,
         seq_length=plan.seq_length,
@@ -164,8 +165,8 @@ def plan_training(plan: ParallelPlan, *, flash_attention: bool = True, dropout: 
         flash_attention=flash_attention,
         dropout=dropout,
         engine=engine,
-        overlap_grad_reduce=overlap_grad_reduce,
-        overlap_param_gather=overlap_param_gather,
+        overlap_grad_reduce=overlap_grad_reduce or plan.overlap_grad_reduce,
+        overlap_param_gather=overlap_param_gather or plan.overlap_param_gather,
         moe_imbalance=DEFAULT_MOE_IMBALANCE if moe_imbalance is None else moe_imbalance,
     )
 

@@ -17,6 +17,22 @@ Transformer Models", eq. 1-2, generalised to GQA and swiglu, with flash attentio
 With full recomputation only the layer input [rows, h] (/t under SP) is kept; selective
 recomputation drops the core-attention term. Korthikanti's GPT case (f = 4h, kv = q = h, no
 flash, e = 2) gives sbh(10 + 24/t + 5as/(ht)) without SP and sbh(34/t + 5as/(ht)) with it.
+
+That formula is for fused kernels (Transformer Engine, Megatron's fused softmax / bias-dropout).
+The unfused local layers (this package's CPU runtime, and any run without Transformer Engine)
+keep more; `unfused_activation_bytes` is that difference, term by term, as autograd's saved
+tensors show it (tools/bench_memory.py lists them; d = head_dim, sl = s / cp):
+  norms         each of the 2 RMSNorms keeps its normalised output [rows, h] (e) and its fp32
+                inverse RMS [rows] (4 bytes), /t under SP
+  SwiGLU        the gate's activation and the gated product: 2 more [rows, f], /t
+  Q, K, V       the rotated Q and K are copies, V a view of the QKV output that pins all of it:
+                (q + kv) more per row, /t; except without recompute under grouped-query
+                attention, where K and V are expanded (copied) from the query groups to the
+                heads for the batched matmuls and nothing pins the QKV output: 2 (q - kv) more
+  RoPE          the cos / sin tables of Q and K, 4 x [sl, d] fp32 per layer (full recompute: the
+                rotary table is a checkpoint input, 1 x [sl, d])
+  dropout       every mask is the multiplied fp32 noise (e bytes, not 1): (e - 1) more per
+                element of the 2 hidden masks, and of the attention mask without recompute
 """
 
 from __future__ import annotations
@@ -120,6 +136,48 @@ def layer_activation_bytes(
     recompute = np.asarray(recompute)
     full = e * rows * h / sp_div
     out = np.where(recompute == 2, full, unsharded + sharded + np.where(recompute == 1, 0.0, core))
+    return float(out) if np.ndim(out) == 0 else out
+
+
+def unfused_activation_bytes(
+    model: ModelSpec,
+    *,
+    b: ArrayLike,
+    seq_length: int,
+    tp: ArrayLike,
+    sp: ArrayLike,
+    cp: ArrayLike,
+    ulysses: ArrayLike,
+    recompute: ArrayLike,
+    element_bytes: int,
+    dropout: bool = True,
+) -> ArrayLike:
+    """What the unfused local layers keep beyond `layer_activation_bytes` (module docstring),
+    per layer and in-flight micro-batch on one GPU; add it to that formula's no-flash value.
+    `recompute` is 0 none, 1 selective, 2 full."""
+    e = element_bytes
+    h, f = model.hidden_size, model.ffn_hidden_size
+    tp = np.asarray(tp)
+    rows = b * seq_length / (np.asarray(cp) * np.asarray(ulysses))
+    sp_div = np.where(sp, tp, 1)
+    d = q_dim(model) // model.num_attention_heads
+    rope_rows = seq_length / np.asarray(cp) if model.position_embedding == "rope" else 0.0
+    norms = 2.0 * rows * (e * h + 4) / sp_div
+    swiglu = 2.0 * e * rows * f / tp if model.activation == "swiglu" else 0.0
+    q, kv = q_dim(model), kv_dim(model)
+    masks = 2.0 * (e - 1) * rows * h / sp_div if dropout else 0.0
+    scores = model.num_attention_heads / tp * rows * seq_length / np.asarray(cp)
+    attention_mask = (e - 1) * scores if dropout else 0.0
+    pinned = e * rows * (q + kv) / tp  # rotated Q and K copies + the QKV output V pins
+    expanded = 2.0 * e * rows * (q - kv) / tp  # GQA: K and V copied out to the heads
+    rope = 4.0 * rope_rows * d * 4
+    none = norms + swiglu + masks + (expanded if kv < q else pinned) + rope + attention_mask
+    selective = norms + swiglu + masks + pinned + rope
+    full = 1.0 * rope_rows * d * 4
+    recompute = np.asarray(recompute)
+    out = np.where(recompute == 2, full, np.where(recompute == 1, selective, none))
+    if model.mla is not None:  # measured only for standard attention
+        out = np.where(recompute == 2, full, norms + swiglu + masks)
     return float(out) if np.ndim(out) == 0 else out
 
 

@@ -1,0 +1,83 @@
+"""planner/cost/memory.py's unfused term: what the unfused local layers (the CPU runtime, no
+Transformer Engine) keep beyond the fused-kernel activation formula, against the saved tensors
+listed one by one from the layers' shapes (tools/bench_memory.py measures the same tensors on
+the runtime: every activation term within 0.01%)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from megatron_ext.planner.cost.memory import layer_activation_bytes, unfused_activation_bytes
+from megatron_ext.specs import ModelSpec
+
+GQA = ModelSpec(name="gqa", num_layers=2, hidden_size=128, ffn_hidden_size=352,
+                num_attention_heads=4, num_query_groups=2, vocab_size=512,
+                max_position_embeddings=256)
+MHA = ModelSpec(name="mha", num_layers=2, hidden_size=192, ffn_hidden_size=512,
+                num_attention_heads=6, num_query_groups=6, vocab_size=512,
+                max_position_embeddings=256)
+
+
+def saved_tensors(model: ModelSpec, *, b: int, s: int, t: int, sp: bool, recompute: str,
+                  dropout: bool) -> int:
+    """Bytes the unfused fp32 layer saves, tensor by tensor (the bench's list, per layer)."""
+    e, h, f, a = 4, model.hidden_size, model.ffn_hidden_size, model.num_attention_heads
+    d = h // a
+    q, kv = h, model.num_query_groups * d
+    rows = b * s
+    hid = rows // (t if sp else 1)  # rows of the [rows, h] tensors on one rank
+    rope = s * d * 4  # one [s, 1, 1, d] fp32 table
+    if recompute == "full":
+        return e * hid * h + rope
+    saved = [e * hid * h] * 6  # norm 1 in/normalised/out, norm 2 in/normalised/out
+    saved += [4 * hid] * 2  # the norms' fp32 inverse RMS
+    saved += [e * rows * q // t]  # projection input
+    saved += [e * rows * 2 * f // t] + [e * rows * f // t] * 3  # fc1 out, gate, silu, product
+    saved += [rope] * 4  # cos / sin of Q and K
+    if dropout:
+        saved += [e * hid * h] * 2  # hidden dropout noise
+    if recompute == "selective":
+        saved += [e * rows * (q + 2 * kv) // t]  # the QKV output, pinned by V's view
+        saved += [e * rows * q // t, e * rows * kv // t]  # rotated Q and K
+    elif kv < q:
+        saved += [e * rows * q // t] * 3  # rotated Q, K and V expanded to the heads
+    else:  # rotated Q and K; V is a view that pins the QKV output
+        saved += [e * rows * q // t, e * rows * kv // t, e * rows * (q + 2 * kv) // t]
+    if recompute == "none":
+        scores = a // t * rows * s * e
+        saved += [scores] * (3 if dropout else 1)  # softmax out (+ noise, dropped probs)
+    return sum(saved)
+
+
+@pytest.mark.parametrize("model", [GQA, MHA], ids=["gqa", "mha"])
+@pytest.mark.parametrize("t,sp", [(1, False), (2, False), (2, True)])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("dropout", [False, True])
+def test_fused_formula_plus_unfused_term_is_what_the_layers_save(model, t, sp, recompute,
+                                                                   dropout):
+    b, s = 2, 64
+    shape = dict(b=b, seq_length=s, tp=np.array([t]), sp=np.array([sp]), cp=np.array([1]),
+                 ulysses=np.array([1]),
+                 recompute=np.array([{"none": 0, "selective": 1, "full": 2}[recompute]]),
+                 element_bytes=4, dropout=dropout)
+    fused = layer_activation_bytes(model, flash_attention=False, **shape)[0]
+    unfused = unfused_activation_bytes(model, **shape)[0]
+    want = saved_tensors(model, b=b, s=s, t=t, sp=sp, recompute=recompute, dropout=dropout)
+    assert fused + unfused == pytest.approx(want, rel=1e-12)
+    assert unfused > 0
+
+
+def test_the_gpu_formula_is_unchanged_by_the_term():
+    """The cost model's GPU memory stays the fused-kernel formula: the unfused term is a separate
+    function, not folded into layer_activation_bytes."""
+    base = dict(b=1, seq_length=4096, tp=8, sp=True, cp=1, ulysses=1, recompute=0,
+                element_bytes=2)
+    h, t = 8192, 8
+    model = ModelSpec(name="m", num_layers=1, hidden_size=h, ffn_hidden_size=28672,
+                      num_attention_heads=64, num_query_groups=8, vocab_size=128256,
+                      max_position_embeddings=8192)
+    got = layer_activation_bytes(model, flash_attention=True, dropout=False, **base)
+    rows, q, kv, f = 4096, h, 1024, 28672
+    want = 2 * rows * (4 * h / t + (q + 2 * kv + q + 3 * f) / t) + 4 * rows * 64 / t
+    assert got == pytest.approx(want)
