@@ -362,7 +362,8 @@ def _shared_steps_s(w: _Worker, shapes: list[_LayerShape],
             shape.step()
 
     step()
-    times, start = [], w.now()
+    times: list[float] = []
+    start = w.now()
     while True:
         t0 = w.now()
         step()
