@@ -25,9 +25,16 @@
    workload, the same for every plan. For comparison the plan is also predicted on the profile
    as measured ("at profile", what this benchmark reported before the probes, --no-probe) and
    with the analytic cost model on the profile's ClusterSpec.
-4. Report per plan predicted, measured and error; overall median absolute relative error and
-   Spearman rank correlation. JSON top level: `summary` {median_abs_error, spearman, num_plans}
-   (probed), `profile_time_summary`, `analytic_summary`.
+4. Report per plan predicted, measured and error; overall median absolute relative error, the
+   signed bias (median of predicted / measured - 1: a machine where every plan comes out fast
+   shows it at once) and Spearman rank correlation, with one line of machine facts (CPU model,
+   cores, frequency governor where exposed, load average). JSON top level: `summary`
+   {median_abs_error, median_signed_error, spearman, num_plans} (probed),
+   `profile_time_summary`, `analytic_summary`, `machine`.
+5. --pieces N: after the timed steps, N more steps per plan with their pieces timed on every
+   rank (zero-grad, megatron-core's forward_step and backward_step, finalize_model_grads, the
+   optimizer step; CPU seconds and page faults) beside what the cost model assigns to each
+   (`model_pieces`): where a prediction misses, the table says which piece.
 
 Load (megatron_ext/calibration/load_check.py): before the first round, after each phase
 of each round and at the end, the 1-minute load average and a fixed single-process reference
@@ -314,9 +321,10 @@ def pieces_table(rows: list[dict]) -> str:
     """Per plan: the model's pieces (`model_pieces`, a rank alone) against the measured ones
     (median over ranks of each piece's wall seconds; CPU seconds and page faults per rank)."""
     head = (f"{'plan':<30}{'':>4}{'fwd s':>7}{'bwd s':>7}{'comm s':>7}{'sync s':>7}"
-            f"{'opt s':>7}{'step s':>8}{'cpu s':>7}{'faults':>8}")
+            f"{'opt s':>7}{'step s':>8}{'cpu s':>7}{'main':>7}{'faults':>8}")
     out = ["pieces: model = one rank alone on the stage with the longest compute (comm: exposed "
-           "inside the passes), step with sharing; measured = median over ranks (wall)", head]
+           "inside the passes), step with sharing; measured = median over ranks (wall; cpu s: "
+           "all threads, main: the rank's main thread, the rest is gloo's)", head]
     for r in rows:
         if "pieces" not in r:
             continue
@@ -327,7 +335,8 @@ def pieces_table(rows: list[dict]) -> str:
                    f"{mp['step_s']:>8.3f}")
         out.append(f"{'':<30}{'run':>4}{med['forward_s']:>7.3f}{med['backward_s']:>7.3f}"
                    f"{'':>7}{med['grad_sync_s']:>7.3f}{med['optimizer_s']:>7.3f}"
-                   f"{med['step_s']:>8.3f}{med['cpu_s']:>7.3f}{med['page_faults']:>8.0f}")
+                   f"{med['step_s']:>8.3f}{med['cpu_s']:>7.3f}{med['main_cpu_s']:>7.3f}"
+                   f"{med['page_faults']:>8.0f}")
     return "\n".join(out)
 
 

@@ -99,12 +99,13 @@ def _probe(probe: Any, rank: int, world_size: int) -> dict[str, float]:
 
 
 PIECES = ("zero_grad_s", "forward_s", "backward_s", "grad_sync_s", "optimizer_s", "step_s",
-          "cpu_s", "page_faults")
+          "cpu_s", "main_cpu_s", "page_faults")
 """What `_piece_step` records per rank: wall seconds of zeroing the gradient buffers, of
 megatron-core's forward_step and backward_step calls (every micro-batch; pipeline waits are
 outside them), of finalize_model_grads (the data-parallel reduction, tied-embedding and
 layer-norm all-reduces), of optimizer.step() (gradient norm and its all-reduce, clipping, Adam,
-ZeRO-1 all-gather), the whole step; the rank's CPU seconds and minor page faults in the step."""
+ZeRO-1 all-gather), the whole step; the rank's CPU seconds (all threads: gloo runs collectives
+on threads of its own), its main thread's, and minor page faults in the step."""
 
 
 @contextlib.contextmanager
@@ -140,6 +141,7 @@ def _piece_step(backend: Any, batches: list[dict[str, torch.Tensor]]) -> dict[st
             stack.enter_context(_timed(config, "finalize_model_grads_func", acc, "grad_sync_s"))
         dist.barrier()
         faults, cpu = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.process_time()
+        main_cpu = time.thread_time()
         t0 = time.perf_counter()
         for chunk in backend.model:
             chunk.zero_grad_buffer()
@@ -149,6 +151,7 @@ def _piece_step(backend: Any, batches: list[dict[str, torch.Tensor]]) -> dict[st
         backend.optimizer.step()
         acc["step_s"] = time.perf_counter() - t0
     acc["cpu_s"] = time.process_time() - cpu
+    acc["main_cpu_s"] = time.thread_time() - main_cpu
     acc["page_faults"] = float(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
     return {k: acc.get(k, 0.0) for k in PIECES}
 
