@@ -244,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
             h.wait()
     report = load.stable() or args.report_anyway
     training = TrainingSpec(global_batch_size=GLOBAL_BATCH, seq_length=SEQ_LENGTH,
-                            precision="fp32", dropout=False, flash_attention=False)
+                            precision="fp32", dropout=False, flash_attention=False,
+                            overlap_grad_reduce=not args.no_overlap_grad_reduce)
     profiled = ProfiledCostModel(BENCH_MODEL, cluster.cluster, training, comm=cluster,
                                  model_profile=model_prof)
     analytic = CostModel(BENCH_MODEL, cluster.cluster, training)
