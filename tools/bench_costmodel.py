@@ -25,9 +25,16 @@
    workload, the same for every plan. For comparison the plan is also predicted on the profile
    as measured ("at profile", what this benchmark reported before the probes, --no-probe) and
    with the analytic cost model on the profile's ClusterSpec.
-4. Report per plan predicted, measured and error; overall median absolute relative error and
-   Spearman rank correlation. JSON top level: `summary` {median_abs_error, spearman, num_plans}
-   (probed), `profile_time_summary`, `analytic_summary`.
+4. Report per plan predicted, measured and error; overall median absolute relative error, the
+   signed bias (median of predicted / measured - 1: a machine where every plan comes out fast
+   shows it at once) and Spearman rank correlation, with one line of machine facts (CPU model,
+   cores, frequency governor where exposed, load average). JSON top level: `summary`
+   {median_abs_error, median_signed_error, spearman, num_plans} (probed),
+   `profile_time_summary`, `analytic_summary`, `machine`.
+5. --pieces N: after the timed steps, N more steps per plan with their pieces timed on every
+   rank (zero-grad, megatron-core's forward_step and backward_step, finalize_model_grads, the
+   optimizer step; CPU seconds and page faults) beside what the cost model assigns to each
+   (`model_pieces`): where a prediction misses, the table says which piece.
 
 Load (megatron_ext/calibration/load_check.py): before the first round, after each phase
 of each round and at the end, the 1-minute load average and a fixed single-process reference
@@ -71,11 +78,15 @@ from bench_costmodel_runs import (
     profile_hardware_rank,
 )
 
-from megatron_ext.calibration.load_check import LoadLog
+from megatron_ext.calibration.load_check import LoadLog, machine_facts, machine_line
 from megatron_ext.megatron_adapter.profile_model import ProfileGrid, profile_model
 from megatron_ext.plan import ParallelPlan
 from megatron_ext.planner.cost.model import CostModel
-from megatron_ext.planner.profile.cost import ProfiledCostModel, predict_iteration_s
+from megatron_ext.planner.profile.cost import (
+    ProfiledCostModel,
+    predict_iteration_s,
+    stage_work,
+)
 from megatron_ext.planner.profile.load import ProbeReading, at_machine_state, machine_state
 from megatron_ext.planner.profile.profiles import ClusterProfile, ModelProfile
 from megatron_ext.planner.training import TrainingSpec
@@ -121,7 +132,8 @@ def run_round(args: argparse.Namespace, timings: dict, load: LoadLog, index: int
                                plans=[pl.to_dict() for _, pl in bench_plans()], rounds=1,
                                steps=args.steps,
                                overlap_grad_reduce=not args.no_overlap_grad_reduce,
-                               probe_grid=None if args.no_probe else profile_grid(args))[0]
+                               probe_grid=None if args.no_probe else profile_grid(args),
+                               pieces=args.pieces if index == args.rounds else 0)[0]
         load.checkpoint(f"round {index} after runs")
     t3 = time.perf_counter()
     timings.setdefault("load_avg_1m_per_round", []).append(os.getloadavg()[0])
@@ -156,7 +168,8 @@ def collect(args: argparse.Namespace, load: LoadLog
         runs = [{"measured_s": min(r["measured_s"] for r in rs),
                  "median_s": statistics.median(r["median_s"] for r in rs),
                  "max_s": max(r["max_s"] for r in rs), "loss": rs[-1]["loss"],
-                 "probes": [p for r in rs for p in r["probes"]]}
+                 "probes": [p for r in rs for p in r["probes"]],
+                 **({"pieces": rs[-1]["pieces"]} if "pieces" in rs[-1] else {})}
                 for rs in per_plan]
     if args.save_profiles:
         Path(args.save_profiles).mkdir(parents=True, exist_ok=True)
@@ -170,8 +183,11 @@ def predict(plan: ParallelPlan, cm: CostModel) -> float:
 
 
 def summarize(pred: list[float], meas: list[float]) -> dict[str, float]:
+    """Median |error|, the signed bias (median of predicted / measured - 1: every plan predicted
+    fast shows as a negative bias even when |error| looks small) and Spearman."""
     err = [(p - m) / m for p, m in zip(pred, meas)]
     return {"median_abs_error": float(statistics.median(abs(e) for e in err)),
+            "median_signed_error": float(statistics.median(err)),
             "spearman": float(spearmanr(pred, meas).statistic), "num_plans": len(pred)}
 
 
@@ -203,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="one round, one profiler repeat (%(prog)s in about a third of the "
                    "default time; same plans, same profile grid)")
+    p.add_argument("--pieces", type=int, default=0, metavar="N",
+                   help="after the timed steps, run N more steps per plan with their pieces "
+                   "timed (forward, backward, gradient sync, optimizer step, CPU seconds, page "
+                   "faults) and print them beside the cost model's (default 0: off)")
     p.add_argument("--hog", type=int, default=0, metavar="N",
                    help="run N busy-loop processes (python: while True: pass) beside the whole "
                    "benchmark, profiling included: the load test (default 0)")
@@ -210,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.rounds, args.repeats = 1, 1
     t_start = time.perf_counter()
+    facts = machine_facts()
+    print(machine_line(facts))
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
             for _ in range(args.hog)]
     try:
@@ -222,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
             h.wait()
     report = load.stable() or args.report_anyway
     training = TrainingSpec(global_batch_size=GLOBAL_BATCH, seq_length=SEQ_LENGTH,
-                            precision="fp32", dropout=False, flash_attention=False)
+                            precision="fp32", dropout=False, flash_attention=False,
+                            overlap_grad_reduce=not args.no_overlap_grad_reduce)
     profiled = ProfiledCostModel(BENCH_MODEL, cluster.cluster, training, comm=cluster,
                                  model_profile=model_prof)
     analytic = CostModel(BENCH_MODEL, cluster.cluster, training)
@@ -232,9 +255,12 @@ def main(argv: list[str] | None = None) -> int:
         at_profile, base = predict(plan, profiled), predict(plan, analytic)
         readings = [ProbeReading(**r) for r in run["probes"]]
         state = machine_state(readings, model_prof.sharing_alone_s) if readings else None
-        pred = at_profile if state is None else predict(plan, ProfiledCostModel(
+        cm = profiled if state is None else ProfiledCostModel(
             BENCH_MODEL, cluster.cluster, training, comm=cluster,
-            model_profile=at_machine_state(model_prof, state)))
+            model_profile=at_machine_state(model_prof, state))
+        pred = at_profile if state is None else predict(plan, cm)
+        if "pieces" in run:
+            run["model_pieces"] = model_pieces(cm, plan)
         m = run["measured_s"]
         rows.append({"plan": name, "predicted_s": pred, "profile_time_s": at_profile,
                      "analytic_s": base, **run, "machine_state": state and asdict(state),
@@ -248,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.hog} busy-loop process(es) ran beside the whole benchmark")
     print_table(rows, summary, profile_time_summary, analytic_summary, cluster, model_prof,
                 report)
+    if args.pieces:
+        print(pieces_table(rows))
     print(load.table())
     print(load.verdict())
     timings["total_s"] = time.perf_counter() - t_start
@@ -267,12 +295,50 @@ def main(argv: list[str] | None = None) -> int:
             "model_fit": {k: {"median_rel_error": a, "max_rel_error": b}
                           for k, (a, b) in model_prof.fit_report().items()},
             "timings_s": timings,
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
+            "machine": {**facts, "platform": platform.platform(),
                         "load_avg_1m": os.getloadavg()[0]},
             "world_size": args.world_size, "model": BENCH_MODEL.to_dict(), "hog": args.hog,
         }, indent=1) + "\n")
         print(f"wrote {args.json}")
     return 0 if report else 4
+
+
+def model_pieces(cm: CostModel, plan: ParallelPlan) -> dict[str, float]:
+    """What the cost model assigns to the pieces `--pieces` times, for the stage whose
+    forward + backward is longest: compute of one rank alone over all micro-batches, the
+    communication exposed inside them, the gradient tail and the optimizer step (seconds of a
+    rank alone), and the predicted step (sharing included)."""
+    w = stage_work(cm, plan.layout)
+    m = GLOBAL_BATCH // plan.micro_batch_size
+    k = int(np.argmax(w.forward_compute_s + w.backward_compute_s))
+    return {"forward_s": float(w.forward_compute_s[k]) * m,
+            "backward_s": float(w.backward_compute_s[k]) * m,
+            "comm_s": float(w.forward_comm_s[k] + w.backward_comm_s[k]) * m,
+            "grad_sync_s": float(w.tail_comm_s[k]), "optimizer_s": float(w.optimizer_s[k]),
+            "step_s": predict(plan, cm)}
+
+
+def pieces_table(rows: list[dict]) -> str:
+    """Per plan: the model's pieces (`model_pieces`, a rank alone) against the measured ones
+    (median over ranks of each piece's wall seconds; CPU seconds and page faults per rank)."""
+    head = (f"{'plan':<30}{'':>4}{'fwd s':>7}{'bwd s':>7}{'comm s':>7}{'sync s':>7}"
+            f"{'opt s':>7}{'step s':>8}{'cpu s':>7}{'main':>7}{'faults':>8}")
+    out = ["pieces: model = one rank alone on the stage with the longest compute (comm: exposed "
+           "inside the passes), step with sharing; measured = median over ranks (wall; cpu s: "
+           "all threads, main: the rank's main thread, the rest is gloo's)", head]
+    for r in rows:
+        if "pieces" not in r:
+            continue
+        mp, ranks = r["model_pieces"], r["pieces"]
+        med = {k: statistics.median(x[k] for x in ranks) for k in ranks[0]}
+        out.append(f"{r['plan']:<30}{'mod':>4}{mp['forward_s']:>7.3f}{mp['backward_s']:>7.3f}"
+                   f"{mp['comm_s']:>7.3f}{mp['grad_sync_s']:>7.3f}{mp['optimizer_s']:>7.3f}"
+                   f"{mp['step_s']:>8.3f}")
+        out.append(f"{'':<30}{'run':>4}{med['forward_s']:>7.3f}{med['backward_s']:>7.3f}"
+                   f"{'':>7}{med['grad_sync_s']:>7.3f}{med['optimizer_s']:>7.3f}"
+                   f"{med['step_s']:>8.3f}{med['cpu_s']:>7.3f}{med['main_cpu_s']:>7.3f}"
+                   f"{med['page_faults']:>8.0f}")
+    return "\n".join(out)
 
 
 def print_table(rows: list[dict], summary: dict, profile_time: dict, analytic: dict,
@@ -299,10 +365,12 @@ def print_table(rows: list[dict], summary: dict, profile_time: dict, analytic: d
     if not report:
         print("NOT COMPARABLE (load changed during the run, see below): no summary")
         return
-    print(f"probed: median |error| {summary['median_abs_error']:.1%}, Spearman "
-          f"{summary['spearman']:.3f} over {summary['num_plans']} plans; at profile: "
-          f"{profile_time['median_abs_error']:.1%}, {profile_time['spearman']:.3f}; analytic: "
-          f"{analytic['median_abs_error']:.1%}, {analytic['spearman']:.3f}")
+    print(f"probed: median |error| {summary['median_abs_error']:.1%}, median signed error "
+          f"{summary['median_signed_error']:+.1%}, Spearman {summary['spearman']:.3f} over "
+          f"{summary['num_plans']} plans; at profile: {profile_time['median_abs_error']:.1%}, "
+          f"{profile_time['median_signed_error']:+.1%}, {profile_time['spearman']:.3f}; "
+          f"analytic: {analytic['median_abs_error']:.1%}, "
+          f"{analytic['median_signed_error']:+.1%}, {analytic['spearman']:.3f}")
     print(f"measured step times span {min(r['measured_s'] for r in rows):.2f}-"
           f"{max(r['measured_s'] for r in rows):.2f} s; load average now "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")

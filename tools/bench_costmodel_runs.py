@@ -5,9 +5,12 @@ Legend: b = micro-batch (all replicas), s = sequence.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import resource
 import statistics
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -86,7 +89,7 @@ def _probe(probe: Any, rank: int, world_size: int) -> dict[str, float]:
     dist.barrier()
     alone = probe.steps_s() if rank == 0 else [0.0]
     dist.barrier()
-    shared = probe.steps_s()
+    shared = probe.shared_steps_s()
     mine = torch.tensor([sum(alone) / len(alone), min(alone), sum(shared) / len(shared)],
                         dtype=torch.float64)
     every = [torch.zeros(3, dtype=torch.float64) for _ in range(world_size)]
@@ -95,9 +98,67 @@ def _probe(probe: Any, rank: int, world_size: int) -> dict[str, float]:
             "shared_s": float(statistics.median(float(e[2]) for e in every))}
 
 
+PIECES = ("zero_grad_s", "forward_s", "backward_s", "grad_sync_s", "optimizer_s", "step_s",
+          "cpu_s", "main_cpu_s", "page_faults")
+"""What `_piece_step` records per rank: wall seconds of zeroing the gradient buffers, of
+megatron-core's forward_step and backward_step calls (every micro-batch; pipeline waits are
+outside them), of finalize_model_grads (the data-parallel reduction, tied-embedding and
+layer-norm all-reduces), of optimizer.step() (gradient norm and its all-reduce, clipping, Adam,
+ZeRO-1 all-gather), the whole step; the rank's CPU seconds (all threads: gloo runs collectives
+on threads of its own), its main thread's, and minor page faults in the step."""
+
+
+@contextlib.contextmanager
+def _timed(owner: Any, name: str, acc: dict[str, float], key: str) -> Iterator[None]:
+    """Add the wall seconds of every call of `owner.name` to acc[key] while inside."""
+    fn = getattr(owner, name)
+
+    def wrapper(*a: Any, **k: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            acc[key] = acc.get(key, 0.0) + time.perf_counter() - t0
+
+    setattr(owner, name, wrapper)
+    try:
+        yield
+    finally:
+        setattr(owner, name, fn)
+
+
+def _piece_step(backend: Any, batches: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """One training step as train_step runs it, with its pieces timed (PIECES)."""
+    from megatron.core.pipeline_parallel import schedules
+
+    acc: dict[str, float] = {}
+    configs = list({id(c.module.config): c.module.config for c in backend.model}.values())
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_timed(schedules, "forward_step", acc, "forward_s"))
+        stack.enter_context(_timed(schedules, "backward_step", acc, "backward_s"))
+        stack.enter_context(_timed(backend.optimizer, "step", acc, "optimizer_s"))
+        for config in configs:
+            stack.enter_context(_timed(config, "finalize_model_grads_func", acc, "grad_sync_s"))
+        dist.barrier()
+        faults, cpu = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.process_time()
+        main_cpu = time.thread_time()
+        t0 = time.perf_counter()
+        for chunk in backend.model:
+            chunk.zero_grad_buffer()
+        backend.optimizer.zero_grad()
+        acc["zero_grad_s"] = time.perf_counter() - t0
+        backend.forward_backward(iter(batches), None, False)
+        backend.optimizer.step()
+        acc["step_s"] = time.perf_counter() - t0
+    acc["cpu_s"] = time.process_time() - cpu
+    acc["main_cpu_s"] = time.thread_time() - main_cpu
+    acc["page_faults"] = float(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+    return {k: acc.get(k, 0.0) for k in PIECES}
+
+
 def measure_rank(rank: int, world_size: int, *, plans: list[dict[str, Any]], rounds: int,
-                 steps: int, overlap_grad_reduce: bool, probe_grid: Any = None
-                 ) -> list[dict[str, Any]]:
+                 steps: int, overlap_grad_reduce: bool, probe_grid: Any = None,
+                 pieces: int = 0) -> list[dict[str, Any]]:
     """Build every plan once, then `rounds` round-robin passes of 1 warm-up + `steps` timed
     steps per plan (so load drift on a shared machine hits all plans alike). A step's time is
     the slowest rank's; per plan the fastest timed step (the one least disturbed by other
@@ -106,7 +167,11 @@ def measure_rank(rank: int, world_size: int, *, plans: list[dict[str, Any]], rou
     With `probe_grid` (the model profile's ProfileGrid) the machine is probed before every
     plan's steps and after the last plan of each round (`_probe`); each plan gets, in every
     round, the readings right before and after its own steps and PROBE_WINDOW more on each side
-    (`probes`, planner/profile/load.py: readings_around)."""
+    (`probes`, planner/profile/load.py: readings_around).
+
+    With `pieces` > 0, after the last round every plan runs that many more steps with their
+    pieces timed (`_piece_step`; the timers stay out of the timed steps): per plan and piece
+    the median over steps, per rank."""
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
 
@@ -153,8 +218,17 @@ def measure_rank(rank: int, world_size: int, *, plans: list[dict[str, Any]], rou
         if probe:
             for i in range(len(built)):
                 probes[i] += readings_around(sequence, i)
+    timed: list[list[dict[str, float]]] = []
+    for _plan, backend, batches in built if pieces else []:
+        _piece_step(backend, batches)  # warm the wrappers' first call
+        runs = [_piece_step(backend, batches) for _ in range(pieces)]
+        mine = {k: statistics.median(r[k] for r in runs) for k in PIECES}
+        every: list[Any] = [None] * world_size
+        dist.all_gather_object(every, mine)
+        timed.append(every)
     return [{"measured_s": min(t), "median_s": statistics.median(t), "max_s": max(t),
-             "loss": loss, "probes": pr} for t, loss, pr in zip(times, losses, probes)]
+             "loss": loss, "probes": pr, **({"pieces": timed[i]} if pieces else {})}
+            for i, (t, loss, pr) in enumerate(zip(times, losses, probes))]
 
 
 def profile_hardware_rank(rank: int, world_size: int, **kwargs: Any) -> dict[str, Any] | None:
@@ -167,14 +241,16 @@ def profile_hardware_rank(rank: int, world_size: int, **kwargs: Any) -> dict[str
 
 
 def fastest_cluster(profiles: list[Any]) -> Any:
-    """Merge cluster profiles of several rounds: per point the fastest time, the highest peak
-    and compute slots, the smallest overlap slowdown (each the least disturbed measurement)."""
+    """Merge cluster profiles of several rounds: per collective point the median time (each
+    round's is already a median: the typical time a step pays, runtime/profile_hardware.py),
+    the highest peak and compute slots, the smallest overlap slowdown (the least disturbed
+    compute measurements)."""
     from megatron_ext.planner.profile.profiles import fitted_link
 
     first = profiles[0]
     curves = tuple(dataclasses.replace(c, seconds=tuple(
-        min(p.collectives[i].seconds[j] for p in profiles) for j in range(len(c.seconds))))
-        for i, c in enumerate(first.collectives))
+        statistics.median(p.collectives[i].seconds[j] for p in profiles)
+        for j in range(len(c.seconds)))) for i, c in enumerate(first.collectives))
     ar = [c for c in curves if c.collective == "all_reduce"]
     intra = fitted_link([c for c in ar if not c.crosses_nodes]) or first.cluster.intra_node
     inter = fitted_link([c for c in ar if c.crosses_nodes]) or intra

@@ -84,3 +84,41 @@ class LoadLog:
         rows += [f"{c.label:<34}{c.wall_s:>8.0f}{c.load_avg_1m:>9.1f}{c.reference_s * 1e3:>8.1f}"
                  for c in self.checkpoints]
         return "\n".join(rows)
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def machine_facts() -> dict[str, object]:
+    """What about this machine moves CPU benchmark figures: CPU model, cores, the frequency
+    governor and current/max frequency where the kernel exposes them (None in most VMs), the
+    load average; one line of it is printed beside the figures."""
+    cpuinfo = _read("/proc/cpuinfo") or ""
+    model = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines()
+                  if line.startswith("model name")), None)
+    mhz = [float(line.split(":", 1)[1]) for line in cpuinfo.splitlines()
+           if line.startswith("cpu MHz")]
+    freq = "/sys/devices/system/cpu/cpu0/cpufreq/"
+    max_khz = _read(freq + "cpuinfo_max_freq")
+    return {"cpu_model": model, "cpus": os.cpu_count(),
+            "governor": _read(freq + "scaling_governor"),
+            "cpu_mhz": statistics.median(mhz) if mhz else None,
+            "max_mhz": int(max_khz) / 1e3 if max_khz and max_khz.isdigit() else None,
+            "load_avg": list(os.getloadavg())}
+
+
+def machine_line(facts: dict[str, object]) -> str:
+    """`machine_facts` in one line."""
+    def shown(key: str, unit: str = "") -> str:
+        value = facts.get(key)
+        return "not exposed" if value is None else f"{value}{unit}"
+    load = facts.get("load_avg") or []
+    loads = ", ".join(f"{x:.2f}" for x in load) if isinstance(load, list) else "?"
+    return (f"machine: {shown('cpu_model')}, {shown('cpus')} cores, governor "
+            f"{shown('governor')}, {shown('cpu_mhz', ' MHz')} (max {shown('max_mhz', ' MHz')}),"
+            f" load average {loads}")

@@ -37,6 +37,7 @@ from megatron_ext.planner.profile.profiles import (
     OptimizerSample,
     VocabSample,
 )
+from megatron_ext.runtime.host_memory import keep_freed_memory_mapped
 from megatron_ext.specs import ModelSpec
 
 __all__ = ["ProfileGrid", "SharingProbe", "profile_model"]
@@ -321,11 +322,13 @@ def _measure(w: _Worker, grid: ProfileGrid, with_vocab: bool, stack: list[_Layer
 
 
 SHARING_SECONDS = 0.75
-"""Wall time of each back-to-back loop that measures the sharing slowdown."""
+"""Wall time of each back-to-back loop that measures one worker alone."""
+SHARED_WINDOW_SECONDS = 2.0
+"""Window in which every worker computes at once: each keeps stepping until the window has
+passed, and only its steps that ended inside it count (`_shared_steps_s`)."""
 SHARING_ROUNDS = 3
 """Alternations of (worker 0 alone, all workers at once); each side keeps its median loop, so a
-burst of other work on the machine during one loop does not skew the ratio (the fastest shared
-loop is biased low: it is the one whose start or end overlapped fewer running workers)."""
+burst of other work on the machine during one loop does not skew the ratio."""
 
 
 def _steady_steps_s(w: _Worker, shapes: list[_LayerShape]) -> list[float]:
@@ -343,6 +346,31 @@ def _steady_steps_s(w: _Worker, shapes: list[_LayerShape]) -> list[float]:
         step()
         times.append(w.now() - t0)
     return times
+
+
+def _shared_steps_s(w: _Worker, shapes: list[_LayerShape],
+                    window_s: float = SHARED_WINDOW_SECONDS) -> list[float]:
+    """Seconds of each step of the layer stack that ended inside a window in which every
+    worker computes (call right after the workers' barrier, on every worker). Each worker runs
+    one untimed step, then steps until `window_s` after its first timed step began; the step
+    that crosses the window's end is dropped, since the other workers may already be leaving
+    their loops then (and this one ran faster). A loop that stops after a fixed time instead
+    keeps its last step, run beside fewer and fewer workers: with steps near the loop's length
+    that reads the sharing slowdown ~10% low. At least the first step is kept."""
+    def step() -> None:
+        for shape in shapes:
+            shape.step()
+
+    step()
+    times: list[float] = []
+    start = w.now()
+    while True:
+        t0 = w.now()
+        step()
+        end = w.now()
+        if end - start > window_s:
+            return times or [end - t0]
+        times.append(end - t0)
 
 
 def _steady_step_s(w: _Worker, shapes: list[_LayerShape]) -> float:
@@ -395,8 +423,13 @@ class SharingProbe:
         self.stack = _sharing_stack(self.worker, grid)
 
     def steps_s(self) -> list[float]:
-        """Seconds of each step of the stack, run back to back for SHARING_SECONDS."""
+        """Seconds of each step of the stack, run back to back for SHARING_SECONDS (alone)."""
         return _steady_steps_s(self.worker, self.stack)
+
+    def shared_steps_s(self) -> list[float]:
+        """Seconds of each step of the stack while every rank runs it: call on every rank
+        right after a barrier (`_shared_steps_s`)."""
+        return _shared_steps_s(self.worker, self.stack)
 
 
 def _worker_main(idx: int, model: ModelSpec, precision: str, grid: ProfileGrid, device: str,
@@ -409,6 +442,8 @@ def _worker_main(idx: int, model: ModelSpec, precision: str, grid: ProfileGrid, 
         if threads:
             torch.set_num_threads(threads)
         torch.set_flush_denormal(True)  # fake collectives leave garbage that may be subnormal
+        if device == "cpu":  # allocate as a CPU training rank does (runtime/host_memory.py)
+            keep_freed_memory_mapped()
         w = _Worker(model, precision, torch.device(device), lambda: None, max(grid.tps))
         stack = _sharing_stack(w, grid)
         samples = _measure(w, grid, with_vocab, stack) if idx == 0 else None
@@ -418,7 +453,8 @@ def _worker_main(idx: int, model: ModelSpec, precision: str, grid: ProfileGrid, 
             if idx == 0:
                 alone.append(_steady_step_s(w, stack))
             barrier.wait()
-            shared.append(_steady_step_s(w, stack))
+            times = _shared_steps_s(w, stack)
+            shared.append(sum(times) / len(times))
         results.put((idx, "ok", (samples, statistics.median(alone) if alone else None,
                                  statistics.median(shared))))
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises

@@ -9,8 +9,13 @@ Every rank calls every function here (they are collective over `world`). For eac
 g and each placement, adjacent ([0..g), [g..2g), ...) and strided (members W/g apart, i.e.
 spread over the nodes), all W/g disjoint groups run the collective at once, as data-parallel and
 tensor-parallel groups do in training; one sample is the slowest rank's time. Timing: CUDA events
-on GPU, wall clock after a barrier on CPU; the fastest of `repeats` samples after `warmup`
-(the one least disturbed by other work on a shared machine). The peak is one rank's matmul rate
+on GPU, wall clock after a barrier on CPU; after `warmup`, a collective's time is the median
+of `repeats` samples: a training step pays each of its collectives' typical time, not the
+luckiest (on 4 ranks sharing 2 cores a small all-gather's fastest sample is the one in which
+every rank happened to be running, ~half its median: plans whose tensor-parallel group spans
+all 4 ranks came out 16-18% fast, tools/bench_costmodel.py --pieces in docs/benchmarks.md;
+on GPUs the two are close, as nccl-tests' averages show). Compute rates (peak, overlap,
+slots) keep the fastest sample, as the model profiler does. The peak is one rank's matmul rate
 alone; compute slots say how many ranks of a node compute at that rate at once. Collectives are
 timed alone also when ranks share compute (CPU cores): a rank waiting in a collective for one the
 scheduler has not run yet leaves its core to that rank, so the wait is compute the shared-compute
@@ -50,8 +55,9 @@ _MIN_SECONDS = 1e-7
 
 
 def measure_seconds(fn: Callable[[], object], *, world: dist.ProcessGroup, device: torch.device,
-                    repeats: int, warmup: int = 2) -> float:
-    """Fastest over `repeats` of the slowest rank's seconds for `fn()` (collective over world)."""
+                    repeats: int, warmup: int = 2, typical: bool = False) -> float:
+    """Fastest over `repeats` of the slowest rank's seconds for `fn()` (collective over world);
+    with `typical`, their median (the upper median for an even count)."""
     for _ in range(warmup):
         fn()
     samples = torch.zeros(repeats, dtype=torch.float64, device=device)  # [repeats]
@@ -69,7 +75,8 @@ def measure_seconds(fn: Callable[[], object], *, world: dist.ProcessGroup, devic
             fn()
             samples[i] = time.perf_counter() - t0
     dist.all_reduce(samples, op=dist.ReduceOp.MAX, group=world)
-    return min(samples.tolist())
+    ordered = sorted(samples.tolist())
+    return ordered[len(ordered) // 2] if typical else ordered[0]
 
 
 def placement(world_size: int, group_size: int, strided: bool) -> list[list[int]]:
@@ -137,7 +144,8 @@ def profile_collective(op: str, groups: list[list[int]], handles: list[dist.Proc
             fn = _ping_pong_fn(groups[mine], num_bytes, handles[mine], device, dtype)
         else:
             fn = _collective_fn(op, num_bytes, handles[mine], device, dtype)
-        t = max(measure_seconds(fn, world=world, device=device, repeats=repeats), _MIN_SECONDS)
+        t = max(measure_seconds(fn, world=world, device=device, repeats=repeats, typical=True),
+                _MIN_SECONDS)
         seconds.append(t / 2 if op == "p2p" else t)
     g = len(groups[0])
     stride = groups[0][1] - groups[0][0]

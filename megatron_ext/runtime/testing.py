@@ -42,6 +42,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megatron_ext.runtime.host_memory import keep_freed_memory_mapped
+
 __all__ = ["DistributedError", "find_free_port", "preload", "run_distributed"]
 
 _THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -91,6 +93,7 @@ def _entry(
         if hasattr(signal, "SIGUSR1"):  # the parent sends it on timeout: where did we hang?
             faulthandler.register(signal.SIGUSR1, all_threads=True)
         torch.set_num_threads(1)
+        keep_freed_memory_mapped()  # CPU ranks allocate as training does (runtime/host_memory.py)
         with contextlib.suppress(RuntimeError):  # only settable before any parallel work
             torch.set_num_interop_threads(1)
         dist.init_process_group(

@@ -283,13 +283,27 @@ def test_shared_compute_iteration_time():
               "micro_batch_size": 4}
     m = 2
     two_stages = {**layout, "layers": (LayerStrategy(tp=2, dp=1),) * 4}  # 2 ranks per stage
+    unshared = ProfiledCostModel(MODEL, cluster, training, comm=comm,
+                                 model_profile=dataclasses.replace(shared, concurrency=1))
     for pp, stages, lay in ((1, ((0, 4),), layout), (2, ((0, 1), (1, 4)), two_stages)):
-        ev = evaluate(cm, PlanLayout(pp=pp, stages=stages, **lay))
-        w = stage_work(cm, PlanLayout(pp=pp, stages=stages, **lay))
+        ev = evaluate(unshared, PlanLayout(pp=pp, stages=stages, **lay))
+        w = stage_work(unshared, PlanLayout(pp=pp, stages=stages, **lay))
         busy = m * (w.forward_compute_s + w.forward_comm_s + w.backward_compute_s
                     + w.backward_comm_s) + w.tail_comm_s + w.optimizer_s
         np.testing.assert_allclose(busy, ev.stage_busy_s, rtol=1e-9)
+        # sharing hides communication behind the other tensor-parallel groups' compute
+        # (hidden_comm_s): two tp2 groups on 4 ranks over 2 slots hide up to one compute's
+        # worth (4/2 - max(1, 2/2)); one tp2 group per stage of 2 ranks hides nothing
+        hid = stage_work(cm, PlanLayout(pp=pp, stages=stages, **lay))
+        np.testing.assert_allclose(hid.forward_compute_s, w.forward_compute_s, rtol=1e-12)
+        expect = (np.maximum(0.0, w.forward_comm_s - w.forward_compute_s) if pp == 1
+                  else w.forward_comm_s)
+        np.testing.assert_allclose(hid.forward_comm_s, expect, rtol=1e-12, atol=1e-15)
     assert float(w.forward_comm_s.min()) > 0  # tp2 all-reduces are communication
+    tp4 = {**layout, "layers": (LayerStrategy(tp=4, dp=1),) * 4, "vocab": VocabStrategy(tp=4)}
+    one_group = PlanLayout(pp=1, stages=((0, 4),), **tp4)
+    np.testing.assert_allclose(stage_work(cm, one_group).forward_comm_s,
+                               stage_work(unshared, one_group).forward_comm_s, rtol=1e-12)
     w = stage_work(cm, PlanLayout(pp=1, stages=((0, 4),), **layout))
     compute = m * (w.forward_compute_s + w.backward_compute_s) + w.optimizer_s
     comm_s = m * (w.forward_comm_s + w.backward_comm_s) + w.tail_comm_s

@@ -88,8 +88,10 @@ def init_distributed(args: argparse.Namespace) -> None:
                             timeout=timedelta(minutes=args.distributed_timeout_minutes))
     if on_cpu:
         from megatron_ext.megatron_adapter.cpu import compat as cpu_compat
+        from megatron_ext.runtime.host_memory import keep_freed_memory_mapped
 
         cpu_compat.apply(force=True)
+        keep_freed_memory_mapped()  # as the CUDA caching allocator: no page faults every step
 
 
 def _log_startup(config: RunConfig, tokenizer: Any) -> None:

@@ -147,19 +147,62 @@ class ProfiledCostModel(CostModel):
 def stage_work(cm: CostModel, layout: PlanLayout) -> StageWork:
     """Per-stage compute and exposed communication of one micro-batch, as `evaluate` sums them
     (layers, half the layer-switch costs, vocabulary work, exposed side-stream vocabulary
-    communication), split into compute and communication; plus the gradient tail."""
+    communication), split into compute and communication; plus the gradient tail.
+
+    With ranks sharing compute (`compute_slots_per_node`), a stage's communication is cut by
+    what its other tensor-parallel groups compute meanwhile (`hidden_comm_s`)."""
     sums = stage_sums(cm, layout)
     arr, ex = sums.arr, sums.extras
     f, b = arr["f"], arr["b"]
     share_f = f / np.maximum(f + b, 1e-30)  # communication split between passes by duration
     comm_f, comm_b = arr["comm"] * share_f, arr["comm"] * (1.0 - share_f)
+    compute_f, compute_b = f - comm_f, b - comm_b
+    width = cm.cluster.num_gpus // layout.pp
+    slots = cm.compute_slots_per_node() if isinstance(cm, ProfiledCostModel) else None
+    if slots is not None:
+        tp, total = _stage_tp(layout), slots * cm.cluster.num_nodes
+        comm_f = np.maximum(0.0, comm_f - hidden_comm_s(compute_f, width, tp, total))
+        comm_b = np.maximum(0.0, comm_b - hidden_comm_s(compute_b, width, tp, total))
     tail = gradient_tail_s(f, b, arr["sync"], arr["gather"], 0.0, cm.overlap_slowdown,
                            overlap_grad_reduce=cm.training.overlap_grad_reduce,
                            overlap_param_gather=cm.training.overlap_param_gather)
-    return StageWork(forward_compute_s=f - comm_f, forward_comm_s=comm_f,
-                     backward_compute_s=b - comm_b, backward_comm_s=comm_b, p2p_s=ex.p2p_s,
-                     tail_comm_s=tail, optimizer_s=arr["opt"],
-                     width=cm.cluster.num_gpus // layout.pp)
+    return StageWork(forward_compute_s=compute_f, forward_comm_s=comm_f,
+                     backward_compute_s=compute_b, backward_comm_s=comm_b, p2p_s=ex.p2p_s,
+                     tail_comm_s=tail, optimizer_s=arr["opt"], width=width)
+
+
+def hidden_comm_s(compute_s: np.ndarray, width: int, tp: np.ndarray, slots: float
+                  ) -> np.ndarray:
+    """Communication of a stage that its other tensor-parallel groups' compute hides when its
+    `width` ranks share `slots` compute slots (arrays per stage: compute seconds of a rank
+    alone, tensor-parallel size).
+
+    A stage of G = width / tp independent groups, each alternating compute c and a collective
+    d layer by layer: its ranks need width * c core-seconds, so an op lasts at least
+    c * width / slots; one group's own path is c at its own share, max(1, tp / slots), plus d.
+    The groups drift apart, so while one waits in a collective its cores run the others:
+    op = max(c * width / slots, c * max(1, tp / slots) + d), i.e. d is hidden up to
+    c * (width / slots - max(1, tp / slots)). With one group (tp = width) nothing is hidden:
+    while it waits in a collective no other rank has compute to run (measured on 4 ranks over
+    2 cores: tp2 x dp2 ran its collectives inside the other group's compute, tp4 left the cores
+    idle 27% of the step; tools/bench_costmodel.py --pieces, docs/benchmarks.md)."""
+    if slots >= width:
+        return np.zeros_like(compute_s)
+    own = np.maximum(1.0, tp / slots)
+    return np.where(tp < width, compute_s * np.maximum(0.0, width / slots - own), 0.0)
+
+
+def _stage_tp(layout: PlanLayout) -> np.ndarray:
+    """Largest tensor-parallel size of each stage's layers (its vocabulary layers included on
+    the first and last stage), the stage's widest lockstep group."""
+    out = []
+    for k in range(layout.pp):
+        chunks = [layout.stages[k + j * layout.pp] for j in range(layout.virtual_stages)]
+        tps = [s.tp for a, z in chunks for s in layout.layers[a:z]] or [1]
+        if k in (0, layout.pp - 1):
+            tps.append(layout.vocab.tp)
+        out.append(max(tps))
+    return np.array(out, dtype=float)
 
 
 def predict_iteration_s(cm: CostModel, layout: PlanLayout) -> float:
