@@ -5,14 +5,21 @@ the rest of the package calls these and never asks which megatron-core it runs o
 detects the feature itself (the name or parameter that changed), not the version number, so a
 release between the tested ones (0.17, 0.18) takes whichever shape it has.
 
-| feature | 0.16.1 | 0.19.x |
-|---|---|---|
-| `cp_batch` | `utils.get_batch_on_this_cp_rank(batch, cp_group=)` | same + required `is_hybrid_cp` (False: the same zig-zag split) |
-| `backward_step` | `schedules.backward_step(in, out, grad, model_type, config)` | `(in, out, grad, config)` |
-| `write_results_queue` | `filesystem_async._get_write_results_queue()` | `filesystem_async.get_write_results_queue()` |
-| `grads_for_grad_norm` | `MegatronOptimizer.get_main_grads_for_grad_norm()` | `get_grads_for_grad_norm()` |
-| `moe_metrics` | `moe_utils.get_moe_layer_wise_logging_tracker()` dict / `clear_aux_losses_tracker()` | `moe_logging.get_moe_metrics_tracker().metrics` / `.clear()` |
-| `null_tokenizer` | library `"null"`: eod = vocab_size, vocab = vocab_size + 1 | library `"null-text"`: eod = vocab_size - 1, vocab = vocab_size |
+Bridges (0.16.1 -> 0.19.x; the full table with file:line is compat_versions.DIFFERENCES):
+
+- `cp_batch`: `utils.get_batch_on_this_cp_rank(batch, cp_group=)` gained a required
+  `is_hybrid_cp` (False keeps the same zig-zag split).
+- `backward_step`: `schedules.backward_step(in, out, grad, model_type, config)` lost
+  `model_type`.
+- `write_results_queue`: `filesystem_async._get_write_results_queue()` became
+  `get_write_results_queue()`.
+- `grads_for_grad_norm`: `MegatronOptimizer.get_main_grads_for_grad_norm()` became
+  `get_grads_for_grad_norm()`.
+- `moe_metric_values` / `clear_moe_metrics`: `moe_utils.get_moe_layer_wise_logging_tracker()` /
+  `clear_aux_losses_tracker()` became deprecated shims over
+  `transformer/moe/moe_logging.get_moe_metrics_tracker()`.
+- `null_tokenizer`: tokenizer library `"null"` (eod = vocab_size, vocabulary vocab_size + 1)
+  became `"null-text"` (eod = vocab_size - 1, vocabulary vocab_size).
 
 The batch-size ramp (`RampupBatchsizeNumMicroBatchesCalculator`, removed in 0.19) is computed
 by the package on every version (training/rampup.py), so it needs no bridge.
