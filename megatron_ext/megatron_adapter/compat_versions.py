@@ -162,9 +162,10 @@ DIFFERENCES: tuple[VersionDifference, ...] = (
     VersionDifference(
         feature="MLA query/key norms (local spec)",
         v0_16="q_layernorm built only with a query latent (multi_latent_attention.py:497)",
-        v0_19="transformer/mla_qk_norm_config.py resolves norm and projection classes; it rejects "
-              "a q norm without q_lora_rank and, with --qk-layernorm, picks classes the local "
-              "(non-TE) path cannot build",
+        v0_19="transformer/mla_qk_norm_config.py:132-167: with --qk-layernorm and no "
+              "q_lora_rank the query is normalised too, through a fused norm+linear "
+              "linear_q_proj (column_parallel_layer_norm_linear: Transformer Engine only); a "
+              "separate q norm without q_lora_rank is rejected",
         here="open: mla_attention.py drops the unused q norm (both versions); "
              "tests/dist/test_mla_parity.py still fails on 0.19 in linear_q_proj's class"),
     VersionDifference(
