@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -100,6 +101,11 @@ class LayerGroupMLASelfAttention(MLASelfAttention):
             q_proj = ModuleSpec(module=submodules.linear_q_proj,
                                 params={"tp_group": pg_collection.tp})
             submodules = dataclasses.replace(submodules, linear_q_proj=q_proj)
+        if config.q_lora_rank is None and submodules.q_layernorm is not IdentityOp:
+            # without a query latent there is no q norm: 0.16 does not build it
+            # (multi_latent_attention.py:497), 0.19 rejects a non-identity one
+            # (mla_qk_norm_config.py:259); the stock spec sets it from --qk-layernorm alone
+            submodules = dataclasses.replace(submodules, q_layernorm=IdentityOp)
         super().__init__(config, submodules, *args, pg_collection=pg_collection, **kwargs)
 
     def get_query_key_value_tensors(self, *args: Any, **kwargs: Any) -> Any:

@@ -58,6 +58,7 @@ from megatron.core.optimizer_param_scheduler import (
 )
 from torch.distributed.tensor import DTensor
 
+from megatron_ext.megatron_adapter.compat import grads_for_grad_norm
 from megatron_ext.megatron_adapter.ddp import HeteroDDP, chain_kinds
 from megatron_ext.megatron_adapter.fsdp import load_optimizer_state, optimizer_sharded_state_dict
 
@@ -216,12 +217,21 @@ class HeteroChainedOptimizer(ChainedOptimizer):
             if saved is not None:
                 self.grad_scaler.load_state_dict(saved)
 
+    def has_grad_norm_group(self, grad_norm_group: str) -> bool:
+        """False: no parameter here belongs to a separately normed group (megatron-core 0.19's
+        multi-token-prediction heads; the MTP flags are refused). 0.19's `ChainedOptimizer.step`
+        asks once per group with a collective over each sub-optimizer's own group
+        (optimizer.py:1816, :316); the classes here differ by rank (pipeline stage, ZeRO
+        level), so those collectives would not match across ranks. The grad norm itself is
+        `get_grad_norm` below, over the whole world, as on 0.16."""
+        return False
+
     def _owned_grads(self) -> list[torch.Tensor]:
         grads: list[torch.Tensor] = []
         for opt, replicated in zip(self.chained_optimizers, self._replicated):
             if replicated and dist.get_rank(opt.data_parallel_group_for_norm) != 0:
                 continue
-            grads += opt.get_main_grads_for_grad_norm()
+            grads += grads_for_grad_norm(opt)
         return grads
 
     @torch.no_grad()
