@@ -90,3 +90,23 @@ def test_profile_model_stops_on_an_unsupported_version(
     err = capsys.readouterr().err
     assert err.startswith("megatron-ext: error: megatron-core 0.20.1 is installed")
     assert not (tmp_path / "m.json").exists()
+
+
+def test_features_not_yet_verified_on_0_19_are_refused_in_one_line():
+    import argparse
+
+    from megatron_ext.errors import PlanError
+    from megatron_ext.megatron_adapter.compat_versions import check_version_features
+
+    moe = argparse.Namespace(num_experts=8, multi_latent_attention=False)
+    mla = argparse.Namespace(num_experts=None, multi_latent_attention=True)
+    dense = argparse.Namespace(num_experts=None, multi_latent_attention=False)
+    for args in (moe, mla, dense):
+        check_version_features(args, "0.16.1")  # verified there: nothing raised
+    check_version_features(dense, "0.19.2")
+    with pytest.raises(PlanError) as err:
+        check_version_features(moe, "0.19.2")
+    assert str(err.value).startswith("--num-experts: not supported with megatron-core 0.19.2")
+    assert "\n" not in str(err.value) and "0.16.1" in str(err.value)
+    with pytest.raises(PlanError, match="^--multi-latent-attention: not supported"):
+        check_version_features(mla, "0.19.2")

@@ -23,7 +23,10 @@ from collections.abc import Sequence
 from megatron_ext.errors import PlanError
 from megatron_ext.flags.parser import parse_megatron_args
 from megatron_ext.flags.schedule import check_schedule_flags
-from megatron_ext.megatron_adapter.compat_versions import check_megatron_core
+from megatron_ext.megatron_adapter.compat_versions import (
+    check_megatron_core,
+    check_version_features,
+)
 from megatron_ext.megatron_adapter.training import console
 from megatron_ext.megatron_adapter.training.checkpoint_files import check_checkpoints
 
@@ -31,8 +34,10 @@ logger = logging.getLogger("megatron_ext.pretrain")
 
 def check_supported(args: argparse.Namespace) -> None:
     """What this loop needs beyond the flag table (flags/catalog.py refuses what it lacks):
-    a run length and a learning rate, iteration- or sample-based as Megatron-LM checks them."""
+    a run length and a learning rate, iteration- or sample-based as Megatron-LM checks them;
+    no feature not yet verified on the installed megatron-core."""
     check_schedule_flags(args)
+    check_version_features(args)
 
 
 def check_device(args: argparse.Namespace) -> None:
