@@ -13,7 +13,7 @@ from setuptools import find_packages, setup
 # upper bound is the first version not yet supported (megatron_adapter/compat_versions.py
 # SUPPORTED; the runtime refuses others in one line before any process group).
 TRAIN = [
-    "megatron-core>=0.16.1,<0.17",
+    "megatron-core>=0.16.1,<0.20",
     # torch is required but not pinned: install the build you want first (CPU: torch==2.13.0).
     "torch>=2.6",
     "einops",  # megatron-core's HyperCommGrid needs it but does not declare it

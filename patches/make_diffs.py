@@ -1,11 +1,14 @@
-"""Regenerate patches/*.diff from the installed megatron-core 0.16.1 (source-level `cpu_compat`).
+"""Regenerate patches/v<major.minor>/*.diff from the installed megatron-core (source-level
+`cpu_compat`).
 
-    python patches/make_diffs.py            # rewrite patches/*.diff
+    python patches/make_diffs.py            # rewrite patches/v0.16/*.diff (or v0.19/, ...)
     python patches/make_diffs.py --check    # exit 1 if the committed diffs are stale
 
 Each diff is the source-level twin of one `cpu_compat` patch, limited to the megatron-core
-sites listed for it in patches/README.md. Every edit states how many matches it expects, so a
-different megatron-core version fails loudly instead of producing a wrong diff. Diffs are
+sites listed for it in patches/README.md. One directory per megatron-core release line holds the
+diffs of the patches that line needs (`CompatPatch.versions`: te_gemm_stub has no v0.19 diff).
+Every edit states how many matches it expects in each line, so another megatron-core version
+fails loudly instead of producing a wrong diff. Diffs are
 independent of each other (no two touch the same lines) and apply from the site-packages root
 with `patch -p1`. Every replacement keeps GPU behaviour unchanged (CPU fallback only when
 `torch.cuda.is_available()` is False), except `type_alias`, which checks dtypes, not type names.
@@ -22,9 +25,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import megatron.core
+from megatron.core import package_info
+
+from megatron_ext.megatron_adapter.cpu.patches import PATCHES
 
 SITE_PACKAGES = Path(megatron.core.__file__).resolve().parents[2]
-PATCH_DIR = Path(__file__).resolve().parent
+VERSION = str(package_info.__version__)
+LINE = ".".join(VERSION.split(".")[:2])  # "0.16", "0.19"
+PATCH_ROOT = Path(__file__).resolve().parent
+PATCH_DIR = PATCH_ROOT / f"v{LINE}"
+"""This megatron-core line's diffs."""
 CUR_DEV = 'torch.cuda.current_device() if torch.cuda.is_available() else "cpu"'
 
 
@@ -40,31 +50,42 @@ class Edit:
     """Replacement (may use groups)."""
     count: int
     """Exact number of matches expected in megatron-core 0.16.1."""
+    count_0_19: int | None = None
+    """Exact number expected in 0.19.x (None: the same as `count`; 0: no such site in 0.19)."""
+
+    def expected(self) -> int:
+        """Matches expected in the installed megatron-core's line."""
+        if LINE == "0.16" or self.count_0_19 is None:
+            return self.count
+        return self.count_0_19
 
 
-def _sync(path: str, count: int) -> Edit:
+def _sync(path: str, count: int, count_0_19: int | None = None) -> Edit:
     """`torch.cuda.synchronize()` statement -> guarded by `torch.cuda.is_available()`."""
     return Edit(
         path=path,
         pattern=r"^( *)torch\.cuda\.synchronize\(\)$",
         repl=r"\1if torch.cuda.is_available():\n\1    torch.cuda.synchronize()",
         count=count,
+        count_0_19=count_0_19,
     )
 
 
-def _literal(path: str, count: int) -> Edit:
+def _literal(path: str, count: int, count_0_19: int | None = None) -> Edit:
     """`device="cuda"` / `device='cuda'` keyword -> CPU fallback."""
     return Edit(
         path=path,
         pattern=r"device=(['\"])cuda\1",
         repl=r"device=(\1cuda\1 if torch.cuda.is_available() else \1cpu\1)",
         count=count,
+        count_0_19=count_0_19,
     )
 
 
-def _current_device(path: str, count: int) -> Edit:
+def _current_device(path: str, count: int, count_0_19: int | None = None) -> Edit:
     return Edit(
-        path=path, pattern=r"torch\.cuda\.current_device\(\)", repl=f"({CUR_DEV})", count=count
+        path=path, pattern=r"torch\.cuda\.current_device\(\)", repl=f"({CUR_DEV})", count=count,
+        count_0_19=count_0_19,
     )
 
 
@@ -76,7 +97,7 @@ _RNG_SET = '''    major performance issues for +4 GPU cases.
 
 DIFFS: dict[str, list[Edit]] = {
     "current_device": [
-        _current_device("utils.py", 2),
+        _current_device("utils.py", 2, 13),  # 0.19: also CP/THD batch helpers, :2189-2300
         _current_device("tensor_parallel/layers.py", 8),
         _current_device("tensor_parallel/mappings.py", 5),
         _current_device("pipeline_parallel/p2p_communication.py", 6),
@@ -130,9 +151,9 @@ DIFFS: dict[str, list[Edit]] = {
     ],
     "cuda_literals": [
         _literal("pipeline_parallel/schedules.py", 3),
-        _literal("optimizer/optimizer.py", 4),
+        _literal("optimizer/optimizer.py", 4, 5),  # 0.19: + has_grad_norm_group, :315
         _literal("optimizer/clip_grads.py", 5),
-        _literal("utils.py", 6),
+        _literal("utils.py", 6, 1),  # 0.19: only local_multi_tensor_l2_norm is left
         _literal("optimizer/grad_scaler.py", 4),
         _literal("tensor_parallel/data.py", 1),
         _literal("dist_checkpointing/strategies/state_dict_saver.py", 1),
@@ -192,11 +213,19 @@ DIFFS: dict[str, list[Edit]] = {
         ),
         Edit(
             path="distributed/param_and_grad_buffer.py",
-            count=1,
-            pattern=r"^( *)torch\.cuda\.default_stream\(\)"
+            count=1,  # 0.16 default_stream(), 0.19 current_stream()
+            pattern=r"^( *)torch\.cuda\.(default|current)_stream\(\)"
             r"\.wait_stream\(self\.communication_stream\)$",
             repl=r"\1if self.communication_stream is not None:\n"
-            r"\1    torch.cuda.default_stream().wait_stream(self.communication_stream)",
+            r"\1    torch.cuda.\2_stream().wait_stream(self.communication_stream)",
+        ),
+        Edit(  # 0.19 :632, every start_grad_sync: wait for CUDA-graph wgrad events
+            path="distributed/param_and_grad_buffer.py",
+            count=0,
+            count_0_19=1,
+            pattern=r"^( *)current_stream = torch\.cuda\.current_stream\(\)$",
+            repl=r"\1current_stream = (\n\1    torch.cuda.current_stream() if "
+            r"torch.cuda.is_available() else None\n\1)  # no CUDA graphs on CPU: never waited on",
         ),
     ],
     "mla_local_attention": [
@@ -320,14 +349,21 @@ DIFFS: dict[str, list[Edit]] = {
 """Diff name (= cpu_compat patch name) -> edits."""
 
 
+def for_this_version() -> list[str]:
+    """The patches the installed megatron-core needs, each with a diff here."""
+    return [name for name in DIFFS if PATCHES[name].applies_to(VERSION)]
+
+
 def render(name: str) -> str:
     """The unified diff for one patch, against the installed megatron-core."""
     by_file: dict[str, list[Edit]] = {}
     for edit in DIFFS[name]:
-        by_file.setdefault(edit.path, []).append(edit)
+        if edit.expected():
+            by_file.setdefault(edit.path, []).append(edit)
     chunks = [
         f"# {name}: source-level twin of megatron_ext cpu_compat patch {name!r}.\n"
-        f"# Against megatron-core 0.16.1; from site-packages: patch -p1 < {name}.diff\n"
+        f"# Against megatron-core {VERSION} (patch versions {PATCHES[name].versions}); "
+        f"from site-packages: patch -p1 < {name}.diff\n"
         "# Generated by patches/make_diffs.py; rationale in patches/README.md.\n"
     ]
     for path, edits in by_file.items():
@@ -336,10 +372,10 @@ def render(name: str) -> str:
         new = old
         for edit in edits:
             new, found = re.subn(edit.pattern, edit.repl, new, flags=re.MULTILINE)
-            if found != edit.count:
+            if found != edit.expected():
                 raise RuntimeError(
                     f"{name}: {rel}: {edit.pattern!r} matched {found}, "
-                    f"expected {edit.count} (not megatron-core 0.16.1?)"
+                    f"expected {edit.expected()} (not megatron-core {LINE}.x?)"
                 )
         chunks.append(_diff_u(rel, old, new))
     return "".join(chunks)
@@ -367,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="fail if a committed diff is stale")
     args = parser.parse_args(argv)
     stale = []
-    for name in DIFFS:
+    PATCH_DIR.mkdir(exist_ok=True)
+    for name in for_this_version():
         target = PATCH_DIR / f"{name}.diff"
         text = render(name)
         if args.check:

@@ -10,7 +10,9 @@ so this module imports neither torch nor megatron and the check costs no megatro
 `DIFFERENCES` is the table of what changed between the supported versions in the megatron-core
 API this package uses (from the 0.16.1 and 0.19.2 wheels: `file.py:line` are relative to
 `megatron/core/`): feature -> how 0.16.1 does it -> how 0.19.x does it -> what megatron_ext
-does. Version-dependent code reads this module (`version_at_least`), never its own version test.
+does. The code that bridges each row lives in one module, `megatron_adapter/compat.py` (it
+imports megatron-core; this one does not); the rest of the package calls it and never tests a
+version itself. CPU patches carry their own version ranges (`cpu/patches.py`, `patches/README.md`).
 """
 
 from __future__ import annotations
@@ -21,11 +23,11 @@ from megatron_ext.errors import PlanError
 from megatron_ext.flags.versions import installed_megatron_core, parse_version
 
 OLDEST = (0, 16, 1)  # first supported version
-# 0.17-0.19 not yet: on 0.19.2 the runtime's imports and schedule hooks differ (DIFFERENCES:
-# the rampup calculator, the grad-norm helper, backward_step's arguments) and three CPU patches
-# no longer apply; the planner and the flag catalogs (--megatron-version 0.19) already follow it.
-FIRST_UNSUPPORTED = (0, 17, 0)  # first version not yet supported
-SUPPORTED_RANGE = ">=0.16.1,<0.17"
+# 0.16.1 (Python 3.11 CI leg) and 0.19.x (Python 3.12 leg) are tested; 0.17 and 0.18 sit between
+# them and take the 0.19 code paths wherever their API already has the 0.19 shape (compat.py
+# detects each feature, not the version number).
+FIRST_UNSUPPORTED = (0, 20, 0)  # first version not yet supported
+SUPPORTED_RANGE = ">=0.16.1,<0.20"
 
 __all__ = ["SUPPORTED_RANGE", "check_megatron_core", "installed_megatron_core", "is_supported",
            "parse_version", "version_at_least", "DIFFERENCES"]
@@ -86,44 +88,54 @@ DIFFERENCES: tuple[VersionDifference, ...] = (
         v0_16="utils.get_batch_on_this_cp_rank(batch, cp_group=None)",
         v0_19="utils.get_batch_on_this_cp_rank(batch, is_hybrid_cp, cp_group=None, ...): "
               "is_hybrid_cp required",
-        here="to port: pass is_hybrid_cp=False on 0.19"),
+        here="compat.cp_batch passes is_hybrid_cp=False where the parameter exists"),
     VersionDifference(
         feature="one pipeline backward step (vocab/iteration.py)",
         v0_16="schedules.backward_step(input, output, output_grad, model_type, config)",
         v0_19="schedules.backward_step(input, output, output_grad, config)",
-        here="to port: drop model_type on 0.19"),
+        here="compat.backward_step passes model_type only where the parameter exists"),
     VersionDifference(
         feature="async checkpoint writer's results queue (training/checkpoint.py)",
         v0_16="filesystem_async._get_write_results_queue()",
         v0_19="filesystem_async.get_write_results_queue(mp_mode='spawn')",
-        here="to port: use whichever name exists"),
+        here="compat.write_results_queue calls whichever name exists"),
     VersionDifference(
         feature="batch-size ramp-up (training/rampup.py)",
         v0_16="num_microbatches_calculator.RampupBatchsizeNumMicroBatchesCalculator",
         v0_19="removed; StepBatchsizeNumMicroBatchesCalculator ('THRESHOLD:BS ...') instead",
-        here="to port: compute the linear ramp in the package"),
+        here="training/rampup.py computes the 0.16.1 linear ramp itself on every version "
+             "(equal to 0.16.1's calculator: tests/unit/test_run_config.py)"),
     VersionDifference(
         feature="gradients for the grad norm (optimizer.py)",
         v0_16="MegatronOptimizer.get_main_grads_for_grad_norm()",
         v0_19="MegatronOptimizer.get_grads_for_grad_norm(grad_norm_group=None)",
-        here="to port: call whichever exists"),
+        here="compat.grads_for_grad_norm calls whichever exists"),
+    VersionDifference(
+        feature="NullTokenizer (--tokenizer-type NullTokenizer --vocab-size N)",
+        v0_16="tokenizers library 'null': end-of-document id N, vocabulary N + 1",
+        v0_19="tokenizers library 'null-text' (text_libraries): end-of-document id N - 1, "
+              "vocabulary N",
+        here="compat.null_tokenizer builds the installed version's NullTokenizer, so --vocab-size "
+             "means what it means to that version's Megatron"),
     VersionDifference(
         feature="MoE auxiliary-loss logging (moe_logging.py)",
         v0_16="moe_utils.clear_aux_losses_tracker / get_moe_layer_wise_logging_tracker",
         v0_19="deprecated shims over transformer/moe/moe_logging.py MoEMetricsTracker "
               "(get_moe_metrics_tracker())",
-        here="works through the shims; move to the tracker before they are removed"),
+        here="compat.moe_metric_values / clear_moe_metrics use the tracker where "
+             "transformer/moe/moe_logging.py exists, the moe_utils dict otherwise"),
     VersionDifference(
         feature="DDP gradient sync on CPU (cpu/patches.py cuda_streams)",
         v0_16="torch.cuda.current_stream() only with several distributed-optimizer instances",
         v0_19="torch.cuda.current_stream() + wait_event in every start_grad_sync "
               "(distributed/param_and_grad_buffer.py:632)",
-        here="the runtime patch covers it; its source diff must be regenerated for 0.19"),
+        here="the runtime patch covers it (_DummyStream.wait_event too); the source diff is "
+             "per version (patches/README.md)"),
     VersionDifference(
         feature="TE GEMM when transformer-engine is absent (cpu patch te_gemm_stub)",
         v0_16="moe_utils imports te_general_gemm unguarded",
         v0_19="moe_utils binds te_general_gemm = None without TE (fixed upstream)",
-        here="the patch is a no-op on 0.19"),
+        here="the patch applies to 0.16.x only (cpu/patches.py versions)"),
     VersionDifference(
         feature="renamed / removed config fields",
         v0_16="TransformerConfig.moe_use_legacy_grouped_gemm, ModelParallelConfig."

@@ -27,8 +27,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core.rerun_state_machine import get_rerun_state_machine
-from megatron.core.utils import get_attr_wrapped_model, get_batch_on_this_cp_rank
+from megatron.core.utils import get_attr_wrapped_model
 
+from megatron_ext.megatron_adapter.compat import cp_batch
 from megatron_ext.megatron_adapter.model import HeteroGPTModel
 from megatron_ext.runtime.groups import PlanGroups
 
@@ -84,7 +85,7 @@ def forward_step(view: BatchView, check_nan: bool, data_iterator: Iterator[Batch
 def stock_view(cp_group: dist.ProcessGroup | None, batch: Batch, model: torch.nn.Module
                ) -> tuple[dict[str, Any], torch.Tensor, None]:
     if cp_group is not None and cp_group.size() > 1:
-        batch = get_batch_on_this_cp_rank(batch, cp_group=cp_group)  # [b, s/cp] each
+        batch = cp_batch(batch, cp_group)  # [b, s/cp] each
     inputs = {"input_ids": batch["tokens"], "position_ids": batch["position_ids"],
               "attention_mask": batch.get("attention_mask"), "labels": batch["labels"],
               "loss_mask": batch["loss_mask"]}

@@ -18,11 +18,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from megatron.core.transformer.moe.moe_utils import (
-    clear_aux_losses_tracker,
-    get_moe_layer_wise_logging_tracker,
-)
 
+from megatron_ext.megatron_adapter.compat import clear_moe_metrics, moe_metric_values
 from megatron_ext.plan import ParallelPlan
 
 __all__ = ["clear_router_losses", "router_loss_names", "router_losses"]
@@ -46,7 +43,7 @@ def router_loss_names(plan: ParallelPlan) -> list[str]:
 
 def clear_router_losses() -> None:
     """Forget what the routers saved so far (e.g. during evaluation)."""
-    clear_aux_losses_tracker()
+    clear_moe_metrics()
 
 
 def router_losses(plan: ParallelPlan, num_microbatches: int) -> dict[str, float]:
@@ -56,11 +53,11 @@ def router_losses(plan: ParallelPlan, num_microbatches: int) -> dict[str, float]
     if not names:
         return {}
     layers = plan.model.num_layers
-    tracker = get_moe_layer_wise_logging_tracker()
+    tracker = moe_metric_values()
     values = torch.zeros(len(names), layers, dtype=torch.float64)  # [name, layer]
     for row, name in enumerate(names):
         if name in tracker:
-            values[row] = tracker[name]["values"].detach().to("cpu", torch.float64)
+            values[row] = tracker[name].detach().to("cpu", torch.float64)
     dist.all_reduce(values)
     moe_layers = [i for i in range(layers) if plan.model.is_moe_layer(i)]
     out = {}
@@ -72,5 +69,5 @@ def router_losses(plan: ParallelPlan, num_microbatches: int) -> dict[str, float]
                 name, strategy.dp)
             total += float(values[row, i]) / parts
         out[name] = total / len(moe_layers) / num_microbatches
-    clear_aux_losses_tracker()
+    clear_moe_metrics()
     return out

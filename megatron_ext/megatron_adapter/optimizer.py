@@ -58,6 +58,7 @@ from megatron.core.optimizer_param_scheduler import (
 )
 from torch.distributed.tensor import DTensor
 
+from megatron_ext.megatron_adapter.compat import grads_for_grad_norm
 from megatron_ext.megatron_adapter.ddp import HeteroDDP, chain_kinds
 from megatron_ext.megatron_adapter.fsdp import load_optimizer_state, optimizer_sharded_state_dict
 
@@ -221,7 +222,7 @@ class HeteroChainedOptimizer(ChainedOptimizer):
         for opt, replicated in zip(self.chained_optimizers, self._replicated):
             if replicated and dist.get_rank(opt.data_parallel_group_for_norm) != 0:
                 continue
-            grads += opt.get_main_grads_for_grad_norm()
+            grads += grads_for_grad_norm(opt)
         return grads
 
     @torch.no_grad()

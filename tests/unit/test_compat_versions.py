@@ -22,12 +22,13 @@ from megatron_ext.megatron_adapter.compat_versions import (
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("version", ["0.16.1", "0.16.2", "0.16.3rc0"])
+@pytest.mark.parametrize("version", ["0.16.1", "0.16.2", "0.16.3rc0", "0.17.0", "0.19.0",
+                                     "0.19.2"])
 def test_supported_versions_pass(version: str) -> None:
     assert check_megatron_core(version) == version
 
 
-@pytest.mark.parametrize("version", ["0.15.3", "0.16.0", "0.17.0", "0.19.2", "0.20.0rc1",
+@pytest.mark.parametrize("version", ["0.15.3", "0.16.0", "0.20.0rc1", "0.20.0", "0.21.1",
                                      "1.0.0", "main"])
 def test_unsupported_versions_are_one_line_naming_version_and_range(version: str) -> None:
     with pytest.raises(PlanError) as err:

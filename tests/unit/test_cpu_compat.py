@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 
 import megatron.core.tensor_parallel as tp_pkg
 import megatron.core.tensor_parallel.mappings as tp_mappings
@@ -80,8 +82,9 @@ def test_registry_names_and_docs_cite_megatron_sites() -> None:
 
 
 def test_apply_all_then_undo_restores_every_original(clean_compat: dict[str, object]) -> None:
-    assert cpu_compat.apply() == tuple(EXPECTED_NAMES)
-    assert cpu_compat.applied() == tuple(EXPECTED_NAMES)
+    wanted = cpu_compat.for_version()  # this megatron-core's patches, in registry order
+    assert cpu_compat.apply() == wanted
+    assert cpu_compat.applied() == wanted
     patched = _sites()
     assert all(patched[k] is not clean_compat[k] for k in clean_compat), "some site unpatched"
     assert torch.cuda.current_device() == torch.device("cpu")
@@ -95,7 +98,7 @@ def test_apply_all_then_undo_restores_every_original(clean_compat: dict[str, obj
     expected_mask = torch.triu(torch.ones(4, 4, dtype=torch.bool), diagonal=1)  # [sq, sq]
     assert torch.equal(fused_softmax.get_default_causal_mask(4), expected_mask)
 
-    assert cpu_compat.undo() == tuple(reversed(EXPECTED_NAMES))
+    assert cpu_compat.undo() == tuple(reversed(wanted))
     assert cpu_compat.applied() == ()
     restored = _sites()
     assert all(restored[k] is clean_compat[k] for k in clean_compat), "some site not restored"
@@ -137,7 +140,7 @@ def test_selection_by_name_and_exclusion() -> None:
     assert cpu_compat.apply(["cuda_sync"]) == ("cuda_sync",)
     assert not cpu_patches.is_patched(torch.cuda, "current_device")
     assert cpu_compat.apply(exclude=["type_alias"]) == tuple(
-        n for n in EXPECTED_NAMES if n not in ("cuda_sync", "type_alias")
+        n for n in cpu_compat.for_version() if n not in ("cuda_sync", "type_alias")
     )
     assert not cpu_patches.is_patched(torch.Tensor, "type")
     assert cpu_compat.undo(["cuda_sync"]) == ("cuda_sync",)
@@ -193,14 +196,33 @@ def test_torch_proxy_rewrites_only_cuda_device_keywords() -> None:
     assert proxy.empty_like(torch.zeros(2), device="cuda").device.type == "cpu"
 
 
+def test_patch_versions_skip_what_the_installed_megatron_core_does_not_need() -> None:
+    """Each patch names its megatron-core range; apply() installs only the imported version's."""
+    assert cpu_compat.for_version("0.16.1") == tuple(EXPECTED_NAMES)
+    on_019 = cpu_compat.for_version("0.19.2")
+    assert on_019 == tuple(n for n in EXPECTED_NAMES if n != "te_gemm_stub")  # fixed upstream
+    assert all(cpu_compat.PATCHES[n].versions == cpu_patches.ALL_VERSIONS for n in on_019)
+    assert cpu_compat.for_version("0.20.0") == ()
+    assert cpu_compat.megatron_core_version() == importlib.metadata.version("megatron-core")
+    readme = (Path(__file__).resolve().parents[2] / "patches" / "README.md").read_text()
+    for name, patch in cpu_compat.PATCHES.items():
+        assert f"| `{name}` | {patch.versions} |" in readme, f"README: {name}'s versions"
+
+
 def test_te_gemm_stub_binds_the_name_and_the_router_gemm_runs() -> None:
     """Without TE, RouterGatingLinearFunction raises NameError (moe_utils.py:1192) unless the
-    stub binds te_general_gemm; with it, forward and backward equal plain torch matmuls."""
-    assert not moe_utils.HAVE_TE and not hasattr(moe_utils, "te_general_gemm")
+    stub binds te_general_gemm; with it, forward and backward equal plain torch matmuls. From
+    0.19 megatron-core binds the name itself, and the patch is not applied."""
+    assert not moe_utils.HAVE_TE
     inp = torch.randn(5, 8, requires_grad=True)  # [tokens, h]
     weight = torch.randn(4, 8, requires_grad=True)  # [experts, h]
-    with pytest.raises(NameError, match="te_general_gemm"):
-        moe_utils.router_gating_linear(inp, weight, None, torch.float32)
+    if "te_gemm_stub" not in cpu_compat.for_version():
+        assert moe_utils.te_general_gemm is None  # the upstream fix the version range relies on
+        assert cpu_compat.apply(["te_gemm_stub"]) == ()
+    else:
+        assert not hasattr(moe_utils, "te_general_gemm")
+        with pytest.raises(NameError, match="te_general_gemm"):
+            moe_utils.router_gating_linear(inp, weight, None, torch.float32)
     cpu_compat.apply(["te_gemm_stub"])
     out = moe_utils.router_gating_linear(inp, weight, None, torch.float32)  # [tokens, experts]
     out.square().sum().backward()
@@ -210,11 +232,13 @@ def test_te_gemm_stub_binds_the_name_and_the_router_gemm_runs() -> None:
     torch.testing.assert_close(inp.grad, ref_inp.grad)
     torch.testing.assert_close(weight.grad, ref_w.grad)
     cpu_compat.undo(["te_gemm_stub"])
-    assert not hasattr(moe_utils, "te_general_gemm")
+    if "te_gemm_stub" in cpu_compat.for_version():
+        assert not hasattr(moe_utils, "te_general_gemm")
 
 
 def test_stream_events_dummy_stream_records_events() -> None:
     cpu_compat.apply(["cuda_streams"])
+    torch.cuda.current_stream().wait_event(object())  # 0.19 start_grad_sync's wgrad events
     with pytest.raises(AttributeError, match="record_event"):
         torch.cuda.Stream().record_event()
     cpu_compat.apply(["stream_events"])

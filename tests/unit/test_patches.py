@@ -1,4 +1,5 @@
-"""patches/: each diff applies to the installed megatron-core, alone and together; none is stale."""
+"""patches/: each diff of the installed megatron-core's line (patches/v0.16, v0.19) applies to it,
+alone and together; none is stale; the line holds exactly the patches that version needs."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ import pytest
 
 from megatron_ext.megatron_adapter.cpu import compat as cpu_compat
 
-PATCH_DIR = Path(__file__).resolve().parents[2] / "patches"
+PATCH_ROOT = Path(__file__).resolve().parents[2] / "patches"
+_LINE = ".".join(cpu_compat.megatron_core_version().split(".")[:2])
+PATCH_DIR = PATCH_ROOT / f"v{_LINE}"
 DIFFS = sorted(PATCH_DIR.glob("*.diff"))
 HAVE_PATCH = shutil.which("patch") is not None
 
@@ -25,7 +28,7 @@ HAVE_PATCH = shutil.which("patch") is not None
 def _make_diffs() -> ModuleType:
     """patches/make_diffs.py (a script, not a package module), loaded once."""
     name = "megatron_ext_patches_make_diffs"
-    spec = importlib.util.spec_from_file_location(name, PATCH_DIR / "make_diffs.py")
+    spec = importlib.util.spec_from_file_location(name, PATCH_ROOT / "make_diffs.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses resolve their module through sys.modules
@@ -47,8 +50,13 @@ def _touched_files(diff: Path) -> list[str]:
 
 
 def test_patches_one_diff_per_runtime_patch_and_readme_lists_them() -> None:
-    assert [d.stem for d in DIFFS] == sorted(cpu_compat.PATCHES)
-    readme = (PATCH_DIR / "README.md").read_text()
+    """This line's directory has a diff for each patch this version needs, and no other."""
+    assert [d.stem for d in DIFFS] == sorted(cpu_compat.for_version())
+    assert _make_diffs().PATCH_DIR == PATCH_DIR
+    for line in ("v0.16", "v0.19"):  # both lines are committed, whichever is installed
+        names = sorted(cpu_compat.for_version(f"{line[1:]}.0" if line == "v0.19" else "0.16.1"))
+        assert sorted(d.stem for d in (PATCH_ROOT / line).glob("*.diff")) == names, line
+    readme = (PATCH_ROOT / "README.md").read_text()
     for name in cpu_compat.PATCHES:
         assert f"| `{name}` |" in readme, f"README table lacks {name}"
 

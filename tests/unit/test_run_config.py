@@ -110,6 +110,28 @@ def test_rampup_matches_megatron_update_train_iters() -> None:
     assert run.schedule.train_iters == 7 + 13
 
 
+@pytest.mark.parametrize(("gbs", "ramp"), [(12, (4, 4, 32)), (64, (8, 8, 1000)),
+                                          (48, (16, 16, 7))])
+def test_rampup_equals_megatron_core_0_16_calculator(gbs: int, ramp: tuple[int, int, int]
+                                                     ) -> None:
+    """The ramp is computed here on every version (0.19 removed megatron-core's linear ramp);
+    where megatron-core still has the class (0.16.x), both give the same batch size."""
+    calculators = pytest.importorskip("megatron.core.num_microbatches_calculator")
+    if not hasattr(calculators, "RampupBatchsizeNumMicroBatchesCalculator"):
+        pytest.skip("this megatron-core has no linear ramp calculator (0.19: removed)")
+    run = run_of("--global-batch-size", str(gbs), "--rampup-batch-size", *map(str, ramp),
+                 train=("--train-samples", "4000"))
+    start, increment, samples = ramp
+    reference = calculators.RampupBatchsizeNumMicroBatchesCalculator(
+        global_batch_size=gbs, micro_batch_size=run.batch.global_micro_batch_size,
+        data_parallel_size=1, decrease_batch_size_if_needed=False, rank=-1,
+        start_global_batch_size=start, batch_size_increment=increment, ramup_samples=samples)
+    for consumed in range(samples + 3 * gbs):
+        reference.update(consumed, consistency_check=True)
+        assert global_batch_size_at(run.batch, consumed) == \
+            reference.get_current_global_batch_size(), consumed
+
+
 @pytest.mark.parametrize(("extra", "train", "message"), [
     (("--lr-decay-samples", "10"), ("--train-iters", "10"), "--lr-decay-samples needs sample"),
     (("--lr-decay-iters", "10"), ("--train-samples", "80"), "--lr-decay-iters needs iteration"),

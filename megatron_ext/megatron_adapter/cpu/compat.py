@@ -1,5 +1,6 @@
-"""Run megatron-core 0.16.1 on CPU-only torch under gloo: thirteen named, opt-in, undoable patches
-(the last four for Mixture-of-Experts layers).
+"""Run megatron-core 0.16.1-0.19.x on CPU-only torch under gloo: thirteen named, opt-in, undoable
+patches (the MoE ones for Mixture-of-Experts layers), each for the megatron-core versions it
+names (`CompatPatch.versions`; te_gemm_stub is 0.16-only: 0.19 fixed it upstream).
 
 Each CUDA hard-code met on the CPU/gloo path is handled by one named patch; its builder's
 docstring names the megatron-core 0.16.1 `file:line` sites (paths relative to megatron/core/)
@@ -46,6 +47,8 @@ __all__ = [
     "CompatPatch",
     "applied",
     "apply",
+    "for_version",
+    "megatron_core_version",
     "is_patched",
     "undo",
 ]
@@ -53,6 +56,19 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 _APPLIED: list[str] = []
+
+
+def megatron_core_version() -> str:
+    """The version of the megatron-core this process imports."""
+    from megatron.core import package_info
+
+    return str(package_info.__version__)
+
+
+def for_version(version: str | None = None) -> tuple[str, ...]:
+    """The patches megatron-core `version` (default: the imported one) needs, in order."""
+    version = megatron_core_version() if version is None else version
+    return tuple(name for name, patch in PATCHES.items() if patch.applies_to(version))
 
 
 def _select(names: Iterable[str] | None, exclude: Iterable[str]) -> list[str]:
@@ -81,17 +97,19 @@ def apply(
 ) -> tuple[str, ...]:
     """Apply the named patches (all by default, minus `exclude`); returns the newly applied names.
 
-    Does nothing when `torch.cuda.is_available()` unless `force=True`. Idempotent: names already
-    applied in this process are skipped. Apply after importing megatron.core and before
+    Does nothing when `torch.cuda.is_available()` unless `force=True`. Patches not for the
+    imported megatron-core (`CompatPatch.versions`) are skipped, named or not. Idempotent: names
+    already applied in this process are skipped. Apply after importing megatron.core and before
     `initialize_model_parallel` / `model_parallel_cuda_manual_seed` / model construction.
     Raises ValueError for unknown names.
     """
     selected = _select(names, exclude)
     if torch.cuda.is_available() and not force:
         return ()
+    wanted = for_version()
     newly_applied = []
     for name in selected:
-        if name in _APPLIED:
+        if name in _APPLIED or name not in wanted:
             continue
         _install(name)
         _APPLIED.append(name)

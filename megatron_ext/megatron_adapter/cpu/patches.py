@@ -1,8 +1,11 @@
-"""The thirteen named CPU patches for megatron-core 0.16.1 and their registry (see `cpu_compat`).
+"""The thirteen named CPU patches for megatron-core 0.16.1-0.19.x and their registry (see
+`cpu_compat`).
 
 Each patch is a builder returning `(owner, attr, replacement)` targets; its docstring names the
-megatron-core 0.16.1 `file:line` sites (paths relative to megatron/core/) it addresses.
-`cpu_compat.apply()` installs them; this module only describes them and changes nothing on import.
+megatron-core 0.16.1 `file:line` sites (paths relative to megatron/core/) it addresses, and 0.19
+sites where they differ. Each patch states the megatron-core versions it applies to
+(`CompatPatch.versions`, the table in patches/README.md); `cpu_compat.apply()` installs only those
+for the megatron-core it runs with. This module only describes them and changes nothing on import.
 """
 
 from __future__ import annotations
@@ -18,15 +21,18 @@ from typing import Any
 
 import torch
 
+from megatron_ext.flags.versions import parse_version
 from megatron_ext.megatron_adapter.cpu.torch_proxy import CpuTorchProxy
 
 __all__ = [
+    "ALL_VERSIONS",
     "CUDA_LITERAL_MODULES",
     "ORIGINAL",
     "PATCHES",
     "SENTINEL",
     "CompatPatch",
     "current_value",
+    "in_range",
     "is_patched",
     "restore",
 ]
@@ -57,6 +63,17 @@ CUDA_LITERAL_MODULES: tuple[str, ...] = (
 """Modules whose global `torch` the `cuda_literals` patch replaces with a `CpuTorchProxy`."""
 
 
+ALL_VERSIONS = ">=0.16.1,<0.20"
+"""Every supported megatron-core (compat_versions.SUPPORTED_RANGE)."""
+
+
+def in_range(version: str, spec: str) -> bool:
+    """`version` within `spec` (">=A,<B", the only form used here)."""
+    low, high = (part.strip() for part in spec.split(","))
+    assert low.startswith(">=") and high.startswith("<"), spec
+    return parse_version(low[2:]) <= parse_version(version) < parse_version(high[1:])
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CompatPatch:
     """One named patch in the registry."""
@@ -69,6 +86,12 @@ class CompatPatch:
     """Extra idempotent setup run after installing the targets."""
     on_undo: Callable[[], None] | None = None
     """Reverses `on_apply`."""
+    versions: str = ALL_VERSIONS
+    """The megatron-core versions the patch applies to, as a requirement range."""
+
+    def applies_to(self, version: str) -> bool:
+        """Whether megatron-core `version` needs this patch (`versions` contains it)."""
+        return in_range(version, self.versions)
 
     @property
     def doc(self) -> str:
@@ -84,9 +107,11 @@ def _register(
     name: str,
     on_apply: Callable[[], None] | None = None,
     on_undo: Callable[[], None] | None = None,
+    versions: str = ALL_VERSIONS,
 ) -> Callable[[Callable[[], list[Target]]], Callable[[], list[Target]]]:
     def decorator(build: Callable[[], list[Target]]) -> Callable[[], list[Target]]:
-        PATCHES[name] = CompatPatch(name=name, build=build, on_apply=on_apply, on_undo=on_undo)
+        PATCHES[name] = CompatPatch(name=name, build=build, on_apply=on_apply, on_undo=on_undo,
+                                    versions=versions)
         return build
 
     return decorator
@@ -341,6 +366,9 @@ class _DummyStream:
     def wait_stream(self, *_args: Any, **_kwargs: Any) -> None:
         pass
 
+    def wait_event(self, *_args: Any, **_kwargs: Any) -> None:
+        pass
+
     def synchronize(self) -> None:
         pass
 
@@ -349,9 +377,11 @@ class _DummyStream:
 def _build_cuda_streams() -> list[Target]:
     """`torch.cuda.Stream/stream/default_stream/current_stream` -> dummies / null context.
 
-    distributed/distributed_data_parallel.py:230 and distributed/param_and_grad_buffer.py:417/
-    422/529, reached only with `num_distributed_optimizer_instances > 1`. Unexercised by the
-    verified scenarios.
+    0.16.1: distributed/distributed_data_parallel.py:230 and distributed/param_and_grad_buffer.py:
+    417/422/529, reached only with `num_distributed_optimizer_instances > 1` (unexercised by the
+    verified scenarios). 0.19: also param_and_grad_buffer.py:632, `current_stream()` and a
+    `wait_event` loop (CUDA-graph wgrad events) in every `start_grad_sync`: every DDP step on
+    CPU needs it.
     """
 
     class Stream(_DummyStream):
@@ -395,7 +425,8 @@ def _te_gemm_on_undo() -> None:
         del moe_utils._megatron_ext_te_gemm_stub
 
 
-@_register("te_gemm_stub", on_apply=_te_gemm_on_apply, on_undo=_te_gemm_on_undo)
+@_register("te_gemm_stub", on_apply=_te_gemm_on_apply, on_undo=_te_gemm_on_undo,
+           versions=">=0.16.1,<0.19")
 def _build_te_gemm_stub() -> list[Target]:
     """Bind `moe_utils.te_general_gemm = None` when Transformer Engine is absent.
 
@@ -404,7 +435,7 @@ def _build_te_gemm_stub() -> list[Target]:
     the `try: import transformer_engine` block (:22-38): without TE it is a NameError on any
     device. With the name bound to None the router takes its own torch.mm path. Not a
     CUDA hard-code but a missing fallback; no targets, only the module global (set on apply,
-    removed on undo).
+    removed on undo). Fixed upstream in 0.19 (moe_utils.py:27-53 binds it to None without TE).
     """
     return []
 

@@ -168,19 +168,19 @@ def prewarm_checkpoint_writer(shield: tuple[int, ...] = ()) -> threading.Thread:
     those signals ignored, which it inherits; a preemption signal sent to every process of the
     job (Slurm) then leaves it alive for the save that follows.
     """
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron_ext.megatron_adapter.compat import write_results_queue
 
     if shield:
         previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in shield}
         try:
-            filesystem_async._get_write_results_queue()
+            write_results_queue()
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
     def warm() -> None:
         try:
-            queue = filesystem_async._get_write_results_queue()
+            queue = write_results_queue()
             queue.put(torch.Size([0]))
             queue.get()
         except (EOFError, OSError):  # best effort: the process may be exiting already

@@ -1,4 +1,10 @@
-"""--rampup-batch-size START INCREMENT SAMPLES with megatron-core's own calculator.
+"""--rampup-batch-size START INCREMENT SAMPLES: Megatron-LM's linear batch-size ramp.
+
+megatron-core 0.16.1 computes it in `RampupBatchsizeNumMicroBatchesCalculator`
+(num_microbatches_calculator.py:360-484); 0.19 removed that class (only a step schedule is left),
+so the package computes the same ramp on every version: the batch grows by INCREMENT every
+SAMPLES / ((GBS - START) / INCREMENT) consumed samples and is GBS once more than SAMPLES samples
+are consumed (tests/unit/test_rampup.py compares it with 0.16.1's calculator where it exists).
 
 The plan (search, cost model, memory) is made for the final global batch size; during the ramp
 the step runs fewer micro-batches of the plan's global micro-batch, so every intermediate batch
@@ -8,10 +14,7 @@ off: num_microbatches_calculator.py `RampupBatchsizeNumMicroBatchesCalculator.up
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import TYPE_CHECKING
-
-from megatron.core.num_microbatches_calculator import RampupBatchsizeNumMicroBatchesCalculator
 
 from megatron_ext.errors import PlanError
 
@@ -39,20 +42,14 @@ def check_rampup(batch: BatchConfig) -> None:
                         f"micro-batch ({unit} samples = --micro-batch-size x data-parallel size)")
 
 
-@lru_cache(maxsize=8)
-def _calculator(batch: BatchConfig) -> RampupBatchsizeNumMicroBatchesCalculator:
-    assert batch.rampup_batch_size is not None
-    start, increment, samples = batch.rampup_batch_size
-    return RampupBatchsizeNumMicroBatchesCalculator(
-        global_batch_size=batch.global_batch_size, micro_batch_size=batch.global_micro_batch_size,
-        data_parallel_size=1, decrease_batch_size_if_needed=False, rank=-1,
-        start_global_batch_size=start, batch_size_increment=increment, ramup_samples=samples)
-
-
 def global_batch_size_at(batch: BatchConfig, consumed_samples: int) -> int:
     """Global batch size of the step that starts after `consumed_samples` samples."""
     if batch.rampup_batch_size is None:
         return batch.global_batch_size
-    calculator = _calculator(batch)
-    calculator.update(consumed_samples, consistency_check=True)
-    return int(calculator.get_current_global_batch_size())
+    start, increment, samples = batch.rampup_batch_size
+    gbs = batch.global_batch_size
+    if consumed_samples > samples:
+        return gbs
+    samples_per_increment = samples / ((gbs - start) // increment)
+    steps = int(consumed_samples / samples_per_increment) if samples_per_increment else 0
+    return min(start + steps * increment, gbs)

@@ -5,7 +5,7 @@ megatron-core 0.16.1 routes GPT2BPETokenizer and HuggingFaceTokenizer through `t
 read local files with the `tokenizers` package instead (vocab.json + merges.txt, or a
 tokenizer.json), wrapped in megatron-core's `MegatronTokenizerText` so megatron-core datasets and
 the rest of the loop see the same object megatron-core would build. NullTokenizer is
-megatron-core's own.
+megatron-core's own (its library name and end-of-document id differ by version: compat.py).
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from megatron.core.tokenizers import MegatronTokenizer
 from megatron.core.tokenizers.text.libraries.abstract_tokenizer import (
     MegatronTokenizerTextAbstract,
 )
 from megatron.core.tokenizers.text.text_tokenizer import MegatronTokenizerText
 
 from megatron_ext.errors import PlanError
+from megatron_ext.megatron_adapter.compat import null_tokenizer as null_tokenizer_of_this_version
 
 SUPPORTED_TOKENIZER_TYPES = ("GPT2BPETokenizer", "HuggingFaceTokenizer", "NullTokenizer")
 GPT2_EOD_TOKEN = "<|endoftext|>"
@@ -170,11 +170,12 @@ def huggingface_tokenizer(tokenizer_model: str | None) -> LocalTextTokenizer:
 
 
 def null_tokenizer(vocab_size: int | None) -> MegatronTokenizerText:
-    """megatron-core's NullTokenizer: ids are whitespace-separated integers, eod = vocab_size."""
+    """megatron-core's NullTokenizer: ids are whitespace-separated integers; the end-of-document
+    id is the installed version's (compat.null_tokenizer: vocab_size on 0.16, vocab_size - 1 on
+    0.19)."""
     if not vocab_size or vocab_size < 1:
         raise PlanError(f"--vocab-size={vocab_size} must be >= 1 for NullTokenizer")
-    return MegatronTokenizer.from_pretrained(metadata_path={"library": "null"},
-                                             vocab_size=vocab_size)
+    return null_tokenizer_of_this_version(vocab_size)
 
 
 def build_tokenizer(

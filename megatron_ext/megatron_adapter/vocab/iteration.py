@@ -13,7 +13,6 @@ from typing import Any
 import torch
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import (
-    backward_step,
     check_first_val_step,
     deallocate_output_tensor,
     forward_step,
@@ -23,6 +22,7 @@ from megatron.core.pipeline_parallel.utils import is_pp_first_stage, is_pp_last_
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_attr_wrapped_model, get_model_type
 
+from megatron_ext.megatron_adapter.compat import backward_step
 from megatron_ext.megatron_adapter.vocab.layers import (
     VocabParallelLayers,
     VocabScheduleOptions,
