@@ -20,6 +20,8 @@ KNOWN_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
     ("Transformer Engine and Apex are not installed", UserWarning),
     # megatron-core 0.16.1 internals.
     ("full scope is deprecated", UserWarning),
+    # megatron-core 0.19 (hyper_comm_grid.py:21): optional absl-py, it falls back to logging.
+    ("absl.logging is not installed", UserWarning),
     # advice for transformer-engine's fused attention, given whenever core_attn is recomputed
     # (transformer_config.py:1225), also with the local layers
     ("If you are using transformer_engine as the transformer implementation, the core_attn",

@@ -182,9 +182,16 @@ class HeteroDDP(_BaseDataParallel):
         if cls.zero >= 2:
             return ShardedLayers(self.module.config, list(cls.modules),
                                  group=cls.pg_collection.dp_cp, zero=cls.zero)
+        # --overlap-param-gather is a distributed-optimizer feature (Megatron-LM requires
+        # --use-distributed-optimizer for it): a ZeRO-0 class has no parameters to gather. Keep it
+        # off there; megatron-core 0.19 reads overlap_param_gather without the distributed
+        # optimizer as its layer-wise optimizer's gather (distributed_data_parallel.py:306-309).
+        zero1 = cls.zero >= 1
         return DistributedDataParallel(
             config=self.module.config,
-            ddp_config=dataclasses.replace(ddp_config, use_distributed_optimizer=cls.zero >= 1),
+            ddp_config=dataclasses.replace(
+                ddp_config, use_distributed_optimizer=zero1,
+                overlap_param_gather=ddp_config.overlap_param_gather and zero1),
             module=torch.nn.ModuleList(cls.modules), pg_collection=cls.pg_collection)
 
     @property

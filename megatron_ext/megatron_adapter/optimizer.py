@@ -217,6 +217,15 @@ class HeteroChainedOptimizer(ChainedOptimizer):
             if saved is not None:
                 self.grad_scaler.load_state_dict(saved)
 
+    def has_grad_norm_group(self, grad_norm_group: str) -> bool:
+        """False: no parameter here belongs to a separately normed group (megatron-core 0.19's
+        multi-token-prediction heads; the MTP flags are refused). 0.19's `ChainedOptimizer.step`
+        asks once per group with a collective over each sub-optimizer's own group
+        (optimizer.py:1816, :316); the classes here differ by rank (pipeline stage, ZeRO
+        level), so those collectives would not match across ranks. The grad norm itself is
+        `get_grad_norm` below, over the whole world, as on 0.16."""
+        return False
+
     def _owned_grads(self) -> list[torch.Tensor]:
         grads: list[torch.Tensor] = []
         for opt, replicated in zip(self.chained_optimizers, self._replicated):
