@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import site
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -166,11 +169,37 @@ def test_dockerfile_runs_only_the_ci_exercised_steps() -> None:
         "RUN bash tools/docker_steps.sh /opt/megatron_ext"]
 
 
-def test_docker_steps_run_here() -> None:
-    """The image's install steps, in order, on this machine (packages already present here, so
-    pip only re-checks them and re-links this checkout)."""
+def test_docker_steps_run_here(tmp_path: Path) -> None:
+    """The image's install steps, in order, on this machine, into a virtual environment of its
+    own that sees this one's packages (a .pth line): megatron-core is asked for at the version
+    installed here, so pip only re-checks it and links this checkout into the new environment.
+    The environment running the tests keeps its own megatron-core and megatron_ext, on either CI
+    leg (the image's default, 0.19.x, has no wheel for the first leg's Python 3.11)."""
+    installed = metadata.version("megatron-core")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=300)
+    purelib = "import sysconfig; print(sysconfig.get_path('purelib'))"
+    inner_site = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", purelib],
+        check=True, capture_output=True, text=True, timeout=120).stdout.strip()
+    (Path(inner_site) / "outer_env.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     result = subprocess.run(["bash", str(REPO / "tools" / "docker_steps.sh"), str(REPO)],
                             check=False, capture_output=True, text=True, timeout=900,
-                            env=dict(os.environ, PYTHON=sys.executable))
+                            env=dict(os.environ, PYTHON=str(venv / "bin" / "python"),
+                                     MEGATRON_CORE=f"megatron-core=={installed}"))
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    # megatron.core.__version__ of 0.19 appends the git commit of the working directory
+    assert re.search(rf"^megatron-core {re.escape(installed)}(\+\w+)?$", result.stdout, re.M)
     assert "docker_steps: OK" in result.stdout
+    assert metadata.version("megatron-core") == installed  # nothing changed out here
+
+
+def test_image_and_second_ci_leg_install_the_same_megatron_core() -> None:
+    """tools/docker_steps.sh's default requirement is the one .ci/run pins for its Python 3.12
+    leg, so the leg tests what the image installs."""
+    steps = (REPO / "tools" / "docker_steps.sh").read_text()
+    ci = (REPO / ".ci" / "leg2").read_text()
+    default = steps.split("MEGATRON_CORE=${MEGATRON_CORE:-", 1)[1].split("}", 1)[0]
+    assert default == "megatron-core>=0.19,<0.20"
+    assert f'LEG2_MEGATRON_CORE="{default}"' in ci
