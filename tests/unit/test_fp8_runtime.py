@@ -42,6 +42,10 @@ def megatron_lm_fields(ns) -> dict:
     out = {name: getattr(ns, name) if hasattr(ns, name) else DEFAULTS[name]
            for name in FP8_FIELDS}
     out["fp8_param"] = ns.fp8_param_gather
+    # 0.19 renamed --fp4-param-gather's dest fp4_param -> fp4_param_gather and copies it in, as
+    # fp8_param (the fp4 flags themselves are refused here, flags/catalog.py)
+    out["fp4_param"] = getattr(ns, "fp4_param", getattr(ns, "fp4_param_gather",
+                                                        DEFAULTS["fp4_param"]))
     return out
 
 
@@ -59,7 +63,7 @@ def test_fp8_config_fields_match_megatron_lm(flags):
     ns = parse_megatron_args(BASE + flags, world_size=8)
     for name in FP8_FIELDS:  # the flag-backed fields are read from the namespace, not defaulted
         if name not in ("fp8_dot_product_attention", "fp8_multi_head_attention",
-                        "tp_only_amax_red", "fp8_param"):
+                        "tp_only_amax_red", "fp8_param", "fp4_param"):
             assert hasattr(ns, name), name
     plan = plan_from_megatron_args(ns, 8)
     config = transformer_config(plan.model, precision=plan.precision, strategy=plan.layers[0],
