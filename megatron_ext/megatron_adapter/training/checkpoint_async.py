@@ -57,9 +57,13 @@ def _cpu_snapshot(preload: Callable[[], Any]) -> Any:
 
 
 def _cpu_worker_loop(*args: Any) -> None:
-    """megatron-core's persistent worker loop, in a process without CUDA: its first line
-    (`torch.cuda.set_device(rank % torch.cuda.device_count())`) becomes a no-op there."""
+    """megatron-core's persistent worker loop, in a process without CUDA: megatron_ext's CPU
+    patches (megatron_adapter/cpu) as in the training ranks, and the loop's first line
+    (`torch.cuda.set_device(rank % torch.cuda.device_count())`) made a no-op."""
     if not torch.cuda.is_available():
+        from megatron_ext.megatron_adapter.cpu import compat
+
+        compat.apply()
         torch.cuda.device_count = lambda: 1  # type: ignore[assignment]
         torch.cuda.set_device = lambda device: None  # type: ignore[assignment]
     PersistentAsyncCaller.async_loop(*args)
@@ -140,4 +144,8 @@ class AsyncSaver:
         """Finalize what is in flight (collective), then stop the persistent worker;
         `abort` (the run is failing, other ranks may not take part): stop the writers at once
         without finalizing, so the tracker keeps naming the last finalized checkpoint."""
+        if abort:  # megatron-core's close(abort=True) stops only the persistent worker
+            for call in self.queue.async_calls:
+                call.async_caller.close(abort=True)
+            self.queue.async_calls.clear()
         self.queue.close(abort=abort)
