@@ -121,6 +121,7 @@ def _worker(rank: int, world_size: int, root: str, repeats: int) -> dict[str, An
                      "blocked_s": statistics.median(blocked[1:]),
                      "published_s": statistics.median(published[1:]), "bytes": size}
     target = resolve_load(Path(root) / "sync")
+    assert target is not None
     loads = [_slowest(_timed(lambda: load_checkpoint(target, backend, scheduler, plan)))
              for _ in range(repeats)]
     out["load"] = {"load_s": statistics.median(loads)}
