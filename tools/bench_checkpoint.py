@@ -76,6 +76,7 @@ def _worker(rank: int, world_size: int, root: str, repeats: int) -> dict[str, An
     from megatron_ext.megatron_adapter.training import pretrain
     from megatron_ext.megatron_adapter.training.checkpoint import (
         TrainState,
+        cached_save_strategy,
         load_checkpoint,
         prewarm_checkpoint_writer,
         save_checkpoint,
@@ -99,15 +100,16 @@ def _worker(rank: int, world_size: int, root: str, repeats: int) -> dict[str, An
                                              for p in chunk.parameters())}
     for kind in KINDS:
         save = Path(root) / kind.replace(" ", "_")
-        saver = None if kind == "sync" else AsyncSaver(
-            persistent=kind == "async persistent", constant_structure=kind == "async persistent")
+        saver = None if kind == "sync" else AsyncSaver(persistent=kind == "async persistent")
+        strategy = cached_save_strategy() if kind == "async persistent" else None
         blocked, published = [], []
         for i in range(1, repeats + 2):
             state = TrainState(iteration=i)
 
-            def save_once(state: TrainState = state, saver: Any = saver,
-                          save: Path = save) -> None:
-                save_checkpoint(save, backend, scheduler, state, plan, saver=saver)
+            def save_once(state: TrainState = state, saver: Any = saver, save: Path = save,
+                          strategy: Any = strategy) -> None:
+                save_checkpoint(save, backend, scheduler, state, plan, saver=saver,
+                                strategy=strategy)
 
             wait = _slowest(_timed(save_once))
             done = wait if saver is None else wait + _slowest(_timed(

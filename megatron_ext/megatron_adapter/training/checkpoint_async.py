@@ -12,9 +12,7 @@ resumable. Every way out of `train` (the last iteration, --exit-interval,
 
 The writer is megatron-core's `AsyncCallsQueue`: a process forked per save
 (`TemporalAsyncCaller`, Megatron-LM's default) or, with --use-persistent-ckpt-worker, one
-spawned worker kept for the whole run (`PersistentAsyncCaller`). --ckpt-assume-constant-structure
-keeps one torch_dist save strategy with its cached save plan for every save of the run, as
-Megatron-LM does.
+spawned worker kept for the whole run (`PersistentAsyncCaller`).
 
 CPU (gloo) runs: megatron-core's persistent worker starts with
 `torch.cuda.set_device(rank % torch.cuda.device_count())`, a division by zero without CUDA;
@@ -35,7 +33,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 from megatron.core.dist_checkpointing.strategies.async_utils import (
     AsyncCaller,
     AsyncCallsQueue,
@@ -110,13 +107,8 @@ class AsyncSaver:
     """The run's asynchronous saves: `schedule` one, `maybe_finalize` after every step (all
     ranks), `close` once at the end (waits for what is in flight)."""
 
-    def __init__(self, *, persistent: bool = False, constant_structure: bool = False,
-                 shield: tuple[int, ...] = ()) -> None:
+    def __init__(self, *, persistent: bool = False, shield: tuple[int, ...] = ()) -> None:
         self.queue = _Queue(persistent, shield)
-        self.strategy: Any = None
-        if constant_structure:  # Megatron-LM: one strategy whose save plan is cached
-            self.strategy = get_default_save_sharded_strategy()
-            self.strategy.use_cached_ckpt_structure = True
 
     @property
     def in_flight(self) -> int:

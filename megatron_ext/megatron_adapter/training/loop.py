@@ -21,6 +21,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_ext.megatron_adapter.training.backend import Backend, Batch
 from megatron_ext.megatron_adapter.training.checkpoint import (
     TrainState,
+    cached_save_strategy,
     save_checkpoint,
 )
 from megatron_ext.megatron_adapter.training.checkpoint_async import AsyncSaver
@@ -138,13 +139,14 @@ def train(run: RunConfig, backend: Backend, scheduler: OptimizerParamScheduler,
         chunk.train()
     handler = install_exit_signal_handler(sched.exit_signals, backend)  # None: no handler
     saver = AsyncSaver(persistent=run.checkpoint.use_persistent_ckpt_worker,
-                       constant_structure=run.checkpoint.ckpt_assume_constant_structure,
                        shield=sched.exit_signals) if save and run.checkpoint.async_save else None
+    strategy = cached_save_strategy() if run.checkpoint.ckpt_assume_constant_structure else None
 
     def checkpoint() -> None:
         assert save is not None
         save_checkpoint(save, backend, scheduler, state, plan,
-                        with_optimizer=not run.checkpoint.no_save_optim, saver=saver)
+                        with_optimizer=not run.checkpoint.no_save_optim, saver=saver,
+                        strategy=strategy)
         reporter_info(reporter, f"saved checkpoint at iteration {state.iteration} to {save}"
                       if saver is None else f"saving checkpoint at iteration {state.iteration} "
                       f"to {save} in the background (--async-save)")

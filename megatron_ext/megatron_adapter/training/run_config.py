@@ -160,7 +160,8 @@ class CheckpointConfig:
     use_persistent_ckpt_worker: bool = False
     """--use-persistent-ckpt-worker: one writer process for the run instead of one per save."""
     ckpt_assume_constant_structure: bool = False
-    """--ckpt-assume-constant-structure: async saves reuse the first save's plan."""
+    """--ckpt-assume-constant-structure: saves reuse the first save's plan (one cached
+    torch_dist save strategy for the run, as in Megatron-LM)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
