@@ -22,8 +22,9 @@ when something goes wrong.
      worker (--use-persistent-ckpt-worker --ckpt-assume-constant-structure): the same losses,
      the same published iterations; a resume from A's iteration 8 continues R bit for bit.
   K  --async-save, one rank SIGKILLed as soon as the save of iteration 8 is handed to the writer
-     (its finalize, which publishes it, cannot have run yet): the tracker still names 4, no
-     iter_0000008 is published, and resuming gives R's losses bit for bit.
+     (its finalize, which publishes it, cannot have run yet): no iter_0000008 is published, the
+     tracker names the last finalized save (4, or none when the write of 4 was still in flight
+     too), and resuming gives R's losses bit for bit.
   S  also with --async-save: the exit handler waits for the save in flight.
 """
 
@@ -284,41 +285,49 @@ def test_rank_killed_during_an_async_save_leaves_the_previous_checkpoint(
     expected, _ = reference
     save = tmp_path / "killed"
     proc = subprocess.Popen(_cmd(["--save", str(save), "--save-interval", "4", "--async-save"]),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            start_new_session=True)
     lines, killed = [], None
     deadline = time.monotonic() + TIMEOUT_S
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line)
-            if killed is None and "saving checkpoint at iteration 8 " in line:
+            if "saving checkpoint at iteration 8 " in line:
                 # the save of 8 is with the writers; its finalize runs after a later step at
                 # the earliest, so nothing of 8 is published yet: kill a rank now
                 ranks = [int(c) for task in Path(f"/proc/{proc.pid}/task").glob("*")
                          for c in (task / "children").read_text().split()]
                 killed = sorted(ranks)[-1]
                 os.kill(killed, signal.SIGKILL)
+                break
             assert time.monotonic() < deadline, "timed out"
-        proc.wait(timeout=120)
+        proc.wait(timeout=TIMEOUT_S)  # torchrun stops the other ranks and exits
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        # what a job's end does (Slurm kills the job step): the killed rank's helper
+        # processes (the writer's results queue ignores SIGTERM) would outlive it
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.stdout is not None
+    lines.append(proc.stdout.read())
     output = "".join(lines)
     assert killed is not None, output[-3000:]
     assert proc.returncode != 0, output[-3000:]
     assert "checkpoint of iteration 8 published" not in output
-    assert (save / "latest_checkpointed_iteration.txt").read_text() == "4"
     assert not (save / "iter_0000008").exists()  # at most iter_0000008.tmp, never published
-    assert resolve_load(save).iteration == 4
+    # the save of 4 is published if its finalize ran before the kill (on a loaded machine the
+    # write can take longer than four steps): the tracker names it then, nothing otherwise
+    last = 4 if "checkpoint of iteration 4 published" in output else 0
+    target = resolve_load(save)
+    assert (target.iteration if target is not None else 0) == last, output[-3000:]
     assert _losses(output) == {i: expected[i] for i in _losses(output)}
 
     resumed = _torchrun(["--load", str(save), "--save", str(save), "--save-interval", "4",
                          "--async-save", "--exit-interval", "9"])
     assert resumed.returncode == 0, resumed.stdout[-4000:]
-    assert _losses(resumed.stdout) == {i: expected[i] for i in range(5, 10)}
+    assert _losses(resumed.stdout) == {i: expected[i] for i in range(last + 1, 10)}
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "9"
-    assert resolve_load(save).iteration == 9  # the leftover iter_0000008.tmp was replaced
+    assert resolve_load(save).iteration == 9  # leftover iter_*.tmp directories were replaced
 
 
 def test_checkpoint_of_a_newer_schema_is_one_line_before_any_process_group(
@@ -334,5 +343,5 @@ def test_checkpoint_of_a_newer_schema_is_one_line_before_any_process_group(
     assert errors[0].startswith(f"--load={ckpt}: checkpoint iteration 12 was written with "
                                 "checkpoint schema version 2 (iter_0000012/manifest.json), "
                                 "newer than this megatron_ext reads (1)"), errors
-    assert "Traceback" not in result.stdout
+    assert "Traceback" not in result.stdout.split("pretrain_gpt.py: error:")[0]  # torchrun's after
     assert "plan:" not in result.stdout  # refused before the process group and the plan
