@@ -132,7 +132,6 @@ NO_EFFECT: tuple[tuple[tuple[str, ...], str], ...] = (
      "tolerance); resume a stopped run with --load"),
     (("--ckpt-fully-parallel-load", "--no-ckpt-fully-parallel-save",
       "--disable-ckpt-fully-parallel-save", "--ckpt-fully-parallel-save",
-      "--use-persistent-ckpt-worker", "--ckpt-assume-constant-structure",
       "--dist-ckpt-strictness", "--dist-ckpt-save-pre-mcore-014",
       "--distrib-optim-fully-reshardable-mem-efficient", "--no-strict-fsdp-dtensor-load",
       "--disable-strict-fsdp-dtensor-load", "--auto-detect-ckpt-format", "--use-dist-ckpt",
@@ -376,7 +375,6 @@ REFUSED: tuple[tuple[tuple[str, ...], str, str], ...] = (
     (("--decrease-batch-size-if-needed",), "changing the batch size during training",
      "drop it"),
     # Not implemented on megatron_ext's training path yet; honoured once it is.
-    (("--async-save",), "asynchronous checkpoint saves", "drop it; saves are synchronous"),
     (("--skip-train",), "evaluation-only runs", "drop it"),
     (("--num-distributed-optimizer-instances",), "several distributed-optimizer instances",
      "use 1"),

@@ -241,6 +241,9 @@ def _check_training(ns: argparse.Namespace) -> None:
         raise PlanError(f"--min-lr={ns.min_lr} exceeds --lr={ns.lr}")
     if ns.save is not None and (ns.save_interval is None or ns.save_interval < 1):
         raise PlanError("--save needs a positive --save-interval (Megatron-LM requires it)")
+    if ns.async_save and ns.ckpt_format != "torch_dist":  # Megatron-LM's save_checkpoint
+        raise PlanError(f"--async-save is not implemented for --ckpt-format {ns.ckpt_format}; "
+                        "use --ckpt-format torch_dist")
     if ns.train_iters and ns.train_samples:
         raise PlanError("--train-iters and --train-samples exclude each other; pick one")
     if ns.lr_warmup_fraction is not None and (ns.lr_warmup_iters or ns.lr_warmup_samples):

@@ -134,6 +134,8 @@ def _add_checkpointing(parser: argparse.ArgumentParser) -> None:
                    choices=["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"])
     g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true")
     g.add_argument("--async-save", action="store_true", default=False)
+    g.add_argument("--use-persistent-ckpt-worker", action="store_true", default=False)
+    g.add_argument("--ckpt-assume-constant-structure", action="store_true", default=False)
 
 
 def _add_data(parser: argparse.ArgumentParser) -> None:

@@ -14,11 +14,23 @@ when something goes wrong.
   F  --save on a file system with room for one checkpoint (a tmpfs of 1.6 times R's iteration
      4): the save of iteration 8 fails with one line naming the directory, ENOSPC and the bytes
      written; the tracker still names 4, no partial directory is left, and resuming from it
-     gives R's losses bit for bit.
+     gives R's losses bit for bit. The same with --async-save: the failure surfaces when the
+     save is finalized, as the same line (the save of 4 may still be writing when 8 starts, so
+     either can be the one that fails; an aborted async save may leave its iter_*.tmp, which
+     is never named and is replaced by the next save of that iteration).
+  A  R with --async-save, one writer process per save (Megatron-LM's default) or the persistent
+     worker (--use-persistent-ckpt-worker --ckpt-assume-constant-structure): the same losses,
+     the same published iterations; a resume from A's iteration 8 continues R bit for bit.
+  K  --async-save, one rank SIGKILLed as soon as the save of iteration 8 is handed to the writer
+     (its finalize, which publishes it, cannot have run yet): no iter_0000008 is published, the
+     tracker names the last finalized save (4, or none when the write of 4 was still in flight
+     too), and resuming gives R's losses bit for bit.
+  S  also with --async-save: the exit handler waits for the save in flight.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -89,11 +101,12 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, str],
     return losses, save
 
 
+@pytest.mark.parametrize("mode", [[], ["--async-save"]], ids=["sync", "async"])
 def test_sigterm_saves_at_the_end_of_the_step_and_resumes_bit_exactly(
-        reference: tuple[dict[int, str], Path], tmp_path: Path) -> None:
+        reference: tuple[dict[int, str], Path], tmp_path: Path, mode: list[str]) -> None:
     save = tmp_path / "preempted"
     proc = subprocess.Popen(_cmd(["--save", str(save), "--save-interval", "100",
-                                  "--exit-signal-handler"]),
+                                  "--exit-signal-handler", *mode]),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
     lines, signalled = [], 0
     deadline = time.monotonic() + TIMEOUT_S
@@ -196,8 +209,9 @@ def test_typo_in_load_is_refused_before_rolling_save_back(
     assert {p.name: p.stat().st_mtime_ns for p in save.rglob("*")} == before
 
 
+@pytest.mark.parametrize("mode", [[], ["--async-save"]], ids=["sync", "async"])
 def test_full_disk_is_one_line_and_the_last_checkpoint_resumes(
-        reference: tuple[dict[int, str], Path], tmp_path: Path) -> None:
+        reference: tuple[dict[int, str], Path], tmp_path: Path, mode: list[str]) -> None:
     expected, source = reference
     size = sum(f.stat().st_size for f in (source / "iter_0000004").rglob("*") if f.is_file())
     disk = tmp_path / "disk"
@@ -207,22 +221,129 @@ def test_full_disk_is_one_line_and_the_last_checkpoint_resumes(
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
     try:
-        result = _torchrun(["--save", str(disk), "--save-interval", "4"])
+        result = _torchrun(["--save", str(disk), "--save-interval", "4", *mode])
         assert result.returncode != 0, result.stdout[-3000:]
         errors = ERROR_LINE.findall(result.stdout)
         assert len(errors) == 1, result.stdout[-3000:]  # rank 0 only, one line
-        assert errors[0].startswith(f"could not save iteration 8 to {disk}/iter_0000008.tmp: "
-                                    "No space left on device (ENOSPC"), errors
+        assert "Traceback" not in result.stdout.split("pretrain_gpt.py: error:")[0]
+        failed = 8
+        if mode:  # async: the save of 4 may still be writing when 8 starts, then both share
+            # the room for one and either can be the one that fails
+            found = re.match(r"could not save iteration (\d+) to ", errors[0])
+            assert found and found[1] in ("4", "8"), errors
+            failed = int(found[1])
+        assert errors[0].startswith(f"could not save iteration {failed} to {disk}/iter_"
+                                    f"{failed:07d}.tmp: No space left on device (ENOSPC"), errors
+        if failed == 4:
+            assert "no earlier checkpoint was published there" in errors[0], errors
+            assert resolve_load(disk) is None  # nothing partial is ever named
+            return
         assert re.search(r", after [1-9]\d* bytes were written; latest_checkpointed_iteration"
                          rf"\.txt still names iteration 4, which resumes with --load {disk};",
                          errors[0]), errors
-        assert "Traceback" not in result.stdout.split("pretrain_gpt.py: error:")[0]
         assert (disk / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
-        assert sorted(p.name for p in disk.iterdir()) == [
-            "iter_0000004", "latest_checkpointed_iteration.txt"]
+        published = sorted(p.name for p in disk.iterdir() if not p.name.endswith(".tmp"))
+        assert published == ["iter_0000004", "latest_checkpointed_iteration.txt"]
+        if not mode:  # sync: the failed save's directory is removed too
+            assert sorted(p.name for p in disk.iterdir()) == published
 
         resumed = _torchrun(["--load", str(disk), "--exit-interval", "6"])
         assert resumed.returncode == 0, resumed.stdout[-4000:]
         assert _losses(resumed.stdout) == {5: expected[5], 6: expected[6]}
     finally:
         subprocess.run(["umount", str(disk)], check=False)
+
+
+def _published(save: Path) -> list[str]:
+    return sorted(p.name for p in save.iterdir())
+
+
+@pytest.mark.parametrize("writer", [[], ["--use-persistent-ckpt-worker",
+                                         "--ckpt-assume-constant-structure"]],
+                         ids=["temporal", "persistent"])
+def test_async_save_publishes_the_same_checkpoints_and_resumes_bit_exactly(
+        reference: tuple[dict[int, str], Path], tmp_path: Path, writer: list[str]) -> None:
+    expected, _ = reference
+    save = tmp_path / "async"
+    result = _torchrun(["--save", str(save), "--save-interval", "4", "--async-save", *writer])
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert _losses(result.stdout) == expected  # saving in the background changes no step
+    for iteration in (4, 8, 12):
+        assert f"saving checkpoint at iteration {iteration} to {save} in the background" \
+            in result.stdout
+        assert f"checkpoint of iteration {iteration} published under {save}" in result.stdout
+    assert _published(save) == ["iter_0000004", "iter_0000008", "iter_0000012",
+                                "latest_checkpointed_iteration.txt"]
+    assert resolve_load(save).iteration == 12  # tracker, manifest and every file intact
+
+    resumed = _torchrun(["--load", str(save), "--ckpt-step", "8", "--exit-interval", "10"])
+    assert resumed.returncode == 0, resumed.stdout[-4000:]
+    assert _losses(resumed.stdout) == {9: expected[9], 10: expected[10]}
+
+
+def test_rank_killed_during_an_async_save_leaves_the_previous_checkpoint(
+        reference: tuple[dict[int, str], Path], tmp_path: Path) -> None:
+    expected, _ = reference
+    save = tmp_path / "killed"
+    proc = subprocess.Popen(_cmd(["--save", str(save), "--save-interval", "4", "--async-save"]),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            start_new_session=True)
+    lines, killed = [], None
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "saving checkpoint at iteration 8 " in line:
+                # the save of 8 is with the writers; its finalize runs after a later step at
+                # the earliest, so nothing of 8 is published yet: kill a rank now
+                ranks = [int(c) for task in Path(f"/proc/{proc.pid}/task").glob("*")
+                         for c in (task / "children").read_text().split()]
+                killed = sorted(ranks)[-1]
+                os.kill(killed, signal.SIGKILL)
+                break
+            assert time.monotonic() < deadline, "timed out"
+        proc.wait(timeout=TIMEOUT_S)  # torchrun stops the other ranks and exits
+    finally:
+        # what a job's end does (Slurm kills the job step): the killed rank's helper
+        # processes (the writer's results queue ignores SIGTERM) would outlive it
+        with contextlib.suppress(ProcessLookupError):  # none left
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert proc.stdout is not None
+    lines.append(proc.stdout.read())
+    output = "".join(lines)
+    assert killed is not None, output[-3000:]
+    assert proc.returncode != 0, output[-3000:]
+    assert "checkpoint of iteration 8 published" not in output
+    assert not (save / "iter_0000008").exists()  # at most iter_0000008.tmp, never published
+    # the save of 4 is published if its finalize ran before the kill (on a loaded machine the
+    # write can take longer than four steps): the tracker names it then, nothing otherwise
+    last = 4 if "checkpoint of iteration 4 published" in output else 0
+    target = resolve_load(save)
+    assert (target.iteration if target is not None else 0) == last, output[-3000:]
+    assert _losses(output) == {i: expected[i] for i in _losses(output)}
+
+    resumed = _torchrun(["--load", str(save), "--save", str(save), "--save-interval", "4",
+                         "--async-save", "--exit-interval", "9"])
+    assert resumed.returncode == 0, resumed.stdout[-4000:]
+    assert _losses(resumed.stdout) == {i: expected[i] for i in range(last + 1, 10)}
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "9"
+    assert resolve_load(save).iteration == 9  # leftover iter_*.tmp directories were replaced
+
+
+def test_checkpoint_of_a_newer_schema_is_one_line_before_any_process_group(
+        reference: tuple[dict[int, str], Path], tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(reference[1], ckpt)
+    manifest = ckpt / "iter_0000012" / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"version": 1', '"version": 2', 1))
+    result = _torchrun(["--load", str(ckpt)])
+    assert result.returncode != 0
+    errors = ERROR_LINE.findall(result.stdout)
+    assert len(errors) == 1, result.stdout[-3000:]
+    assert errors[0].startswith(f"--load={ckpt}: checkpoint iteration 12 was written with "
+                                "checkpoint schema version 2 (iter_0000012/manifest.json), "
+                                "newer than this megatron_ext reads (1)"), errors
+    assert "Traceback" not in result.stdout.split("pretrain_gpt.py: error:")[0]  # torchrun's after
+    assert "plan:" not in result.stdout  # refused before the process group and the plan

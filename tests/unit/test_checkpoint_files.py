@@ -7,12 +7,14 @@ damages the files of a real 4-rank checkpoint the same way.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from megatron_ext.errors import PlanError
 from megatron_ext.megatron_adapter.training.checkpoint_files import (
+    MANIFEST_VERSION,
     TRACKER_FILE,
     check_no_rollback,
     find_damage,
@@ -104,6 +106,27 @@ def test_ckpt_step_loads_that_iteration_or_names_the_problem(root: Path) -> None
     with pytest.raises(PlanError, match=r"--ckpt-step=15: .*iter_0000015 does not exist.*"
                                         r"--ckpt-step 30"):
         resolve_load(root, ckpt_step=15)
+
+
+@pytest.mark.parametrize("ckpt_step", [None, 30])
+def test_checkpoint_of_a_newer_schema_is_refused_by_name(root: Path, ckpt_step: int | None
+                                                         ) -> None:
+    manifest = root / "iter_0000030" / "manifest.json"
+    record = json.loads(manifest.read_text())
+    assert record["version"] == MANIFEST_VERSION
+    record["version"] = MANIFEST_VERSION + 1
+    record["files"] = {"layout-of-a-newer-release": {}}  # whatever a newer schema holds
+    manifest.write_text(json.dumps(record))
+    with pytest.raises(PlanError) as err:
+        resolve_load(root, ckpt_step)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message == (
+        f"--load={root}: checkpoint iteration 30 was written with checkpoint schema version "
+        f"{MANIFEST_VERSION + 1} (iter_0000030/manifest.json), newer than this megatron_ext "
+        f"reads ({MANIFEST_VERSION}); load it with the megatron_ext release that wrote it (or a "
+        "newer one)")
+    assert resolve_load(root, ckpt_step=20).iteration == 20  # older ones still load
 
 
 def test_checkpoints_without_a_manifest_get_the_basic_checks(tmp_path: Path) -> None:

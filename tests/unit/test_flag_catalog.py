@@ -172,3 +172,21 @@ def test_nan_check_follows_megatron_validate_args():
     assert not parse_megatron_args(BASE + ["--fp16"]).check_for_nan_in_loss_and_grad
     assert parse_megatron_args(BASE + ["--fp16", "--loss-scale", "1024"]
                                ).check_for_nan_in_loss_and_grad
+
+
+def test_async_save_and_its_worker_flags_are_honoured() -> None:
+    """--async-save (checkpoint_async.py) with Megatron-LM's names and defaults; another format
+    is refused in one line, as Megatron-LM refuses async saves outside torch_dist."""
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+            "--seq-length", "32", "--max-position-embeddings", "64", "--micro-batch-size", "1",
+            "--train-iters", "2", "--lr", "1e-3", "--save", "ckpt", "--save-interval", "1"]
+    ns = parse_megatron_args(base, world_size=1)
+    assert (ns.async_save, ns.use_persistent_ckpt_worker,
+            ns.ckpt_assume_constant_structure) == (False, False, False)
+    ns = parse_megatron_args([*base, "--async-save", "--use-persistent-ckpt-worker",
+                              "--ckpt-assume-constant-structure"], world_size=1)
+    assert (ns.async_save, ns.use_persistent_ckpt_worker,
+            ns.ckpt_assume_constant_structure) == (True, True, True)
+    with pytest.raises(PlanError) as err:
+        parse_megatron_args([*base, "--async-save", "--ckpt-format", "torch"], world_size=1)
+    assert str(err.value).startswith("--ckpt-format torch: ") and "\n" not in str(err.value)

@@ -54,10 +54,11 @@ from megatron_ext.plan import ParallelPlan
 
 if TYPE_CHECKING:
     from megatron_ext.megatron_adapter.training.backend import Backend
+    from megatron_ext.megatron_adapter.training.checkpoint_async import AsyncSaver
 
-__all__ = ["TrainState", "check_layer_keys", "check_optimizer_layout", "checkpoint_info",
-           "gradient_class_counts", "load_checkpoint", "prewarm_checkpoint_writer",
-           "save_checkpoint"]
+__all__ = ["TrainState", "cached_save_strategy", "check_layer_keys", "check_optimizer_layout",
+           "checkpoint_info", "gradient_class_counts", "load_checkpoint",
+           "prewarm_checkpoint_writer", "save_checkpoint"]
 logger = logging.getLogger(__name__)
 _SLOTS = "megatron_ext.optimizer_slots"
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's current checkpoint_version
@@ -215,14 +216,30 @@ def _commit(root: Path, tmp: Path, iteration: int) -> None:
                        TRACKER_FILE, root, iteration)
 
 
+def cached_save_strategy() -> Any:
+    """--ckpt-assume-constant-structure: one torch_dist save strategy for the run, which caches
+    its save plan after the first save (Megatron-LM keeps it in the checkpointing context)."""
+    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+
+    strategy = get_default_save_sharded_strategy()
+    strategy.use_cached_ckpt_structure = True
+    return strategy
+
+
 def save_checkpoint(root: str | Path, backend: Backend, scheduler: Any, state: TrainState,
-                    plan: ParallelPlan, *, with_optimizer: bool = True) -> Path:
-    """Write iteration `state.iteration` under `root`; returns the published directory.
-    `with_optimizer=False`: Megatron-LM's --no-save-optim (weights, scheduler, RNG only). A
-    write that fails on any rank is one CheckpointWriteError line on every rank
-    (checkpoint_write.py); the tracker keeps naming the last complete checkpoint."""
+                    plan: ParallelPlan, *, with_optimizer: bool = True,
+                    saver: AsyncSaver | None = None, strategy: Any = None) -> Path:
+    """Write iteration `state.iteration` under `root`; returns the directory it is published
+    as. `with_optimizer=False`: Megatron-LM's --no-save-optim (weights, scheduler, RNG only).
+    `saver` (--async-save): the shards are written in the background and the directory is
+    published when `saver` finalizes the save (checkpoint_async.py), every rank's write done.
+    A write that fails on any rank is one CheckpointWriteError line on every rank
+    (checkpoint_write.py), raised here or, for an async save, by the finalize; the tracker keeps
+    naming the last complete checkpoint. `strategy`: `cached_save_strategy()` or None
+    (megatron-core's default, planned anew each save)."""
     root = Path(root)
-    tmp = root / f"iter_{state.iteration:07d}.tmp"
+    iteration = state.iteration  # `state` moves on while an async save is in flight
+    tmp = root / f"iter_{iteration:07d}.tmp"
 
     def step(action: Any, on_rank0_only: bool) -> None:
         """Run `action`; every rank raises the same one line if it failed on any rank."""
@@ -231,7 +248,7 @@ def save_checkpoint(root: str | Path, backend: Backend, scheduler: Any, state: T
             try:
                 action()
             except checkpoint_write.SAVE_ERRORS as err:  # OSError, or the writer's wrapped one
-                error = checkpoint_write.describe(err, root, tmp, state.iteration)
+                error = checkpoint_write.describe(err, root, tmp, iteration)
         error = checkpoint_write.agree(error)
         if error is not None:
             checkpoint_write.discard(tmp)
@@ -243,12 +260,28 @@ def save_checkpoint(root: str | Path, backend: Backend, scheduler: Any, state: T
         tmp.mkdir(parents=True)
 
     step(prepare, on_rank0_only=True)
-    _wait_for_prewarm()
+    _wait_for_prewarm()  # also before an async save: its writer sends results through the queue
     sd = _state_dict(backend, scheduler, state, plan, is_loading=False,
                      optimizer=PARAM_KEYED if with_optimizer else None)
-    step(lambda: dist_checkpointing.save(sd, str(tmp)), on_rank0_only=False)
-    step(lambda: _commit(root, tmp, state.iteration), on_rank0_only=True)
-    return iteration_dir(root, state.iteration)
+    if saver is None:
+        step(lambda: dist_checkpointing.save(sd, str(tmp), sharded_strategy=strategy),
+             on_rank0_only=False)
+        step(lambda: _commit(root, tmp, iteration), on_rank0_only=True)
+        return iteration_dir(root, iteration)
+    requests: list[Any] = []
+    step(lambda: requests.append(dist_checkpointing.save(
+        sd, str(tmp), sharded_strategy=strategy, async_sharded_save=True)),
+        on_rank0_only=False)
+    finalize_fns = list(requests[0].finalize_fns)  # megatron-core's: metadata of every rank
+
+    def finalize() -> None:  # every rank, once every rank's writer finished
+        step(lambda: [fn() for fn in finalize_fns], on_rank0_only=False)
+        step(lambda: _commit(root, tmp, iteration), on_rank0_only=True)
+        if dist.get_rank() == 0:
+            logger.info("checkpoint of iteration %d published under %s", iteration, root)
+
+    saver.schedule(requests[0], finalize)
+    return iteration_dir(root, iteration)
 
 
 def checkpoint_info(target: LoadTarget | str | Path | None) -> dict[str, Any] | None:

@@ -9,7 +9,8 @@ exists and ends in one PlanError line.
   file's size, and a SHA-256 of the files up to `CHECKSUM_LIMIT` bytes (common.pt,
   metadata.json, .metadata and, for small models, the .distcp shards). `find_damage` checks
   it when loading; a damaged checkpoint is named together with the newest intact one and the
-  flag that loads it (`--ckpt-step`, Megatron-LM's).
+  flag that loads it (`--ckpt-step`, Megatron-LM's). Its `version` is the schema: a checkpoint
+  written under a newer one is refused by name (`newer_schema`) rather than misread.
 - `check_no_rollback`: a run whose saves would move `--save` back (a typo in `--load`, no
   `--load`, an older `--ckpt-step`) is refused before it starts.
 """
@@ -67,6 +68,26 @@ def write_manifest(ckpt_dir: str | Path, iteration: int) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, ckpt_dir / MANIFEST_FILE)
+
+
+def newer_schema(ckpt_dir: str | Path) -> int | None:
+    """The manifest's schema version when it is newer than this code reads (`MANIFEST_VERSION`),
+    else None (also when there is no readable manifest: `find_damage` reports that)."""
+    try:
+        version = json.loads((Path(ckpt_dir) / MANIFEST_FILE).read_text())["version"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return version if isinstance(version, int) and version > MANIFEST_VERSION else None
+
+
+def _check_schema(root: Path, iteration: int) -> None:
+    version = newer_schema(iteration_dir(root, iteration))
+    if version is not None:
+        raise PlanError(
+            f"--load={root}: checkpoint iteration {iteration} was written with checkpoint schema "
+            f"version {version} ({iteration_dir(root, iteration).name}/{MANIFEST_FILE}), newer "
+            f"than this megatron_ext reads ({MANIFEST_VERSION}); load it with the megatron_ext "
+            "release that wrote it (or a newer one)")
 
 
 def find_damage(ckpt_dir: str | Path) -> str | None:
@@ -179,6 +200,7 @@ def resolve_load(root: str | Path | None, ckpt_step: int | None = None) -> LoadT
     if ckpt_step is not None:
         if ckpt_step < 0:
             raise PlanError(f"--ckpt-step={ckpt_step}: an iteration number is >= 0")
+        _check_schema(root, ckpt_step)
         damage = find_damage(iteration_dir(root, ckpt_step))
         if damage is not None:
             raise PlanError(f"--load={root} --ckpt-step={ckpt_step}: checkpoint iteration "
@@ -196,6 +218,7 @@ def resolve_load(root: str | Path | None, ckpt_step: int | None = None) -> LoadT
                         f"iteration {newer} is newer and intact (saves never move the tracker "
                         f"back); add --ckpt-step {newer}, or --ckpt-step {iteration} to load the "
                         "older one")
+    _check_schema(root, iteration)
     damage = find_damage(iteration_dir(root, iteration))
     if damage is not None:
         raise PlanError(f"--load={root}: checkpoint iteration {iteration} is damaged ({damage}); "

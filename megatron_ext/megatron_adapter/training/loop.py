@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,10 +21,15 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_ext.megatron_adapter.training.backend import Backend, Batch
 from megatron_ext.megatron_adapter.training.checkpoint import (
     TrainState,
+    cached_save_strategy,
     save_checkpoint,
 )
+from megatron_ext.megatron_adapter.training.checkpoint_async import AsyncSaver
 from megatron_ext.megatron_adapter.training.data import MicroBatchIterator
-from megatron_ext.megatron_adapter.training.preemption import install_exit_signal_handler
+from megatron_ext.megatron_adapter.training.preemption import (
+    ExitSignalHandler,
+    install_exit_signal_handler,
+)
 from megatron_ext.megatron_adapter.training.rampup import global_batch_size_at
 from megatron_ext.megatron_adapter.training.report import Reporter
 from megatron_ext.megatron_adapter.training.run_config import RunConfig
@@ -123,19 +128,58 @@ def train(run: RunConfig, backend: Backend, scheduler: OptimizerParamScheduler,
           datasets: list[Any], state: TrainState, *, start_time_s: float) -> TrainState:
     """Run from `state.iteration` to the run's last iteration, logging, evaluating and saving
     as asked. `start_time_s`: when the job started (--exit-duration-in-mins counts from it)."""
-    plan, sched, batch, save = run.plan, run.schedule, run.batch, run.checkpoint.save
+    plan, sched, save = run.plan, run.schedule, run.checkpoint.save
     train_ds, valid_ds = datasets[0], datasets[1]
     train_data = _iterator(backend, train_ds, state.consumed_train_samples, run,
                            run.data.num_workers, cyclic=False)
     valid_data = _iterator(backend, valid_ds, state.consumed_valid_samples, run, 0, cyclic=True)
     reporter = Reporter(plan=plan, train_iters=sched.train_iters,
                         tensorboard_dir=run.logging.tensorboard_dir)
-    log_interval = run.logging.log_interval
-    eval_interval, eval_iters = sched.eval_interval, sched.eval_iters
-    save_interval, last_saved = run.checkpoint.save_interval, state.iteration
     for chunk in backend.model:
         chunk.train()
     handler = install_exit_signal_handler(sched.exit_signals, backend)  # None: no handler
+    saver = AsyncSaver(persistent=run.checkpoint.use_persistent_ckpt_worker,
+                       shield=sched.exit_signals) if save and run.checkpoint.async_save else None
+    strategy = cached_save_strategy() if run.checkpoint.ckpt_assume_constant_structure else None
+
+    def checkpoint() -> None:
+        assert save is not None
+        save_checkpoint(save, backend, scheduler, state, plan,
+                        with_optimizer=not run.checkpoint.no_save_optim, saver=saver,
+                        strategy=strategy)
+        reporter_info(reporter, f"saved checkpoint at iteration {state.iteration} to {save}"
+                      if saver is None else f"saving checkpoint at iteration {state.iteration} "
+                      f"to {save} in the background (--async-save)")
+
+    try:
+        last_saved = _steps(run, backend, scheduler, state, reporter, handler, saver,
+                            checkpoint, train_data, valid_data, valid_ds,
+                            start_time_s=start_time_s)
+        if save and last_saved != state.iteration:
+            checkpoint()
+        if saver is not None:  # Megatron-LM: a blocking finalize before the run ends
+            saver.close()
+    except BaseException:
+        if saver is not None:  # the tracker keeps naming the last finalized checkpoint
+            saver.close(abort=True)
+        raise
+    if handler is not None:
+        handler.release()
+    reporter.close()
+    return state
+
+
+def _steps(run: RunConfig, backend: Backend, scheduler: OptimizerParamScheduler,
+           state: TrainState, reporter: Reporter, handler: ExitSignalHandler | None,
+           saver: AsyncSaver | None, checkpoint: Callable[[], None],
+           train_data: MicroBatchIterator | None, valid_data: MicroBatchIterator | None,
+           valid_ds: Any, *, start_time_s: float) -> int:
+    """The steps of `train` until the last iteration or an exit condition; returns the
+    iteration last saved."""
+    sched, batch, save = run.schedule, run.batch, run.checkpoint.save
+    log_interval = run.logging.log_interval
+    eval_interval, eval_iters = sched.eval_interval, sched.eval_iters
+    save_interval, last_saved = run.checkpoint.save_interval, state.iteration
     while state.iteration < sched.train_iters:
         start_s = time.perf_counter()
         global_batch = global_batch_size_at(batch, state.consumed_train_samples)
@@ -146,6 +190,8 @@ def train(run: RunConfig, backend: Backend, scheduler: OptimizerParamScheduler,
         state.skipped_iterations += 0 if step.update_successful else 1
         reporter.stats.add(step.loss, time.perf_counter() - start_s, step.grad_norm,
                            backend.step_metrics)
+        if saver is not None:  # Megatron-LM's maybe_finalize_async_save(blocking=False)
+            saver.maybe_finalize()
         if state.iteration % log_interval == 0:
             reporter.log_interval(
                 iteration=state.iteration, consumed=state.consumed_train_samples,
@@ -158,11 +204,8 @@ def train(run: RunConfig, backend: Backend, scheduler: OptimizerParamScheduler,
                 backend, valid_data, batch.num_microbatches, eval_iters))
             state.consumed_valid_samples += eval_iters * batch.global_batch_size
         if save and save_interval and state.iteration % save_interval == 0:
-            save_checkpoint(save, backend, scheduler, state, plan,
-                            with_optimizer=not run.checkpoint.no_save_optim)
+            checkpoint()
             last_saved = state.iteration
-            reporter_info(reporter, f"saved checkpoint at iteration {state.iteration} "
-                                    f"to {save}")
         received = handler.received() if handler is not None else None
         if received is not None:  # Megatron-LM: save at the end of this step, exit 0
             reporter_info(reporter, f"received {received.name}: exiting after iteration "
@@ -176,14 +219,7 @@ def train(run: RunConfig, backend: Backend, scheduler: OptimizerParamScheduler,
                                     f"{sched.exit_duration_in_mins} minutes "
                                     "(--exit-duration-in-mins)")
             break
-    if save and last_saved != state.iteration:
-        save_checkpoint(save, backend, scheduler, state, plan,
-                        with_optimizer=not run.checkpoint.no_save_optim)
-        reporter_info(reporter, f"saved checkpoint at iteration {state.iteration} to {save}")
-    if handler is not None:
-        handler.release()
-    reporter.close()
-    return state
+    return last_saved
 
 
 def reporter_info(reporter: Reporter, message: str) -> None:

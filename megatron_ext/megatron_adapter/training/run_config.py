@@ -155,6 +155,13 @@ class CheckpointConfig:
     exit_on_missing_checkpoint: bool
     no_save_optim: bool = False
     """Megatron-LM's --no-save-optim: checkpoints hold no optimizer state."""
+    async_save: bool = False
+    """--async-save: shards are written in the background (checkpoint_async.py)."""
+    use_persistent_ckpt_worker: bool = False
+    """--use-persistent-ckpt-worker: one writer process for the run instead of one per save."""
+    ckpt_assume_constant_structure: bool = False
+    """--ckpt-assume-constant-structure: saves reuse the first save's plan (one cached
+    torch_dist save strategy for the run, as in Megatron-LM)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -351,7 +358,9 @@ def build_run_config(ns: argparse.Namespace, plan: ParallelPlan, *, cpu: bool,
             save=ns.save, save_interval=ns.save_interval, load=ns.load, ckpt_step=ns.ckpt_step,
             no_load_optim=bool(ns.no_load_optim), no_load_rng=bool(ns.no_load_rng),
             finetune=ns.finetune, exit_on_missing_checkpoint=ns.exit_on_missing_checkpoint,
-            no_save_optim=bool(ns.no_save_optim)),
+            no_save_optim=bool(ns.no_save_optim), async_save=ns.async_save,
+            use_persistent_ckpt_worker=ns.use_persistent_ckpt_worker,
+            ckpt_assume_constant_structure=ns.ckpt_assume_constant_structure),
         logging=LoggingConfig(log_interval=ns.log_interval, tensorboard_dir=ns.tensorboard_dir),
         tokenizer=tokenizer_config(ns),
         system=SystemConfig(seed=ns.seed, cpu=cpu,
