@@ -281,6 +281,17 @@ def test_async_save_publishes_the_same_checkpoints_and_resumes_bit_exactly(
     assert _losses(resumed.stdout) == {9: expected[9], 10: expected[10]}
 
 
+def _kill_pipe_writers(fd: int) -> None:
+    """SIGKILL every other process that holds the pipe `fd` reads from."""
+    inode = f"pipe:[{os.fstat(fd).st_ino}]"
+    for proc_dir in Path("/proc").glob("[0-9]*"):
+        if int(proc_dir.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            if any(os.readlink(f) == inode for f in (proc_dir / "fd").iterdir()):
+                os.kill(int(proc_dir.name), signal.SIGKILL)
+
+
 def test_rank_killed_during_an_async_save_leaves_the_previous_checkpoint(
         reference: tuple[dict[int, str], Path], tmp_path: Path) -> None:
     expected, _ = reference
@@ -305,11 +316,14 @@ def test_rank_killed_during_an_async_save_leaves_the_previous_checkpoint(
             assert time.monotonic() < deadline, "timed out"
         proc.wait(timeout=TIMEOUT_S)  # torchrun stops the other ranks and exits
     finally:
-        # what a job's end does (Slurm kills the job step): the killed rank's helper
-        # processes (the writer's results queue ignores SIGTERM) would outlive it
+        # what a job's end does (Slurm kills every process of the job step): the killed
+        # rank's helper processes (the writer's results-queue Manager ignores SIGTERM and runs
+        # in a session of its own) would outlive it and keep the output pipe open
         with contextlib.suppress(ProcessLookupError):  # none left
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+        assert proc.stdout is not None
+        _kill_pipe_writers(proc.stdout.fileno())
     assert proc.stdout is not None
     lines.append(proc.stdout.read())
     output = "".join(lines)
