@@ -249,6 +249,16 @@ def _check_vocab(plan: ParallelPlan) -> None:
         raise PlanError(
             f"vocab.tp={plan.vocab.tp} does not divide world_size/pp={plan.stage_width}"
         )
+    model = plan.model
+    for field in ("num_attention_heads", "num_query_groups"):
+        # the embedding and output layer are built from megatron-core's TransformerConfig at
+        # vocab.tp, which refuses a tp that does not divide the heads or query groups
+        if getattr(model, field) % plan.vocab.tp:
+            raise PlanError(
+                f"vocab.tp={plan.vocab.tp} does not divide {field}={getattr(model, field)}; "
+                "megatron-core builds the vocabulary layers with that tp: use a vocab.tp that "
+                "divides it"
+            )
     if plan.vocab.mode == "vocab_parallel" and plan.pp == 1:
         raise PlanError(
             "vocab.mode='vocab_parallel' needs pp > 1 (it spreads the vocabulary over pipeline "

@@ -84,6 +84,7 @@ def min_allocated_bytes(cm: CostModel) -> float:
             transient = costs.transient_bytes[order]
             m = t.global_batch_size // mbs
             options = vocab_options(
+                model,
                 width=width,
                 pp=pp,
                 nvlink_gpus=cluster.nvlink_domain,

@@ -536,6 +536,7 @@ def _solve_combo(
     costs = [_take(c, keep) for c in combo.costs]
     valid, objective = valid_all[:, keep], objective_all[:, keep]
     vocabs = vocab_options(
+        model,
         width=cm.cluster.num_gpus // pp,
         pp=pp,
         nvlink_gpus=cm.cluster.nvlink_domain,

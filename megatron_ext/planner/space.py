@@ -295,6 +295,7 @@ def dominated_layouts(
 
 
 def vocab_options(
+    model: ModelSpec,
     *,
     width: int,
     pp: int,
@@ -307,10 +308,13 @@ def vocab_options(
     domain), or
     vocabulary parallelism over all pp x tp ranks when pp > 1, allowed, and the sequence splits
     over its replicas (plan_checks.vocab_parallel_split, the plan's own rule). uniform_tp pins
-    Megatron's choice (vocabulary tp = layer tp, never vocabulary parallel)."""
+    Megatron's choice (vocabulary tp = layer tp, never vocabulary parallel). The vocabulary
+    layers are built from megatron-core's TransformerConfig at their tp, which needs tp to divide
+    the heads and query groups (plan_checks refuses other plans the same way)."""
     if uniform_tp is not None:
         return [VocabStrategy(mode="tp", tp=uniform_tp)]
-    tps = [t for t in divisors(width) if t <= nvlink_gpus]
+    tps = [t for t in divisors(width) if t <= nvlink_gpus
+           and model.num_attention_heads % t == 0 and model.num_query_groups % t == 0]
     out = [VocabStrategy(mode="tp", tp=t) for t in tps]
     if pp > 1 and training.allow_vocab_parallel:
         for t in tps:

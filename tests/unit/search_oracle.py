@@ -155,6 +155,7 @@ def oracle(cm) -> OracleLayout | None:
             switch = cm.transition_s(table, mbs)
             m = t.global_batch_size // mbs
             for vocab in vocab_options(
+                model,
                 width=width,
                 pp=pp,
                 nvlink_gpus=cluster.nvlink_domain,

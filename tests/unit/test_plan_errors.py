@@ -150,3 +150,15 @@ def test_interleaved_plan_round_trips_and_maps_chunks_to_ranks() -> None:
 def test_interleaved_plan_errors(change: dict[str, Any], expected: str) -> None:
     message = _error(_interleaved(**change))
     assert message.startswith(expected), message
+
+
+def test_vocab_tp_must_divide_query_groups() -> None:
+    # megatron-core builds the embedding and output layer from a TransformerConfig at vocab.tp;
+    # a searched plan once gave a 1-head model vocab.tp=2 and every rank failed in that config
+    data = _plan(8, [(0, 32)], [{"start": 0, "end": 32, "tp": 2, "dp": 4}],
+                 model=_llama(num_query_groups=2))
+    data["vocab"] = {"mode": "tp", "tp": 4}
+    assert _error(data) == (
+        "vocab.tp=4 does not divide num_query_groups=2; megatron-core builds the vocabulary "
+        "layers with that tp: use a vocab.tp that divides it"
+    )

@@ -303,3 +303,13 @@ def test_default_space_holds_interleaving():
     without = search(cost_model(24, allow_interleaving=False))
     assert all(p.virtual_stages == 1 for p in without.candidates)
     assert result.evaluation.iteration_s <= without.evaluation.iteration_s * (1 + 1e-12)
+
+
+def test_vocabulary_tp_divides_the_heads() -> None:
+    # the vocabulary layers are built from megatron-core's TransformerConfig at their tp
+    from megatron_ext.planner.space import vocab_options
+    model = dataclasses.replace(model_preset("tiny-llama"), num_attention_heads=1,
+                                num_query_groups=1)
+    t = TrainingSpec(global_batch_size=8, seq_length=32)
+    options = vocab_options(model, width=4, pp=2, nvlink_gpus=8, training=t, micro_batch_size=8)
+    assert options and {v.tp for v in options} == {1}

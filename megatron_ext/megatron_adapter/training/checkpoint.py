@@ -15,6 +15,7 @@ unchanged; the data position is a sample count and is restored under any plan.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import random
@@ -190,6 +191,11 @@ def prewarm_checkpoint_writer(shield: tuple[int, ...] = ()) -> threading.Thread:
     thread = threading.Thread(target=warm, name="megatron_ext-ckpt-prewarm", daemon=True)
     thread.start()
     _PREWARMING.append(thread)
+    # A run that fails while the Manager is still starting (in this thread) would otherwise
+    # hang at exit: multiprocessing's exit handler joins the half-started Manager process, whose
+    # shutdown finalizer is registered only once its start returns. atexit runs this first
+    # (handlers run last-registered first), so the finalizer exists when that join comes.
+    atexit.register(_wait_for_prewarm)
     return thread
 
 
