@@ -277,14 +277,6 @@ def _check_overlap(plan: ParallelPlan) -> None:
     """Megatron-LM's rules for --overlap-param-gather (validate_args): it needs
     --overlap-grad-reduce and a distributed optimizer or Megatron-FSDP (here: a layer with
     ZeRO >= 1)."""
-    zero23 = [i for i, s in enumerate(plan.layers) if s.zero >= 2]
-    mixed = zero23 and any(s.zero < 2 for s in plan.layers)
-    if mixed and (plan.overlap_grad_reduce or plan.overlap_param_gather):
-        flag = "grad_reduce" if plan.overlap_grad_reduce else "param_gather"
-        raise PlanError(f"overlap_{flag}=true with ZeRO-2/3 layers (layers[{zero23[0]}].zero="
-                        f"{plan.layers[zero23[0]].zero}) beside ZeRO-0/1 layers: not supported,"
-                        " the overlapped reduction beside FSDP2 layers hangs; drop "
-                        "--overlap-grad-reduce and --overlap-param-gather")
     if not plan.overlap_param_gather:
         return
     if not plan.overlap_grad_reduce:
@@ -293,7 +285,6 @@ def _check_overlap(plan: ParallelPlan) -> None:
     if not any(s.zero >= 1 for s in plan.layers):
         raise PlanError("overlap_param_gather=true needs a ZeRO-1 layer (Megatron-LM's "
                         "--overlap-param-gather needs --use-distributed-optimizer); drop it")
-
 
 
 def _check_flexsp(plan: ParallelPlan) -> None:

@@ -262,7 +262,6 @@ def _fits_on(cm: CostModel, cluster: ClusterSpec) -> bool:
 
 def layout_to_plan(cm: CostModel, layout: PlanLayout, evaluation: Evaluation) -> ParallelPlan:
     t = cm.training
-    fsdp = any(s.zero >= 2 for s in layout.layers)  # overlap beside FSDP2 layers hangs
     return with_interval(ParallelPlan(
         world_size=cm.cluster.num_gpus,
         pp=layout.pp,
@@ -276,12 +275,9 @@ def layout_to_plan(cm: CostModel, layout: PlanLayout, evaluation: Evaluation) ->
         vocab=layout.vocab,
         precision=t.precision,
         fp8=t.fp8,
-        # with ZeRO-2/3 (FSDP2) layers neither is overlapped: the runtime hangs (tests/dist/
-        # test_searched_plan.py)
-        overlap_grad_reduce=t.overlap_grad_reduce and not fsdp,
+        overlap_grad_reduce=t.overlap_grad_reduce,
         # Megatron-LM overlaps the weight all-gather of a distributed optimizer only
-        overlap_param_gather=(t.overlap_param_gather and any(s.zero == 1 for s in layout.layers)
-                              and not fsdp),
+        overlap_param_gather=t.overlap_param_gather and any(s.zero == 1 for s in layout.layers),
         cluster=cm.cluster,
         prediction=evaluation.prediction(),
     ))
