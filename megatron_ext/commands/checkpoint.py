@@ -58,15 +58,17 @@ def _locate(path: Path) -> tuple[Path, int, int | None]:
 
 
 def _common(ckpt: Path) -> dict[str, Any]:
-    import torch
+    from megatron_ext.megatron_adapter.compat import load_common_state
+    from megatron_ext.megatron_adapter.training.checkpoint_files import find_damage
 
-    if not (ckpt / "common.pt").is_file():
+    if not (ckpt / "common.pt").is_file() and find_damage(ckpt) == "common.pt is missing":
         raise PlanError(f"checkpoint inspect: {ckpt} has no common.pt; the directory is not a "
                         "complete dist_checkpointing checkpoint")
-    try:
-        return torch.load(ckpt / "common.pt", map_location="cpu", weights_only=False)
+    try:  # common.pt, or (megatron-core 0.19+) the common state inside the torch_dist files
+        return load_common_state(ckpt)
     except Exception as err:  # a foreign or truncated file
-        raise PlanError(f"checkpoint inspect: {ckpt / 'common.pt'} cannot be read "
+        where = ckpt / "common.pt" if (ckpt / "common.pt").is_file() else ckpt
+        raise PlanError(f"checkpoint inspect: {where} cannot be read "
                         f"({type(err).__name__}); the directory is not a complete "
                         "dist_checkpointing checkpoint") from None
 
@@ -75,9 +77,11 @@ def _tensor_keys(ckpt: Path) -> list[str]:
     from torch.distributed.checkpoint import FileSystemReader
 
     try:
-        return list(FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
+        keys = FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
     except Exception:  # damaged: reported by the integrity check
         return []
+    # megatron-core 0.19+ stores the common state as one more object (read by _common)
+    return [k for k in keys if not k.startswith("common_state")]
 
 
 def inspect_checkpoint(path: str | Path) -> dict[str, Any]:

@@ -143,7 +143,7 @@ def _mixtral_experts(tensors: dict[str, Any], src: str, dst: str) -> dict[str, A
 
 def export_hf(ckpt: Path, common: dict[str, Any], out: str | Path) -> Path:
     """Write `out`/model.safetensors and config.json for the iteration directory `ckpt`
-    (`common`: its common.pt; checkpoint.py's `run_export` finds both)."""
+    (`common`: its common state; checkpoint.py's `run_export` finds both)."""
     from safetensors.torch import save_file
 
     from megatron_ext.megatron_adapter.training.checkpoint_files import find_damage

@@ -18,6 +18,8 @@ Bridges (0.16.1 -> 0.19.x; the full table with file:line is compat_versions.DIFF
 - `moe_metric_values` / `clear_moe_metrics`: `moe_utils.get_moe_layer_wise_logging_tracker()` /
   `clear_aux_losses_tracker()` became deprecated shims over
   `transformer/moe/moe_logging.get_moe_metrics_tracker()`.
+- `load_common_state`: a checkpoint's common state moved from `common.pt` into the torch_dist
+  files (`common_state`); `load_common_state_dict` reads both on 0.19.
 - `null_tokenizer`: tokenizer library `"null"` (eod = vocab_size, vocabulary vocab_size + 1)
   became `"null-text"` (eod = vocab_size - 1, vocabulary vocab_size).
 
@@ -27,8 +29,12 @@ by the package on every version (training/rampup.py), so it needs no bridge.
 
 from __future__ import annotations
 
+import argparse
 import inspect
+import types
+import warnings
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,7 +44,7 @@ from megatron.core.tokenizers import MegatronTokenizer
 from megatron.core.utils import get_batch_on_this_cp_rank
 
 __all__ = ["backward_step", "clear_moe_metrics", "cp_batch", "grads_for_grad_norm",
-           "moe_metric_values", "null_tokenizer", "write_results_queue"]
+           "load_common_state", "moe_metric_values", "null_tokenizer", "write_results_queue"]
 
 
 @cache
@@ -69,6 +75,26 @@ def write_results_queue() -> Any:
     if getter is None:
         getter = filesystem_async._get_write_results_queue  # 0.16
     return getter()
+
+
+def load_common_state(checkpoint_dir: str | Path) -> dict[str, Any]:
+    """A dist checkpoint's common (non-sharded) state, read on this process alone: `common.pt`
+    (0.16's layout, which 0.19 still reads) or, on 0.19+, the torch_dist object `common_state`
+    (`load_common_state_dict` reads either). Megatron-LM's checkpoints hold its argparse
+    Namespace there, which torch's weights-only loading is told about."""
+    path = Path(checkpoint_dir)
+    if (path / "common.pt").is_file():
+        loaded = torch.load(path / "common.pt", map_location="cpu", weights_only=False)
+    else:
+        from megatron.core.dist_checkpointing.serialization import load_common_state_dict
+
+        with torch.serialization.safe_globals([argparse.Namespace, types.SimpleNamespace]), \
+                warnings.catch_warnings():  # "assuming ... to load in a single process": it is
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            loaded = load_common_state_dict(str(path))
+    if not isinstance(loaded, dict):
+        raise TypeError(f"common state is a {type(loaded).__name__}, not a dict")
+    return loaded
 
 
 def grads_for_grad_norm(optimizer: Any) -> list[torch.Tensor]:

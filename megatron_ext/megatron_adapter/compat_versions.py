@@ -175,9 +175,9 @@ DIFFERENCES: tuple[VersionDifference, ...] = (
         v0_16="a separate common.pt beside the torch_dist shards",
         v0_19="inside the torch_dist checkpoint; common.pt is the legacy layout "
               "(serialization.py:149-223, load_common reads both)",
-        here="open: `megatron-ext checkpoint inspect`/export and the file check read common.pt, "
-             "so they refuse a 0.19 checkpoint (tests/dist/test_checkpoint_resume.py::"
-             "test_checkpoint_inspect fails on 0.19); save and resume work"),
+        here="compat.load_common_state (checkpoint inspect/export-hf) reads either; the file "
+             "check (checkpoint_files.find_damage) takes a `.metadata` naming common_state in "
+             "place of common.pt; resume reads it with load_common_state_dict on both"),
     VersionDifference(
         feature="MoE layers in the layerwise runtime",
         v0_16="parity with single-process megatron-core (tests/dist/test_moe_parity.py)",

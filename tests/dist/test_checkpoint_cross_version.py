@@ -13,6 +13,9 @@ code, same reductions). Under another megatron-core or another torch build the m
 fp32 GEMMs and gloo sums, but a kernel or bucket order may differ: a few float32 ulps (~1e-7
 relative) per step over 3 steps. A lost Adam moment or a misplaced shard moves the iteration-5
 loss by >1e-3 relative.
+
+The resumed run saves at its end, and `megatron-ext checkpoint inspect` reads that save: under
+0.19 the common state lives inside the torch_dist files (no common.pt), under 0.16.1 beside them.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ def test_megatron_core_016_checkpoint_resumes_here(tmp_path: Path) -> None:
             "--merge-file", str(root / "gpt2-merges.txt")]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            str(reference["nproc"]), str(REPO / "examples" / "pretrain_gpt.py"),
-           *reference["flags"], *data, "--load", str(root / "checkpoint")]
+           *reference["flags"], *data, "--load", str(root / "checkpoint"),
+           "--save", str(tmp_path / "saved"), "--save-interval", "100"]
     result = subprocess.run(cmd, check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, timeout=900, cwd=REPO, env=dict(os.environ))
     assert result.returncode == 0, result.stdout[-4000:]
@@ -56,3 +60,18 @@ def test_megatron_core_016_checkpoint_resumes_here(tmp_path: Path) -> None:
     assert sorted(losses) == sorted(expected), result.stdout[-3000:]
     for i, loss in expected.items():
         assert float(losses[i]) == pytest.approx(float(loss), rel=REL), (i, losses[i], loss)
+
+    from megatron.core import package_info
+
+    from megatron_ext.commands.checkpoint import inspect_checkpoint
+    from megatron_ext.megatron_adapter.compat_versions import version_at_least
+
+    legacy_common = not version_at_least(package_info.__version__, (0, 17, 0))
+    assert (tmp_path / "saved" / "iter_0000006" / "common.pt").is_file() == legacy_common
+    record = inspect_checkpoint(tmp_path / "saved")  # saved by the installed megatron-core
+    assert record["iteration"] == record["tracker_iteration"] == 6, record
+    assert record["intact"] and record["manifest"], record
+    assert record["megatron_core_version"] == package_info.__version__, record
+    assert record["written_by"] == "megatron_ext" and record["plan"]["world_size"] == 2, record
+    assert record["optimizer_state"] and record["optimizer_step"] == 6, record
+    assert record["model_tensors"] > 0 and record["optimizer_tensors"]["exp_avg"] > 0, record

@@ -94,8 +94,8 @@ def find_damage(ckpt_dir: str | Path) -> str | None:
     """What is wrong with a checkpoint directory (a few words naming the file), or None.
 
     Directories without a manifest (written by Megatron-LM or an older megatron_ext) get the
-    checks that need none: common.pt and the two metadata files present, non-empty, and the
-    JSON ones parse.
+    checks that need none: common.pt (megatron-core 0.19+: the common state inside the torch_dist
+    files instead) and the two metadata files present, non-empty, and the JSON ones parse.
     """
     ckpt_dir = Path(ckpt_dir)
     if not ckpt_dir.is_dir():
@@ -126,6 +126,8 @@ def _damage_without_manifest(ckpt_dir: Path) -> str | None:
     for name in ("common.pt", "metadata.json", ".metadata"):
         path = ckpt_dir / name
         if not path.is_file():
+            if name == "common.pt" and _common_state_inside(ckpt_dir):
+                continue
             return f"{name} is missing"
         if path.stat().st_size == 0:
             return f"{name} is empty"
@@ -134,6 +136,13 @@ def _damage_without_manifest(ckpt_dir: Path) -> str | None:
     except ValueError:
         return "metadata.json is not valid JSON"
     return None
+
+
+def _common_state_inside(ckpt_dir: Path) -> bool:
+    """megatron-core 0.19+ writes no common.pt: the common state is the torch_dist object
+    `common_state`, whose key the pickled `.metadata` names."""
+    metadata = ckpt_dir / ".metadata"
+    return metadata.is_file() and b"common_state" in metadata.read_bytes()
 
 
 def saved_iterations(root: str | Path) -> list[int]:
