@@ -20,6 +20,8 @@ Bridges (0.16.1 -> 0.19.x; the full table with file:line is compat_versions.DIFF
   `transformer/moe/moe_logging.get_moe_metrics_tracker()`.
 - `load_common_state`: a checkpoint's common state moved from `common.pt` into the torch_dist
   files (`common_state`); `load_common_state_dict` reads both on 0.19.
+- `router_weighs_the_token_block`: with per-token loss the router weighs each rank's aux and
+  z-loss by its tokens (0.16) or by its tokens times the token-block group size (0.19).
 - `null_tokenizer`: tokenizer library `"null"` (eod = vocab_size, vocabulary vocab_size + 1)
   became `"null-text"` (eod = vocab_size - 1, vocabulary vocab_size).
 
@@ -44,7 +46,8 @@ from megatron.core.tokenizers import MegatronTokenizer
 from megatron.core.utils import get_batch_on_this_cp_rank
 
 __all__ = ["backward_step", "clear_moe_metrics", "cp_batch", "grads_for_grad_norm",
-           "load_common_state", "moe_metric_values", "null_tokenizer", "write_results_queue"]
+           "load_common_state", "moe_metric_values", "null_tokenizer",
+           "router_weighs_the_token_block", "write_results_queue"]
 
 
 @cache
@@ -75,6 +78,17 @@ def write_results_queue() -> Any:
     if getter is None:
         getter = filesystem_async._get_write_results_queue  # 0.16
     return getter()
+
+
+@cache
+def router_weighs_the_token_block() -> bool:
+    """Whether the router itself multiplies a rank's per-token-loss load-balancing and z-loss by
+    the token-block group's size (`tp_cp`): 0.19 does (router.py:604-636, "num_local_tokens *
+    self.tp_cp_group.size()"), 0.16 weighs them by the rank's own tokens only (router.py:456-494).
+    """
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return "tp_cp_group.size()" in inspect.getsource(TopKRouter.attach_and_log_load_balancing_loss)
 
 
 def load_common_state(checkpoint_dir: str | Path) -> dict[str, Any]:

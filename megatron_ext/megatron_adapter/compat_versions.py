@@ -59,9 +59,6 @@ def version_at_least(version: str, minimum: tuple[int, int, int]) -> bool:
 
 
 NOT_YET_ON_0_19 = (
-    ("num_experts", "--num-experts",
-     "MoE layers: their parity with the single-process reference does not hold yet (embedding "
-     "gradients off by up to 2e-4)"),
     ("multi_latent_attention", "--multi-latent-attention",
      "multi-latent attention: 0.19 normalises the query through a norm+linear layer only "
      "Transformer Engine provides"),
@@ -181,10 +178,10 @@ DIFFERENCES: tuple[VersionDifference, ...] = (
     VersionDifference(
         feature="MoE layers in the layerwise runtime",
         v0_16="parity with single-process megatron-core (tests/dist/test_moe_parity.py)",
-        v0_19="same tests: embedding gradients differ from the reference by up to 2e-4 at "
-              "step 1 (4 and 8 ranks)",
-        here="open: cause not found yet (router aux-loss scaling and the new router/ "
-             "token-dispatcher code are the suspects)"),
+        v0_19="same tests; with per-token loss the router now weighs a rank's aux and z-loss "
+              "by its tokens x the tp_cp group size (router.py:604-636)",
+        here="compat.router_weighs_the_token_block: layers.py leaves that factor to the router "
+             "on 0.19 (it multiplied the coefficients by the token block itself on 0.16)"),
     VersionDifference(
         feature="MLA query/key norms (local spec)",
         v0_16="q_layernorm built only with a query latent (multi_latent_attention.py:497)",

@@ -21,6 +21,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_ext.errors import PlanError
 from megatron_ext.geometry.activation import ActivationLayout
 from megatron_ext.megatron_adapter.attention import SequenceParallelCoreAttention
+from megatron_ext.megatron_adapter.compat import router_weighs_the_token_block
 from megatron_ext.megatron_adapter.mla_attention import LayerGroupMLASelfAttention
 from megatron_ext.megatron_adapter.sp_norm import (
     SPNorm,
@@ -81,20 +82,25 @@ def _moe_layer_fields(base: TransformerConfig, strategy: LayerStrategy) -> dict[
     counts are summed over (the block; the stage for global_aux_loss) weights every block's loss
     by all its tokens: the value a single process computes for the same token block, whatever
     tp / cp / Ulysses the layer has. Logged values divide the coefficient out again.
+    megatron-core 0.19 multiplies by the token-block group itself
+    (`compat.router_weighs_the_token_block`): there only global_aux_loss keeps a factor, the
+    stage over the block.
     """
     if base.num_moe_experts is None:
         return {}
     block = strategy.tp * strategy.cp * strategy.ulysses
+    done_by_router = block if router_weighs_the_token_block() else 1
 
     def scale(kind: str) -> int:
-        return strategy.width if kind == "global_aux_loss" else block
+        return (strategy.width if kind == "global_aux_loss" else block) // done_by_router
 
     kinds, coeffs = base.moe_router_load_balancing_type, base.moe_aux_loss_coeff
     if isinstance(kinds, list):
         coeffs = [c * scale(k) for k, c in zip(kinds, coeffs, strict=True)]
     else:
         coeffs = coeffs * scale(kinds)
-    z_loss = base.moe_z_loss_coeff * block if base.moe_z_loss_coeff else base.moe_z_loss_coeff
+    z_loss = (base.moe_z_loss_coeff * (block // done_by_router) if base.moe_z_loss_coeff
+              else base.moe_z_loss_coeff)
     return dict(expert_model_parallel_size=strategy.ep,
                 expert_tensor_parallel_size=strategy.expert_tp,
                 moe_aux_loss_coeff=coeffs, moe_z_loss_coeff=z_loss)

@@ -49,7 +49,7 @@ def test_null_tokenizer_is_the_installed_versions(vocab_size: int) -> None:
                                                      (vocab_size, vocab_size - 1)}
 
 
-OPEN = {"MoE layers in the layerwise runtime", "MLA query/key norms (local spec)"}
+OPEN = {"MLA query/key norms (local spec)"}
 """Differences not bridged yet (docs/megatron-versions.md says what fails)."""
 
 
@@ -57,3 +57,13 @@ def test_every_difference_row_says_what_the_package_does() -> None:
     for row in DIFFERENCES:
         assert row.v0_16 and row.v0_19 and row.here, row.feature
     assert {row.feature for row in DIFFERENCES if row.here.startswith("open:")} == OPEN
+
+
+def test_router_token_block_weighting_is_the_installed_versions() -> None:
+    # 0.19's router multiplies per-token-loss aux / z losses by the tp_cp group size itself
+    from megatron.core import package_info
+
+    from megatron_ext.megatron_adapter.compat_versions import version_at_least
+
+    assert compat.router_weighs_the_token_block() == version_at_least(
+        package_info.__version__, (0, 17, 0))
