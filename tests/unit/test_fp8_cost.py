@@ -14,7 +14,7 @@ from megatron_ext.errors import PlanError
 from megatron_ext.plan import LayerStrategy, ParallelPlan
 from megatron_ext.planner.cost import fp8 as F
 from megatron_ext.planner.cost.compute import ComputeProfile, layer_matmul_params
-from megatron_ext.planner.cost.evaluate import evaluate
+from megatron_ext.planner.cost.evaluate import evaluate, plan_training
 from megatron_ext.planner.cost.model import CostModel
 from megatron_ext.planner.space import StrategyTable
 from megatron_ext.planner.training import TrainingSpec
@@ -120,8 +120,7 @@ def test_search_fp8_hybrid_on_h100_prices_fp8_and_writes_fp8_flags(tmp_path, cap
     assert json.loads((tmp_path / "fp8.json").read_text())["fp8"]["format"] == "hybrid"
     assert plan.prediction.iteration_time_s < bf16.prediction.iteration_time_s
     # the prediction is the FP8 evaluation of its layout, not the bf16 one
-    cm = CostModel(plan.model, plan.cluster, TrainingSpec(global_batch_size=32,
-                                                          seq_length=4096, fp8=HYBRID))
+    cm = CostModel(plan.model, plan.cluster, plan_training(plan))  # with its overlap flags
     assert evaluate(cm, plan.layout).iteration_s == pytest.approx(
         plan.prediction.iteration_time_s, rel=1e-9)
     assert evaluate(cm.without_fp8(), plan.layout).iteration_s > plan.prediction.iteration_time_s
