@@ -145,6 +145,7 @@ def run_plan_from_args(args: argparse.Namespace) -> int:
     # the Megatron flags say how the run overlaps its data-parallel traffic too
     args.overlap_grad_reduce = args.overlap_grad_reduce or ns.overlap_grad_reduce
     args.overlap_param_gather = args.overlap_param_gather or ns.overlap_param_gather
+    args.tp_comm_overlap = args.tp_comm_overlap or ns.tp_comm_overlap
     if args.out:
         plan.save(args.out)
     else:
@@ -166,7 +167,8 @@ EVALUATE_FLAGS = ("cluster", "cluster_profile", "model_profile", "nodes", "memor
 EVALUATE_SETTINGS = {"flash_attention": ("--no-flash-attention", True),
                      "dropout": ("--no-dropout", True), "engine": ("--engine", "megatron"),
                      "overlap_grad_reduce": ("--overlap-grad-reduce", False),
-                     "overlap_param_gather": ("--overlap-param-gather", False)}
+                     "overlap_param_gather": ("--overlap-param-gather", False),
+                     "tp_comm_overlap": ("--tp-comm-overlap", False)}
 """Evaluate options with a default: dest -> (flag, default)."""
 
 
