@@ -179,7 +179,7 @@ def test_tp_comm_overlap_needs_sequence_parallel():
         assert "\n" not in str(err.value)
 
 
-def test_training_runtime_refuses_tp_comm_overlap_as_before(tmp_path):
+def test_training_runtime_refuses_tp_comm_overlap_as_before(tmp_path, capsys):
     """pretrain_gpt.py refuses it, from the flags or from a --strategy-config plan, with the line
     it has always printed; the search never plans it."""
     from megatron_ext.megatron_adapter.training.entry import check_supported
@@ -197,6 +197,8 @@ def test_training_runtime_refuses_tp_comm_overlap_as_before(tmp_path):
     with pytest.raises(PlanError) as err:
         check_supported(ns)
     assert str(err.value) == line
+    assert main(["flags", "tp-comm-overlap"]) == 0
+    assert capsys.readouterr().out.strip().endswith("pretrain_gpt.py refuses it: " + line)
     cm = _cm(False)
     cm = cm.with_training(dataclasses.replace(cm.training, tp_comm_overlap=True))
     with pytest.raises(PlanError, match="the search does not plan --tp-comm-overlap"):
