@@ -157,9 +157,11 @@ def evaluate_plan(plan: ParallelPlan, args: argparse.Namespace, *, label: str) -
 
         # the same model, cluster, batch, sequence and precision; the search's default space
         # (ZeRO-3 too when the plan uses it)
-        # priced without --tp-comm-overlap: the search never plans it (the runtime refuses it)
-        found = search(cm.with_training(dataclasses.replace(cm.training, tp_comm_overlap=False)))
-        theirs = _breakdown(cm, found.plan)
+        # searched and priced without --tp-comm-overlap: the search never plans it (the
+        # training runtime refuses it), so the searched plan does not carry it
+        plain = cm.with_training(dataclasses.replace(cm.training, tp_comm_overlap=False))
+        found = search(plain)
+        theirs = _breakdown(plain, found.plan)
         sys.stderr.write(f"searched plan (search took {found.search_s:.2f} s):\n")
         sys.stderr.write(report_text(found.plan, theirs, cluster=c.name))
         sys.stderr.write(_side_by_side(plan_summary(plan), mine, plan_summary(found.plan), theirs))

@@ -219,6 +219,19 @@ def test_evaluate_prices_tp_comm_overlap(tmp_path, capsys):
                      "dgx-h100", "--nodes", "2", "--json", str(out), "--", *flags, *extra]) == 0
         times.append(json.loads(out.read_text())["evaluation"]["iteration_s"])
     assert times[1] < times[0]
+    # --against-search: the searched plan is searched and priced without the overlap
+    with_flag = tmp_path / "with_flag.json"
+    ns = parse_megatron_args([*flags, "--tp-comm-overlap"], world_size=16)
+    plan_from_megatron_args(ns, 16).save(with_flag)
+    out = tmp_path / "against.json"
+    assert main(["evaluate", str(with_flag), "--cluster", "dgx-h100", "--nodes", "2",
+                 "--against-search", "--json", str(out)]) == 0
+    searched = ParallelPlan.from_dict(json.loads(out.read_text())["search"]["plan"])
+    assert not searched.tp_comm_overlap
+    plain = CostModel(searched.model, cluster_preset("dgx-h100", num_nodes=2),
+                      plan_training(searched))
+    assert json.loads(out.read_text())["search"]["iteration_s"] == pytest.approx(
+        evaluate(plain, searched.layout).iteration_s, rel=1e-9)
     plan = tmp_path / "no_sp.json"
     ns = parse_megatron_args(TP_FLAGS, world_size=8)
     plan_from_megatron_args(ns, 8).save(plan)
