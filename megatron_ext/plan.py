@@ -335,6 +335,12 @@ class ParallelPlan:
     """The run passes Megatron-LM's --overlap-param-gather: ZeRO-1's weight all-gather overlaps
     the next forward. Needs overlap_grad_reduce and a ZeRO-1 layer (Megatron-LM: a distributed
     optimizer)."""
+    tp_comm_overlap: bool = False
+    """The run passes Megatron-LM's --tp-comm-overlap: Transformer Engine's userbuffers split
+    each sequence-parallel all-gather / reduce-scatter into chunks pipelined with the GEMM it
+    feeds or follows. Needs tp > 1 with sp in every tensor-parallel layer (Megatron-LM:
+    --sequence-parallel). The planner prices it (docs/cost-model.md); megatron_ext's training
+    runtime refuses it (it needs Transformer Engine on CUDA)."""
     cluster: ClusterSpec | None = None
     """The cluster this plan was made for, when known."""
     prediction: Prediction | None = None
@@ -412,6 +418,7 @@ class ParallelPlan:
             "flexsp": dataclasses.asdict(self.flexsp) if self.flexsp else None,
             **({"overlap_grad_reduce": True} if self.overlap_grad_reduce else {}),
             **({"overlap_param_gather": True} if self.overlap_param_gather else {}),
+            **({"tp_comm_overlap": True} if self.tp_comm_overlap else {}),
             "model": self.model.to_dict(),
             "cluster": self.cluster.to_dict() if self.cluster else None,
             "prediction": self.prediction.to_dict() if self.prediction else None,
@@ -459,6 +466,7 @@ class ParallelPlan:
                               choices=("bf16", "fp16", "fp32")),  # type: ignore[arg-type]
             overlap_grad_reduce=get_bool(data, "overlap_grad_reduce", "", default=False),
             overlap_param_gather=get_bool(data, "overlap_param_gather", "", default=False),
+            tp_comm_overlap=get_bool(data, "tp_comm_overlap", "", default=False),
             **extra,
         )
 
@@ -466,7 +474,8 @@ class ParallelPlan:
 _PLAN_KEYS = frozenset({
     "schema_version", "world_size", "pp", "virtual_stages", "stages", "layers", "vocab",
     "micro_batch_size", "global_batch_size", "seq_length", "precision", "fp8", "flexsp",
-    "overlap_grad_reduce", "overlap_param_gather", "model", "cluster", "prediction",
+    "overlap_grad_reduce", "overlap_param_gather", "tp_comm_overlap", "model", "cluster",
+    "prediction",
 })
 
 

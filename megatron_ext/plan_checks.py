@@ -73,6 +73,7 @@ def check_plan(plan: ParallelPlan) -> None:
     _check_vocab(plan)
     _check_flexsp(plan)
     _check_overlap(plan)
+    _check_tp_comm_overlap(plan)
     _check_fp8(plan)
     _check_prediction(plan)
 
@@ -285,6 +286,24 @@ def _check_overlap(plan: ParallelPlan) -> None:
     if not any(s.zero >= 1 for s in plan.layers):
         raise PlanError("overlap_param_gather=true needs a ZeRO-1 layer (Megatron-LM's "
                         "--overlap-param-gather needs --use-distributed-optimizer); drop it")
+
+
+def _check_tp_comm_overlap(plan: ParallelPlan) -> None:
+    """Megatron-LM's rule for --tp-comm-overlap (validate_args, megatron/training/arguments.py
+    core_v0.16.1:915): it needs --sequence-parallel, which validate_args turns off at tp = 1
+    (line 907). Per layer: some layer has tp > 1, and every layer with tp > 1 has sp."""
+    if not plan.tp_comm_overlap:
+        return
+    if not any(s.tp > 1 and s.sp for s in plan.layers):
+        raise PlanError("tp_comm_overlap=true needs a layer with tp > 1 and sp=true (Megatron-LM's "
+                        "--tp-comm-overlap needs --sequence-parallel, which tp=1 turns off); "
+                        "drop tp_comm_overlap or use tp > 1 with sp")
+    for start, end, s in plan.layer_runs():
+        if s.tp > 1 and not s.sp:
+            raise PlanError(f"tp_comm_overlap=true needs sp=true in every layer with tp > 1, "
+                            f"layers[{start}:{end}] has tp={s.tp} sp=false (Megatron-LM's "
+                            "--tp-comm-overlap needs --sequence-parallel); set sp or drop "
+                            "tp_comm_overlap")
 
 
 def _check_flexsp(plan: ParallelPlan) -> None:

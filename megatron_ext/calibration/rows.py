@@ -15,7 +15,8 @@ What the rows do not state is filled in by fixed rules (no per-row choice):
   - Megatron rows keep plain DDP (zero=0, the 2020-2022 code had no distributed optimizer in
     these runs) and reduce the gradients after the last backward (that code had no
     --overlap-grad-reduce; Korthikanti et al. say so of their 530B DP-8 run); a row's
-    `overlap_grad_reduce` / `overlap_param_gather` turn Megatron-LM's flags on; DeepSpeed
+    `overlap_grad_reduce` / `overlap_param_gather` / `tp_comm_overlap` turn Megatron-LM's
+    flags on (the last where the source states it: MLPerf's TP_COMM_OVERLAP=True); DeepSpeed
     ZeRO-3 and PyTorch FSDP FULL_SHARD rows are zero=3; DeepSpeed ZeRO-1
     rows (Megatron-DeepSpeed, BLOOM) are zero=1 with DeepSpeed's pipeline engine: gradient
     reduction and weight gather after the last backward, not overlapped;
@@ -158,6 +159,8 @@ def megatron_flags(row: dict[str, Any]) -> list[str]:
     kv = int(row.get("num_kv_heads") or row["num_heads"])
     if kv < int(row["num_heads"]):
         flags += ["--group-query-attention", "--num-query-groups", str(kv)]
+    if row.get("tp_comm_overlap"):  # the config's TP_COMM_OVERLAP (needs SP, tp > 1)
+        flags.append("--tp-comm-overlap")
     if int(row.get("cp") or 1) > 1:
         flags += ["--context-parallel-size", str(row["cp"])]
     flags += fp8_flags(row)

@@ -80,7 +80,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_flags(args: argparse.Namespace) -> int:
-    from megatron_ext.flags.catalog import class_sizes, option_sets
+    from megatron_ext.flags.catalog import PLANNER_ONLY, class_sizes, option_sets, runtime_refusal
     from megatron_ext.flags.parser import check_version_flags, flag_catalog
     from megatron_ext.flags.versions import resolve
 
@@ -102,7 +102,11 @@ def run_flags(args: argparse.Namespace) -> int:
     names = args.flag_names or [o for o, e in table.items() if e.kind == args.kind]
     for name in names:
         entry = table[name]
-        if entry.kind == "honoured":
+        if entry.kind == "honoured" and name in PLANNER_ONLY:
+            line = (f"{name}: honoured by plan-from-args, evaluate, args and validate (priced "
+                    "by the cost model); pretrain_gpt.py refuses it: "
+                    + runtime_refusal(name))
+        elif entry.kind == "honoured":
             line = f"{name}: honoured (same name, meaning and default as Megatron-LM)"
         elif entry.kind == "no_effect":
             line = entry.note()
@@ -145,6 +149,7 @@ def run_plan_from_args(args: argparse.Namespace) -> int:
     # the Megatron flags say how the run overlaps its data-parallel traffic too
     args.overlap_grad_reduce = args.overlap_grad_reduce or ns.overlap_grad_reduce
     args.overlap_param_gather = args.overlap_param_gather or ns.overlap_param_gather
+    args.tp_comm_overlap = args.tp_comm_overlap or ns.tp_comm_overlap
     if args.out:
         plan.save(args.out)
     else:
@@ -166,7 +171,8 @@ EVALUATE_FLAGS = ("cluster", "cluster_profile", "model_profile", "nodes", "memor
 EVALUATE_SETTINGS = {"flash_attention": ("--no-flash-attention", True),
                      "dropout": ("--no-dropout", True), "engine": ("--engine", "megatron"),
                      "overlap_grad_reduce": ("--overlap-grad-reduce", False),
-                     "overlap_param_gather": ("--overlap-param-gather", False)}
+                     "overlap_param_gather": ("--overlap-param-gather", False),
+                     "tp_comm_overlap": ("--tp-comm-overlap", False)}
 """Evaluate options with a default: dest -> (flag, default)."""
 
 

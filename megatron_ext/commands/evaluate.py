@@ -102,6 +102,12 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
         "all-gather runs after the optimizer step)",
     )
     p.add_argument(
+        "--tp-comm-overlap", action="store_true",
+        help="the run passed Megatron-LM's --tp-comm-overlap (Transformer Engine userbuffers; "
+        "default off: the sequence-parallel all-gathers and reduce-scatters are on the critical "
+        "path); needs layers with tp > 1 and sp",
+    )
+    p.add_argument(
         "--against-search",
         action="store_true",
         help="also search the fastest layout on the same inputs and show both side by side",
@@ -151,8 +157,11 @@ def evaluate_plan(plan: ParallelPlan, args: argparse.Namespace, *, label: str) -
 
         # the same model, cluster, batch, sequence and precision; the search's default space
         # (ZeRO-3 too when the plan uses it)
-        found = search(cm)
-        theirs = _breakdown(cm, found.plan)
+        # searched and priced without --tp-comm-overlap: the search never plans it (the
+        # training runtime refuses it), so the searched plan does not carry it
+        plain = cm.with_training(dataclasses.replace(cm.training, tp_comm_overlap=False))
+        found = search(plain)
+        theirs = _breakdown(plain, found.plan)
         sys.stderr.write(f"searched plan (search took {found.search_s:.2f} s):\n")
         sys.stderr.write(report_text(found.plan, theirs, cluster=c.name))
         sys.stderr.write(_side_by_side(plan_summary(plan), mine, plan_summary(found.plan), theirs))
@@ -217,7 +226,8 @@ def _cost_model(plan: ParallelPlan, args: argparse.Namespace) -> CostModel:
     training = plan_training(plan, flash_attention=args.flash_attention, dropout=args.dropout,
                              engine=args.engine, moe_imbalance=args.moe_imbalance,
                              overlap_grad_reduce=args.overlap_grad_reduce,
-                             overlap_param_gather=args.overlap_param_gather)
+                             overlap_param_gather=args.overlap_param_gather,
+                             tp_comm_overlap=args.tp_comm_overlap)
     if profile is None and not args.model_profile:
         return CostModel(plan.model, cluster, training)
     from megatron_ext.planner.profile.cost import ProfiledCostModel

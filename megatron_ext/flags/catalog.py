@@ -393,6 +393,19 @@ REFUSED_PREFIXES: tuple[tuple[str, str, str], ...] = (
      "drop it"),
 )
 
+PLANNER_ONLY = ("--tp-comm-overlap",)
+"""Flags the parser honours for the planner (plan-from-args, evaluate, args, validate price
+them) and the training runtime refuses with the line of runtime_refusal: Transformer Engine's
+userbuffers need CUDA and are never run by megatron_ext's runtime."""
+
+
+def runtime_refusal(option: str) -> str:
+    """The training runtime's one-line refusal of a PLANNER_ONLY flag: the refused-prefix line
+    the flag had before the planner took it up."""
+    assert option in PLANNER_ONLY, option
+    rule = next(r for r in REFUSED_PREFIXES if option.startswith(r[0]))
+    return Entry(megatron_flags()[option], "refused", rule[1], rule[2]).refusal()
+
 
 def _explicit_rules() -> dict[str, tuple[Kind, str, str]]:
     rules: dict[str, tuple[Kind, str, str]] = {}

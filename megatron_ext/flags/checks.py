@@ -66,6 +66,10 @@ def validate_megatron_args(
         logger.warning("disabling --sequence-parallel because --tensor-model-parallel-size is 1, "
                        "as Megatron-LM does")
         ns.sequence_parallel = False
+    if ns.tp_comm_overlap and ns.sequence_parallel is False:  # None: per layer in the plan
+        raise PlanError("--tp-comm-overlap needs --sequence-parallel (Megatron-LM requires it, "
+                        "and turns sequence parallelism off at --tensor-model-parallel-size 1); "
+                        "add --sequence-parallel with tp > 1 or drop --tp-comm-overlap")
     ns.derived_args = frozenset(derived)
 
 

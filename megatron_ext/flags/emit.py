@@ -37,7 +37,8 @@ Mapping decisions (Megatron-LM core_v0.16.1 semantics):
   not plan fields: add `--moe-token-dispatcher-type alltoall` / `--moe-grouped-gemm` yourself.
 - overlap: plan.overlap_grad_reduce / overlap_param_gather are `--overlap-grad-reduce` /
   `--overlap-param-gather` (`search` turns both on where Megatron-LM allows them: param gather
-  only with a distributed optimizer, i.e. a ZeRO-1 layer).
+  only with a distributed optimizer, i.e. a ZeRO-1 layer); plan.tp_comm_overlap is
+  `--tp-comm-overlap` (never set by `search`: the training runtime refuses it).
 - vocab_size is printed as `--vocab-size`; Megatron-LM reads it only with NullTokenizer, other
   tokenizers take the size from their files.
 - version: `megatron_version` picks the Megatron-LM flag catalog (flags/versions.py; None: the
@@ -119,6 +120,7 @@ def megatron_values(plan: ParallelPlan) -> MegatronView:
     values.update(_ext_values(plan, values["tensor_model_parallel_size"], reasons))
     values["overlap_grad_reduce"] = plan.overlap_grad_reduce
     values["overlap_param_gather"] = plan.overlap_param_gather
+    values["tp_comm_overlap"] = plan.tp_comm_overlap
     values["strategy_config"] = None
     return MegatronView(values=values, reasons=tuple(reasons))
 

@@ -264,6 +264,10 @@ def _add_parallel(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--hierarchical-context-parallel-sizes", nargs="+", type=positive_int,
                    default=None)
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--tp-comm-overlap", action="store_true",
+                   help="Transformer Engine userbuffers overlap of the sequence-parallel "
+                   "collectives with their GEMMs: priced by the planner, refused by the training "
+                   "runtime")
     g.add_argument("--use-distributed-optimizer", action="store_true", help="ZeRO-1 (zero=1)")
     g.add_argument("--use-torch-fsdp2", action="store_true", help="torch FSDP2 (zero=3)")
     g.add_argument("--no-gradient-accumulation-fusion", action="store_false",

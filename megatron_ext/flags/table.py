@@ -91,6 +91,8 @@ EMIT_TABLE: tuple[tuple[str, str, str, Kind], ...] = (
     # how the run overlaps its data-parallel traffic: run settings the plan records, not layout
     ("ddp", "overlap_grad_reduce", "--overlap-grad-reduce", "true"),
     ("ddp", "overlap_param_gather", "--overlap-param-gather", "true"),
+    # Transformer Engine's overlap of the TP collectives: a run setting too (planner only)
+    ("ddp", "tp_comm_overlap", "--tp-comm-overlap", "true"),
     ("parallel", "recompute_granularity", "--recompute-granularity", "value"),
     ("parallel", "recompute_method", "--recompute-method", "value"),
     ("parallel", "recompute_num_layers", "--recompute-num-layers", "value"),

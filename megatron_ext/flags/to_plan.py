@@ -100,6 +100,7 @@ def plan_from_megatron_args(
                                 min_group_size=ns.flexsp_min_group_size) if ns.flexsp else None,
             overlap_grad_reduce=bool(ns.overlap_grad_reduce),
             overlap_param_gather=bool(ns.overlap_param_gather),
+            tp_comm_overlap=bool(ns.tp_comm_overlap),
         )
     except PlanError as err:
         raise PlanError(f"these Megatron flags give an invalid layout: {err}") from None

@@ -38,7 +38,7 @@ from typing import Literal
 
 import numpy as np
 
-from megatron_ext.errors import InfeasiblePlanError
+from megatron_ext.errors import InfeasiblePlanError, PlanError
 from megatron_ext.plan import LayerStrategy, ParallelPlan, PlanLayout, Prediction, VocabStrategy
 from megatron_ext.plan_checks import check_sequence
 from megatron_ext.planner.bounds import combo_bound, combo_bound_kinds
@@ -137,6 +137,10 @@ def search(
     check_sequence(
         cm.training.seq_length, cm.model.max_position_embeddings, seq_name="--seq-length"
     )
+    if cm.training.tp_comm_overlap:
+        raise PlanError("the search does not plan --tp-comm-overlap (megatron_ext's training "
+                        "runtime refuses it); search without it and price it with evaluate "
+                        "--tp-comm-overlap")
     start = time.perf_counter()
     stats = {"combos": 0, "combos_pruned": 0, "dp_runs": 0, "exact_evaluations": 0}
     uniform = search_uniform(cm, progress=progress)

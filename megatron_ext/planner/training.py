@@ -70,6 +70,12 @@ class TrainingSpec:
     """Megatron-LM's --overlap-param-gather (needs overlap_grad_reduce and a distributed
     optimizer): ZeRO-1's weight all-gather overlaps the next iteration's first forward. Off
     (default): it runs after the optimizer step, on the critical path."""
+    tp_comm_overlap: bool = False
+    """Megatron-LM's --tp-comm-overlap (Transformer Engine userbuffers): each sequence-parallel
+    all-gather / reduce-scatter of a layer with tp > 1 and sp is pipelined with the GEMM it
+    feeds or follows and costs only what that GEMM cannot hide (cost/tp_overlap.py). Off
+    (default): on the critical path. Priced only; `search` never sets it (the training runtime
+    refuses it)."""
     engine: Engine = "megatron"
     """What runs the step. megatron: Megatron-LM / megatron_ext, the gradient reduction and
     ZeRO-1's weight all-gather as the two overlap flags above say, ZeRO-3 gathers two whole

@@ -112,7 +112,7 @@ def plans(draw: st.DrawFn) -> ParallelPlan:
             layers=tuple(dataclasses.replace(base, recompute=r) for r in recompute), model=model,
             micro_batch_size=micro, global_batch_size=micro * draw(st.integers(1, 4)),
             seq_length=seq, vocab=vocab, precision=draw(st.sampled_from(["bf16", "fp16", "fp32"])),
-            flexsp=flexsp,
+            flexsp=flexsp, tp_comm_overlap=sp and draw(st.booleans()),
         )
     except PlanError:
         assume(False)

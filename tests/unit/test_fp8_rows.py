@@ -79,3 +79,14 @@ def test_fp8_efficiency_refit_holds_each_source_out():
     slow, fast = (predict(row, build_plan(row), ComputeProfile(fp8_gemm_efficiency=e))
                   ["predicted_s"] for e in (0.4, 0.8))
     assert fast < slow
+
+
+def test_rows_stating_tp_comm_overlap_run_with_the_flag():
+    """`tp_comm_overlap` is set exactly where the quoted config says TP_COMM_OVERLAP=True (no
+    other source states it); the loader passes --tp-comm-overlap and the plan records it."""
+    for row in ROWS.values():
+        stated = "TP_COMM_OVERLAP=True" in row["quote"]
+        assert bool(row.get("tp_comm_overlap")) == stated, row["id"]
+        assert ("--tp-comm-overlap" in megatron_flags(row)) == stated
+        assert build_plan(row).tp_comm_overlap == stated
+    assert sum("TP_COMM_OVERLAP=True" in r["quote"] for r in ROWS.values()) == 9

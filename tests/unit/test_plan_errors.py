@@ -162,3 +162,30 @@ def test_vocab_tp_must_divide_query_groups() -> None:
         "vocab.tp=4 does not divide num_query_groups=2; megatron-core builds the vocabulary "
         "layers with that tp: use a vocab.tp that divides it"
     )
+
+
+def test_tp_comm_overlap_needs_sequence_parallel_layers() -> None:
+    """Megatron-LM's --tp-comm-overlap needs --sequence-parallel (validate_args), which tp = 1
+    turns off: a plan with it needs a layer with tp > 1 and sp, and sp wherever tp > 1."""
+    data = _example()  # tp 2 with sp: valid with the overlap
+    data["tp_comm_overlap"] = True
+    assert ParallelPlan.from_dict(data).tp_comm_overlap
+    data["layers"] = [dict(r, tp=1, sp=False, dp=4) for r in data["layers"]]
+    data["vocab"]["tp"] = 1
+    data["micro_batch_size"] = 4
+    assert _error(data) == (
+        "tp_comm_overlap=true needs a layer with tp > 1 and sp=true (Megatron-LM's "
+        "--tp-comm-overlap needs --sequence-parallel, which tp=1 turns off); drop "
+        "tp_comm_overlap or use tp > 1 with sp")
+    layers = [{"start": 0, "end": 16, "tp": 2, "sp": True, "dp": 6},
+              {"start": 16, "end": 32, "tp": 4, "dp": 3}]
+    mixed = _plan(12, [(0, 32)], layers)
+    mixed["tp_comm_overlap"] = True
+    assert _error(mixed) == (
+        "tp_comm_overlap=true needs sp=true in every layer with tp > 1, layers[16:32] has tp=4 "
+        "sp=false (Megatron-LM's --tp-comm-overlap needs --sequence-parallel); set sp or drop "
+        "tp_comm_overlap")
+    mixed["layers"][1]["sp"] = True
+    assert ParallelPlan.from_dict(mixed).tp_comm_overlap
+    mixed["tp_comm_overlap"] = "yes"
+    assert _error(mixed).startswith("tp_comm_overlap")

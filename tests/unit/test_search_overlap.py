@@ -140,3 +140,102 @@ def test_strategy_config_plan_fills_the_flags(tmp_path):
     bare = [t for t in argv if not t.startswith("--overlap")]
     ns = parse_megatron_args(bare, world_size=plan.world_size)
     assert ns.overlap_grad_reduce and ns.overlap_param_gather
+
+
+TP_FLAGS = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8",
+            "--seq-length", "128", "--max-position-embeddings", "128", "--micro-batch-size", "1",
+            "--vocab-size", "1000", "--bf16", "--tensor-model-parallel-size", "2"]
+
+
+def test_tp_comm_overlap_round_trips_through_the_plan(tmp_path):
+    """plan-from-args reads --tp-comm-overlap into the plan, the plan file keeps it, `args`
+    prints it and plan-from-args reads the same plan back; under --strategy-config the plan's
+    value fills the flag in."""
+    ns = parse_megatron_args([*TP_FLAGS, "--sequence-parallel", "--tp-comm-overlap"],
+                             world_size=4)
+    plan = plan_from_megatron_args(ns, 4)
+    assert plan.tp_comm_overlap
+    assert ParallelPlan.from_dict(json.loads(plan.to_json())) == plan
+    argv = list(plan_to_megatron_args(plan).argv)
+    assert argv.count("--tp-comm-overlap") == 1
+    assert plan_from_megatron_args(parse_megatron_args(argv, world_size=4), 4) == plan
+    plain = plan_from_megatron_args(parse_megatron_args([*TP_FLAGS, "--sequence-parallel"],
+                                                        world_size=4), 4)
+    assert not plain.tp_comm_overlap and "tp_comm_overlap" not in plain.to_dict()
+    assert "--tp-comm-overlap" not in plan_to_megatron_args(plain).argv
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    filled = parse_megatron_args([*TP_FLAGS[:10], "--strategy-config", str(path)], world_size=4)
+    assert filled.tp_comm_overlap
+
+
+def test_tp_comm_overlap_needs_sequence_parallel():
+    """Megatron-LM's validate_args: --tp-comm-overlap needs --sequence-parallel, which tp = 1
+    turns off; one line each."""
+    for extra in ([], ["--sequence-parallel", "--tensor-model-parallel-size", "1"]):
+        with pytest.raises(PlanError) as err:
+            parse_megatron_args([*TP_FLAGS, "--tp-comm-overlap", *extra], world_size=4)
+        assert str(err.value).startswith("--tp-comm-overlap needs --sequence-parallel")
+        assert "\n" not in str(err.value)
+
+
+def test_training_runtime_refuses_tp_comm_overlap_as_before(tmp_path, capsys):
+    """pretrain_gpt.py refuses it, from the flags or from a --strategy-config plan, with the line
+    it has always printed; the search never plans it."""
+    from megatron_ext.megatron_adapter.training.entry import check_supported
+
+    line = ("--tp-comm-overlap: transformer-engine tensor-parallel communication overlap is not "
+            "supported by megatron_ext; drop it")
+    ns = parse_megatron_args([*TP_FLAGS, "--sequence-parallel", "--tp-comm-overlap"],
+                             world_size=4)
+    with pytest.raises(PlanError) as err:
+        check_supported(ns)
+    assert str(err.value) == line
+    path = tmp_path / "plan.json"
+    plan_from_megatron_args(ns, 4).save(path)
+    ns = parse_megatron_args([*TP_FLAGS[:10], "--strategy-config", str(path)], world_size=4)
+    with pytest.raises(PlanError) as err:
+        check_supported(ns)
+    assert str(err.value) == line
+    assert main(["flags", "tp-comm-overlap"]) == 0
+    assert capsys.readouterr().out.strip().endswith("pretrain_gpt.py refuses it: " + line)
+    cm = _cm(False)
+    cm = cm.with_training(dataclasses.replace(cm.training, tp_comm_overlap=True))
+    with pytest.raises(PlanError, match="the search does not plan --tp-comm-overlap"):
+        search(cm)
+
+
+def test_evaluate_prices_tp_comm_overlap(tmp_path, capsys):
+    """plan-from-args --evaluate with and without the flag: the same layout, faster with it;
+    evaluate --tp-comm-overlap on a plan without SP is refused in one line."""
+    flags = ["--num-layers", "8", "--hidden-size", "4096", "--num-attention-heads", "32",
+             "--seq-length", "4096", "--max-position-embeddings", "4096",
+             "--micro-batch-size", "1", "--global-batch-size", "16", "--vocab-size", "32000",
+             "--bf16", "--tensor-model-parallel-size", "8", "--sequence-parallel"]
+    times = []
+    for extra in ([], ["--tp-comm-overlap"]):
+        out = tmp_path / f"eval{len(extra)}.json"
+        assert main(["plan-from-args", "--world-size", "16", "--evaluate", "--cluster",
+                     "dgx-h100", "--nodes", "2", "--json", str(out), "--", *flags, *extra]) == 0
+        times.append(json.loads(out.read_text())["evaluation"]["iteration_s"])
+    assert times[1] < times[0]
+    # --against-search: the searched plan is searched and priced without the overlap
+    with_flag = tmp_path / "with_flag.json"
+    ns = parse_megatron_args([*flags, "--tp-comm-overlap"], world_size=16)
+    plan_from_megatron_args(ns, 16).save(with_flag)
+    out = tmp_path / "against.json"
+    assert main(["evaluate", str(with_flag), "--cluster", "dgx-h100", "--nodes", "2",
+                 "--against-search", "--json", str(out)]) == 0
+    searched = ParallelPlan.from_dict(json.loads(out.read_text())["search"]["plan"])
+    assert not searched.tp_comm_overlap
+    plain = CostModel(searched.model, cluster_preset("dgx-h100", num_nodes=2),
+                      plan_training(searched))
+    assert json.loads(out.read_text())["search"]["iteration_s"] == pytest.approx(
+        evaluate(plain, searched.layout).iteration_s, rel=1e-9)
+    plan = tmp_path / "no_sp.json"
+    ns = parse_megatron_args(TP_FLAGS, world_size=8)
+    plan_from_megatron_args(ns, 8).save(plan)
+    capsys.readouterr()
+    assert main(["evaluate", str(plan), "--cluster", "dgx-h100", "--tp-comm-overlap"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "tp_comm_overlap=true needs a layer with tp > 1 and sp=true" in err[0]

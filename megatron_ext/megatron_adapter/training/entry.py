@@ -21,6 +21,7 @@ import time
 from collections.abc import Sequence
 
 from megatron_ext.errors import PlanError
+from megatron_ext.flags.catalog import runtime_refusal
 from megatron_ext.flags.parser import parse_megatron_args
 from megatron_ext.flags.schedule import check_schedule_flags
 from megatron_ext.megatron_adapter.compat_versions import (
@@ -35,7 +36,10 @@ logger = logging.getLogger("megatron_ext.pretrain")
 def check_supported(args: argparse.Namespace) -> None:
     """What this loop needs beyond the flag table (flags/catalog.py refuses what it lacks):
     a run length and a learning rate, iteration- or sample-based as Megatron-LM checks them;
-    no feature not yet verified on the installed megatron-core."""
+    no feature not yet verified on the installed megatron-core; no flag only the planner
+    prices (flags/catalog.py PLANNER_ONLY: --tp-comm-overlap, from the flags or the plan)."""
+    if args.tp_comm_overlap:
+        raise PlanError(runtime_refusal("--tp-comm-overlap"))
     check_schedule_flags(args)
     check_version_features(args)
 

@@ -18,6 +18,7 @@ max over the schedule's forwards of sum_c inflight[t, k, c] * activations of chu
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -150,12 +151,15 @@ def stage_sums(cm: CostModel, layout: PlanLayout) -> StageSums:
 def plan_training(plan: ParallelPlan, *, flash_attention: bool = True, dropout: bool = True,
                   engine: Engine = "megatron", moe_imbalance: float | None = None,
                   overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
-                  ) -> TrainingSpec:
+                  tp_comm_overlap: bool = False) -> TrainingSpec:
     """The training settings a plan is scored with (`megatron-ext evaluate` and the published
     runs' benchmark, megatron_ext/calibration): its batch, sequence, precision and overlap flags
     (plan.overlap_grad_reduce / overlap_param_gather, or the arguments' when they turn one on),
     and how the run executes, which the plan does not record (--no-flash-attention,
-    --no-dropout, --engine)."""
+    --no-dropout, --engine). `tp_comm_overlap` turns plan.tp_comm_overlap on under the plan's
+    own rule (plan_checks: a layer with tp > 1 and sp, sp wherever tp > 1)."""
+    if tp_comm_overlap and not plan.tp_comm_overlap:
+        dataclasses.replace(plan, tp_comm_overlap=True)  # raises the plan's one-line refusal
     return TrainingSpec(
         global_batch_size=plan.global_batch_size,
         seq_length=plan.seq_length,
@@ -167,6 +171,7 @@ def plan_training(plan: ParallelPlan, *, flash_attention: bool = True, dropout: 
         engine=engine,
         overlap_grad_reduce=overlap_grad_reduce or plan.overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather or plan.overlap_param_gather,
+        tp_comm_overlap=tp_comm_overlap or plan.tp_comm_overlap,
         moe_imbalance=DEFAULT_MOE_IMBALANCE if moe_imbalance is None else moe_imbalance,
     )
 

@@ -38,6 +38,7 @@ from megatron_ext.planner.cost.memory import (
     state_bytes_per_param,
 )
 from megatron_ext.planner.cost.pipeline import OVERLAP_SLOWDOWN, gradient_tail_s
+from megatron_ext.planner.cost.tp_overlap import overlapped_tp_s
 from megatron_ext.planner.dp import MaxSwitch
 from megatron_ext.planner.space import StrategyTable
 from megatron_ext.planner.training import DEEPSPEED_MAX_LIVE_PARAMS, TrainingSpec
@@ -128,6 +129,12 @@ class CostModel:
         """The same cost model with every layer in bf16 (the layers an FP8 run keeps in bf16)."""
         other = copy.copy(self)
         other.training = dataclasses.replace(self.training, fp8=None)
+        return other
+
+    def with_training(self, training: TrainingSpec) -> CostModel:
+        """The same cost model with other training settings (profiles and cluster kept)."""
+        other = copy.copy(self)
+        other.training = training
         return other
 
     def with_cluster(self, cluster: ClusterSpec) -> CostModel:
@@ -226,8 +233,14 @@ class CostModel:
         # TP: 2 all-reduces (or all-gather + reduce-scatter under SP) of [rows, h] each way.
         hidden_bytes = rows * m.hidden_size * e
         tp_ar = self.collective_s("all_reduce", hidden_bytes, table.tp, 1)
-        tp_sp = 2 * self.collective_s("all_gather", hidden_bytes, table.tp, 1)  # AG + RS
+        tp_ag = self.collective_s("all_gather", hidden_bytes, table.tp, 1)
+        tp_sp = 2 * tp_ag  # AG + RS
         tp_one_way = 2 * np.where(table.sp, tp_sp, tp_ar)  # attention block + MLP block
+        tp_fwd = tp_bwd = tp_one_way  # forward (and recomputed forward), backward
+        if t.tp_comm_overlap:  # TE userbuffers hide most of the SP collectives (tp_overlap.py)
+            over_f, over_b = overlapped_tp_s(self, table, rows, tp_ag)
+            tp_fwd = np.where(table.sp, over_f, tp_one_way)
+            tp_bwd = np.where(table.sp, over_b, tp_one_way)
         # Ulysses: all-to-all of q, k, v before attention and of its output after, each way.
         uly_bytes = rows * (2 * C.q_dim(m) + 2 * C.kv_dim(m)) / table.tp * e
         uly_one_way = self.collective_s("all_to_all", uly_bytes, table.ulysses, table.tp * table.cp)
@@ -242,19 +255,20 @@ class CostModel:
         k = self.compute.host_overlap_power
         recompute = np.where(
             rc_full,
-            C.host_bound_s(comp.forward_s + tp_one_way + uly_one_way + cp_fwd, host_f, k),
+            C.host_bound_s(comp.forward_s + tp_fwd + uly_one_way + cp_fwd, host_f, k),
             0.0)
         recompute = recompute + np.where(
             table.recompute == 1, C.host_bound_s(comp.attention_forward_s, host_attn, k), 0.0)
         z3_fwd, z3_bwd, sync, gather = self._data_parallel_s(
             table, comp.forward_s, comp.backward_s + recompute
         )
-        fwd = C.host_bound_s(comp.forward_s + tp_one_way + uly_one_way + cp_fwd + z3_fwd,
+        fwd = C.host_bound_s(comp.forward_s + tp_fwd + uly_one_way + cp_fwd + z3_fwd,
                              host_f, k)
-        bwd = C.host_bound_s(comp.backward_s + tp_one_way + uly_one_way + cp_bwd + z3_bwd,
+        bwd = C.host_bound_s(comp.backward_s + tp_bwd + uly_one_way + cp_bwd + z3_bwd,
                              host_b, k) + recompute
-        comm = 2 * (tp_one_way + uly_one_way) + cp_fwd + cp_bwd + z3_fwd + z3_bwd
-        comm = comm + np.where(rc_full, tp_one_way + uly_one_way + cp_fwd, 0.0)
+        # (a + u) + (a + u) is 2 (a + u) bit for bit: without the overlap nothing moves
+        comm = (tp_fwd + uly_one_way) + (tp_bwd + uly_one_way) + cp_fwd + cp_bwd + z3_fwd + z3_bwd
+        comm = comm + np.where(rc_full, tp_fwd + uly_one_way + cp_fwd, 0.0)
         costs = LayerCosts(
             forward_s=np.asarray(fwd),
             backward_s=np.asarray(bwd),
