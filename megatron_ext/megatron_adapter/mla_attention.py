@@ -50,7 +50,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron_ext.megatron_adapter import compat
 from megatron_ext.megatron_adapter.norm_linear import LocalLayerNormColumnParallelLinear
 
-__all__ = ["LayerGroupMLASelfAttention"]
+__all__ = ["LayerGroupMLASelfAttention", "layer_group_mla_block", "layer_group_mla_layer"]
 
 _MODULE: Any = importlib.import_module("megatron.core.transformer.multi_latent_attention")
 _GROUPLESS = ("gather_from_tensor_model_parallel_region", "scatter_to_sequence_parallel_region")
@@ -131,3 +131,17 @@ class LayerGroupMLASelfAttention(MLASelfAttention):
     def get_query_key_value_tensors(self, *args: Any, **kwargs: Any) -> Any:
         with _bound_to(self.tp_group, self.config):
             return super().get_query_key_value_tensors(*args, **kwargs)
+
+
+def layer_group_mla_layer(spec: ModuleSpec) -> ModuleSpec:
+    """A local-spec GPT layer spec with MLA whose attention is `LayerGroupMLASelfAttention`."""
+    attention = dataclasses.replace(spec.submodules.self_attention,
+                                    module=LayerGroupMLASelfAttention)
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules,
+                                                                    self_attention=attention))
+
+
+def layer_group_mla_block(block: Any) -> Any:
+    """`layer_group_mla_layer` on every layer of a TransformerBlockSubmodules."""
+    return dataclasses.replace(block, layer_specs=[layer_group_mla_layer(spec)
+                                                   for spec in block.layer_specs])
