@@ -24,6 +24,10 @@ Bridges (0.16.1 -> 0.19.x; the full table with file:line is compat_versions.DIFF
   z-loss by its tokens (0.16) or by its tokens times the token-block group size (0.19).
 - `null_tokenizer`: tokenizer library `"null"` (eod = vocab_size, vocabulary vocab_size + 1)
   became `"null-text"` (eod = vocab_size - 1, vocabulary vocab_size).
+- `mla_normalises_query` / `mla_qk_norm_classes`: MLA's norms and projections are resolved by
+  `transformer/mla_qk_norm_config.py` on 0.19, which with --qk-layernorm and no q_lora_rank
+  also normalises the query in a fused norm+linear `linear_q_proj`; the local spec gets one
+  (norm_linear.py).
 
 The batch-size ramp (`RampupBatchsizeNumMicroBatchesCalculator`, removed in 0.19) is computed
 by the package on every version (training/rampup.py), so it needs no bridge.
@@ -32,6 +36,7 @@ by the package on every version (training/rampup.py), so it needs no bridge.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import inspect
 import types
 import warnings
@@ -46,8 +51,9 @@ from megatron.core.tokenizers import MegatronTokenizer
 from megatron.core.utils import get_batch_on_this_cp_rank
 
 __all__ = ["backward_step", "clear_moe_metrics", "cp_batch", "grads_for_grad_norm",
-           "load_common_state", "moe_metric_values", "null_tokenizer",
-           "router_weighs_the_token_block", "write_results_queue"]
+           "load_common_state", "mla_normalises_query", "mla_qk_norm_classes",
+           "moe_metric_values", "null_tokenizer", "router_weighs_the_token_block",
+           "write_results_queue"]
 
 
 @cache
@@ -160,3 +166,26 @@ def null_tokenizer(vocab_size: int) -> Any:
     meaning: 0.16 adds the end-of-document id after `vocab_size`, 0.19 makes it the last id)."""
     return MegatronTokenizer.from_pretrained(metadata_path={"library": _null_library()},
                                              vocab_size=vocab_size)
+
+
+_MLA_QK_NORM_CONFIG = "megatron.core.transformer.mla_qk_norm_config"
+
+
+@cache
+def mla_normalises_query() -> bool:
+    """Whether MLA with --qk-layernorm and no q_lora_rank normalises the query: 0.19 does, in a
+    fused norm+linear `linear_q_proj` (transformer/mla_qk_norm_config.py:132-167); 0.16 builds
+    no query norm without a query latent (multi_latent_attention.py:497)."""
+    return importlib.util.find_spec(_MLA_QK_NORM_CONFIG) is not None
+
+
+def mla_qk_norm_classes(config: Any, submodules: Any, fused_norm_linear: type) -> dict[str, Any]:
+    """0.19's resolution of MLA's q/kv norms and up projections (QKNormConfigResolver) for a
+    local-spec layer, with `fused_norm_linear` as the fused norm+linear: the resolver takes it
+    from `config.transformer_impl`'s backend, which is None on the local one
+    (models/backends.py:114) and Transformer Engine's class by default, and would refuse or
+    substitute the spec's `linear_q_proj` (mla_qk_norm_config.py:234-238)."""
+    resolver = importlib.import_module(_MLA_QK_NORM_CONFIG).QKNormConfigResolver(config,
+                                                                                  submodules)
+    resolver.fused_norm_linear_impl = fused_norm_linear
+    return resolver.resolve()

@@ -58,13 +58,10 @@ def version_at_least(version: str, minimum: tuple[int, int, int]) -> bool:
     return parse_version(version) >= minimum
 
 
-NOT_YET_ON_0_19 = (
-    ("multi_latent_attention", "--multi-latent-attention",
-     "multi-latent attention: 0.19 normalises the query through a norm+linear layer only "
-     "Transformer Engine provides"),
-)
+NOT_YET_ON_0_19: tuple[tuple[str, str, str], ...] = ()
 """Features whose parity is verified on megatron-core 0.16.1 and not yet on 0.17+ (the `open:`
-rows of DIFFERENCES): refused there in one line rather than run unverified."""
+rows of DIFFERENCES), as (args dest, flag, why): refused there in one line rather than run
+unverified. None at present."""
 
 
 def check_version_features(args: object, version: str | None = None) -> None:
@@ -189,8 +186,12 @@ DIFFERENCES: tuple[VersionDifference, ...] = (
               "q_lora_rank the query is normalised too, through a fused norm+linear "
               "linear_q_proj (column_parallel_layer_norm_linear: Transformer Engine only); a "
               "separate q norm without q_lora_rank is rejected",
-        here="open: mla_attention.py drops the unused q norm (both versions); "
-             "tests/dist/test_mla_parity.py still fails on 0.19 in linear_q_proj's class"),
+        here="mla_attention.py drops the unused q norm (both versions); where megatron-core "
+             "normalises the query (compat.mla_normalises_query) the local spec's linear_q_proj "
+             "is norm_linear.LocalLayerNormColumnParallelLinear (TE's parameter names), given "
+             "to the resolver by compat.mla_qk_norm_classes: the model is each version's own "
+             "(tests/dist/test_mla_parity.py on both); the cost model leaves out 0.19's "
+             "hidden-sized query norm"),
     VersionDifference(
         feature="Megatron-LM command-line flags",
         v0_16="flags/megatron_lm_core_v0.16.1_flags.json",

@@ -22,7 +22,7 @@ from megatron_ext.errors import PlanError
 from megatron_ext.geometry.activation import ActivationLayout
 from megatron_ext.megatron_adapter.attention import SequenceParallelCoreAttention
 from megatron_ext.megatron_adapter.compat import router_weighs_the_token_block
-from megatron_ext.megatron_adapter.mla_attention import LayerGroupMLASelfAttention
+from megatron_ext.megatron_adapter.mla_attention import layer_group_mla_layer
 from megatron_ext.megatron_adapter.sp_norm import (
     SPNorm,
     gpt_layer_spec,
@@ -138,10 +138,7 @@ def layer_spec(config: TransformerConfig, strategy: LayerStrategy,
     use_te = have_transformer_engine() if use_te is None else use_te
     spec = gpt_layer_spec(config, use_transformer_engine=use_te, moe=moe)
     if config.multi_latent_attention and not use_te:  # latents gathered over the layer's group
-        mla = dataclasses.replace(spec.submodules.self_attention,
-                                  module=LayerGroupMLASelfAttention)
-        spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules,
-                                                                        self_attention=mla))
+        spec = layer_group_mla_layer(spec)
     if strategy.ulysses == 1 and (strategy.cp == 1 or use_te):
         return spec
     core = ModuleSpec(module=SequenceParallelCoreAttention,

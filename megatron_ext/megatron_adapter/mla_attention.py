@@ -20,7 +20,10 @@ sequence-parallel branch does it, :622, through gather_from_sequence_parallel_re
 reduce-scatter).
 
 Without query compression megatron-core also builds `linear_q_proj` without the layer's group
-(:391-403): it gets it here.
+(:391-403): it gets it here. There, with --qk-layernorm, 0.19 also normalises the query inside a
+fused norm+linear `linear_q_proj` that only Transformer Engine provides
+(mla_qk_norm_config.py:132-167); on the local spec it is `LocalLayerNormColumnParallelLinear`
+(norm_linear.py), so the model is 0.19's on both specs (0.16 has no query norm there).
 
 `LayerGroupMLASelfAttention` runs the same method with those two functions bound to the layer's
 group (the module globals the method looks up, swapped for the call), and the key latent's
@@ -39,11 +42,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-__all__ = ["LayerGroupMLASelfAttention"]
+from megatron_ext.megatron_adapter import compat
+from megatron_ext.megatron_adapter.norm_linear import LocalLayerNormColumnParallelLinear
+
+__all__ = ["LayerGroupMLASelfAttention", "layer_group_mla_block", "layer_group_mla_layer"]
 
 _MODULE: Any = importlib.import_module("megatron.core.transformer.multi_latent_attention")
 _GROUPLESS = ("gather_from_tensor_model_parallel_region", "scatter_to_sequence_parallel_region")
@@ -90,24 +97,51 @@ def _bound_to(group: Any, config: Any) -> Iterator[None]:
             setattr(_MODULE, name, fn)
 
 
+def _without_query_latent(config: Any, submodules: Any, pg_collection: Any) -> Any:
+    """The submodules of an MLA layer without q_lora_rank: no q norm (0.16 does not build it,
+    multi_latent_attention.py:497; 0.19 rejects it, mla_qk_norm_config.py:259; the stock spec
+    sets it from --qk-layernorm alone); where megatron-core normalises the query
+    (compat.mla_normalises_query), the local spec's linear_q_proj becomes the local fused
+    norm+linear; and linear_q_proj gets the layer's tensor-parallel group."""
+    q_proj = submodules.linear_q_proj
+    if config.qk_layernorm and compat.mla_normalises_query() and q_proj is ColumnParallelLinear:
+        q_proj = LocalLayerNormColumnParallelLinear
+    if pg_collection is not None:
+        q_proj = ModuleSpec(module=q_proj, params={"tp_group": pg_collection.tp})
+    return dataclasses.replace(submodules, linear_q_proj=q_proj, q_layernorm=IdentityOp)
+
+
 class LayerGroupMLASelfAttention(MLASelfAttention):
     """MLASelfAttention whose latent gather/scatter use the layer's tensor-parallel group, and
     whose `linear_q_proj` (no query compression) is built on it: megatron-core builds that one
-    projection without a group (multi_latent_attention.py:391-403), i.e. on the global one."""
+    projection without a group (multi_latent_attention.py:391-403), i.e. on the global one.
+    On 0.19 its q/kv norm resolution knows the local fused norm+linear."""
 
     def __init__(self, config: Any, submodules: Any, *args: Any, pg_collection: Any = None,
                  **kwargs: Any) -> None:
-        if config.q_lora_rank is None and pg_collection is not None:
-            q_proj = ModuleSpec(module=submodules.linear_q_proj,
-                                params={"tp_group": pg_collection.tp})
-            submodules = dataclasses.replace(submodules, linear_q_proj=q_proj)
-        if config.q_lora_rank is None and submodules.q_layernorm is not IdentityOp:
-            # without a query latent there is no q norm: 0.16 does not build it
-            # (multi_latent_attention.py:497), 0.19 rejects a non-identity one
-            # (mla_qk_norm_config.py:259); the stock spec sets it from --qk-layernorm alone
-            submodules = dataclasses.replace(submodules, q_layernorm=IdentityOp)
+        if config.q_lora_rank is None:
+            submodules = _without_query_latent(config, submodules, pg_collection)
         super().__init__(config, submodules, *args, pg_collection=pg_collection, **kwargs)
+
+    def _resolve_qk_norm_config(self, submodules: Any) -> dict[str, Any]:
+        # megatron-core 0.19+ only (0.16 has no resolver and never calls this)
+        return compat.mla_qk_norm_classes(self.config, submodules,
+                                          LocalLayerNormColumnParallelLinear)
 
     def get_query_key_value_tensors(self, *args: Any, **kwargs: Any) -> Any:
         with _bound_to(self.tp_group, self.config):
             return super().get_query_key_value_tensors(*args, **kwargs)
+
+
+def layer_group_mla_layer(spec: ModuleSpec) -> ModuleSpec:
+    """A local-spec GPT layer spec with MLA whose attention is `LayerGroupMLASelfAttention`."""
+    attention = dataclasses.replace(spec.submodules.self_attention,
+                                    module=LayerGroupMLASelfAttention)
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules,
+                                                                    self_attention=attention))
+
+
+def layer_group_mla_block(block: Any) -> Any:
+    """`layer_group_mla_layer` on every layer of a TransformerBlockSubmodules."""
+    return dataclasses.replace(block, layer_specs=[layer_group_mla_layer(spec)
+                                                   for spec in block.layer_specs])

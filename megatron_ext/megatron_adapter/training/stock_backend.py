@@ -23,6 +23,7 @@ from megatron.core.transformer.pipeline_parallel_layer_layout import (
 
 from megatron_ext.errors import PlanError
 from megatron_ext.megatron_adapter.losses import forward_step, stock_view
+from megatron_ext.megatron_adapter.mla_attention import layer_group_mla_block
 from megatron_ext.megatron_adapter.sp_norm import gpt_block_spec
 from megatron_ext.megatron_adapter.training.backend import Backend, BackendName, Batch
 from megatron_ext.megatron_adapter.training.data import DataShard
@@ -71,10 +72,14 @@ def _build_gpt(plan: ParallelPlan, options: ModelOptions, config: Any, vocab: in
                init: InitMethod, seed: int, layer_offset: int) -> Any:
     """This stage's GPTModel (Float16Module-wrapped in half precision); `init`: as
     SystemConfig.init, the global index of the stage's first layer being `layer_offset`."""
+    block = gpt_block_spec(config, use_transformer_engine=options.use_transformer_engine)
+    if config.multi_latent_attention and not options.use_transformer_engine:
+        # 0.19 refuses the local MLA spec's q norm without q_lora_rank and has no local fused
+        # norm+linear for the query; the layerwise runtime's MLA layer brings both
+        block = layer_group_mla_block(block)
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=gpt_block_spec(
-            config, use_transformer_engine=options.use_transformer_engine),
+        transformer_layer_spec=block,
         vocab_size=vocab,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
