@@ -56,8 +56,9 @@ class LocalLayerNormColumnParallelLinear(ColumnParallelLinear):
                          tp_group=tp_group, **extra)
         self.normalization = config.normalization
         self.eps = config.layernorm_epsilon
-        device = torch.device("cpu") if config.use_cpu_initialization else torch.device(
-            "cuda", torch.cuda.current_device())
+        # beside the linear's own weight (megatron-core placed it: CPU or the current device)
+        device = (self.weight.device if self.weight is not None else
+                  torch.device("cpu") if config.use_cpu_initialization else None)
         factory = {"device": device, "dtype": config.params_dtype}
         self.layer_norm_weight = torch.nn.Parameter(torch.ones(input_size, **factory))
         self.layer_norm_bias = (torch.nn.Parameter(torch.zeros(input_size, **factory))
