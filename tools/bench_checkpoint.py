@@ -76,7 +76,6 @@ def _worker(rank: int, world_size: int, root: str, repeats: int) -> dict[str, An
     from megatron_ext.megatron_adapter.training import pretrain
     from megatron_ext.megatron_adapter.training.checkpoint import (
         TrainState,
-        cached_save_strategy,
         load_checkpoint,
         prewarm_checkpoint_writer,
         save_checkpoint,
@@ -84,7 +83,7 @@ def _worker(rank: int, world_size: int, root: str, repeats: int) -> dict[str, An
     from megatron_ext.megatron_adapter.training.checkpoint_async import AsyncSaver
     from megatron_ext.megatron_adapter.training.checkpoint_files import resolve_load
     from megatron_ext.megatron_adapter.training.checkpoint_optim import materialize_state
-    from megatron_ext.megatron_adapter.training.checkpoint_write import bytes_under
+    from megatron_ext.megatron_adapter.training.checkpoint_write import bytes_under, save_strategy
     from megatron_ext.megatron_adapter.training.loop import build_scheduler
     from megatron_ext.megatron_adapter.training.select import build_backend
 
@@ -101,7 +100,7 @@ def _worker(rank: int, world_size: int, root: str, repeats: int) -> dict[str, An
     for kind in KINDS:
         save = Path(root) / kind.replace(" ", "_")
         saver = None if kind == "sync" else AsyncSaver(persistent=kind == "async persistent")
-        strategy = cached_save_strategy() if kind == "async persistent" else None
+        strategy = save_strategy(cached=True) if kind == "async persistent" else None
         blocked, published = [], []
         for i in range(1, repeats + 2):
             state = TrainState(iteration=i)

@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from megatron_ext.megatron_adapter.training.backend import Backend
     from megatron_ext.megatron_adapter.training.checkpoint_async import AsyncSaver
 
-__all__ = ["TrainState", "cached_save_strategy", "check_layer_keys", "check_optimizer_layout",
+__all__ = ["TrainState", "check_layer_keys", "check_optimizer_layout",
            "checkpoint_info", "gradient_class_counts", "load_checkpoint",
            "prewarm_checkpoint_writer", "save_checkpoint"]
 logger = logging.getLogger(__name__)
@@ -222,28 +222,20 @@ def _commit(root: Path, tmp: Path, iteration: int) -> None:
                        TRACKER_FILE, root, iteration)
 
 
-def cached_save_strategy() -> Any:
-    """--ckpt-assume-constant-structure: one torch_dist save strategy for the run, which caches
-    its save plan after the first save (Megatron-LM keeps it in the checkpointing context)."""
-    from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
-
-    strategy = get_default_save_sharded_strategy()
-    strategy.use_cached_ckpt_structure = True
-    return strategy
-
-
 def save_checkpoint(root: str | Path, backend: Backend, scheduler: Any, state: TrainState,
                     plan: ParallelPlan, *, with_optimizer: bool = True,
-                    saver: AsyncSaver | None = None, strategy: Any = None) -> Path:
+                    saver: AsyncSaver | None = None,
+                    strategy: checkpoint_write.MetadataFailureSafeStrategy | None = None) -> Path:
     """Write iteration `state.iteration` under `root`; returns the directory it is published
     as. `with_optimizer=False`: Megatron-LM's --no-save-optim (weights, scheduler, RNG only).
     `saver` (--async-save): the shards are written in the background and the directory is
     published when `saver` finalizes the save (checkpoint_async.py), every rank's write done.
     A write that fails on any rank is one CheckpointWriteError line on every rank
     (checkpoint_write.py), raised here or, for an async save, by the finalize; the tracker keeps
-    naming the last complete checkpoint. `strategy`: `cached_save_strategy()` or None
-    (megatron-core's default, planned anew each save)."""
+    naming the last complete checkpoint. `strategy`: `checkpoint_write.save_strategy(cached=True)`
+    for --ckpt-assume-constant-structure, or None (planned anew each save)."""
     root = Path(root)
+    strategy = checkpoint_write.save_strategy(cached=False) if strategy is None else strategy
     iteration = state.iteration  # `state` moves on while an async save is in flight
     tmp = root / f"iter_{iteration:07d}.tmp"
 
@@ -270,8 +262,11 @@ def save_checkpoint(root: str | Path, backend: Backend, scheduler: Any, state: T
     sd = _state_dict(backend, scheduler, state, plan, is_loading=False,
                      optimizer=PARAM_KEYED if with_optimizer else None)
     if saver is None:
-        step(lambda: dist_checkpointing.save(sd, str(tmp), sharded_strategy=strategy),
-             on_rank0_only=False)
+        def save() -> None:
+            dist_checkpointing.save(sd, str(tmp), sharded_strategy=strategy)
+            strategy.raise_kept_error()
+
+        step(save, on_rank0_only=False)
         step(lambda: _commit(root, tmp, iteration), on_rank0_only=True)
         return iteration_dir(root, iteration)
     requests: list[Any] = []
@@ -281,7 +276,12 @@ def save_checkpoint(root: str | Path, backend: Backend, scheduler: Any, state: T
     finalize_fns = list(requests[0].finalize_fns)  # megatron-core's: metadata of every rank
 
     def finalize() -> None:  # every rank, once every rank's writer finished
-        step(lambda: [fn() for fn in finalize_fns], on_rank0_only=False)
+        def run_finalize_fns() -> None:
+            for fn in finalize_fns:
+                fn()
+            strategy.raise_kept_error()
+
+        step(run_finalize_fns, on_rank0_only=False)
         step(lambda: _commit(root, tmp, iteration), on_rank0_only=True)
         if dist.get_rank() == 0:
             logger.info("checkpoint of iteration %d published under %s", iteration, root)

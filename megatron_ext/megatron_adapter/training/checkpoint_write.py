@@ -16,8 +16,10 @@ import errno
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_ext.errors import PlanError
@@ -110,3 +112,52 @@ def discard(tmp: Path) -> None:
     """Rank 0, after a failed save: remove the partial directory (frees what it held)."""
     if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+class MetadataFailureSafeStrategy(TorchDistSaveShardedStrategy):  # type: ignore[misc]
+    """megatron-core's torch_dist save strategy, with the coordinator's metadata write made
+    collective-safe.
+
+    megatron-core's finalize (`save_state_dict_async_finalize`, state_dict_saver.py) gathers
+    every rank's write results, lets the coordinator write `.metadata` (`storage_writer.finish`)
+    and then broadcasts whether anything failed; `dist_checkpointing.save` then ends with a
+    barrier. When the metadata write itself fails (a disk that fills just then), the coordinator
+    raised before that broadcast and every other rank waited in it for ever. Here the
+    coordinator's `finish` error is kept instead, megatron-core's collectives all run, and the
+    caller raises it with `raise_kept_error()` once `save` (or, for an async save, every
+    finalize function) returned: every rank then reaches `agree` together and the save ends in
+    the one line of any other write failure.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._kept: list[BaseException] = []
+
+    def _get_save_and_finalize_callbacks(self, writer: Any, save_state_dict_ret: Any,
+                                         *args: Any) -> Any:
+        finish = writer.finish
+
+        def finish_keeping_the_error(*f_args: Any, **f_kwargs: Any) -> Any:
+            try:
+                return finish(*f_args, **f_kwargs)
+            except SAVE_ERRORS as err:
+                self._kept.append(err)
+                return None
+
+        writer.finish = finish_keeping_the_error
+        return super()._get_save_and_finalize_callbacks(writer, save_state_dict_ret, *args)
+
+    def raise_kept_error(self) -> None:
+        """Raise the metadata-write error of the last save, if it had one (coordinator only)."""
+        if self._kept:
+            err = self._kept.pop()
+            self._kept.clear()
+            raise err
+
+
+def save_strategy(*, cached: bool) -> MetadataFailureSafeStrategy:
+    """The torch_dist save strategy for every save (`cached`: --ckpt-assume-constant-structure,
+    the save plan cached after the first save, as Megatron-LM's checkpointing context keeps it)."""
+    strategy = MetadataFailureSafeStrategy("torch_dist", 1)
+    strategy.use_cached_ckpt_structure = cached
+    return strategy

@@ -21,10 +21,10 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron_ext.megatron_adapter.training.backend import Backend, Batch
 from megatron_ext.megatron_adapter.training.checkpoint import (
     TrainState,
-    cached_save_strategy,
     save_checkpoint,
 )
 from megatron_ext.megatron_adapter.training.checkpoint_async import AsyncSaver
+from megatron_ext.megatron_adapter.training.checkpoint_write import save_strategy
 from megatron_ext.megatron_adapter.training.data import MicroBatchIterator
 from megatron_ext.megatron_adapter.training.preemption import (
     ExitSignalHandler,
@@ -140,7 +140,8 @@ def train(run: RunConfig, backend: Backend, scheduler: OptimizerParamScheduler,
     handler = install_exit_signal_handler(sched.exit_signals, backend)  # None: no handler
     saver = AsyncSaver(persistent=run.checkpoint.use_persistent_ckpt_worker,
                        shield=sched.exit_signals) if save and run.checkpoint.async_save else None
-    strategy = cached_save_strategy() if run.checkpoint.ckpt_assume_constant_structure else None
+    strategy = (save_strategy(cached=True) if run.checkpoint.ckpt_assume_constant_structure
+                else None)
 
     def checkpoint() -> None:
         assert save is not None
