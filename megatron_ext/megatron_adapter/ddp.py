@@ -51,7 +51,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron_ext.megatron_adapter.fsdp import ShardedLayers, shard_root
 from megatron_ext.megatron_adapter.model import HeteroGPTModel
 
-__all__ = ["GradClass", "HeteroDDP", "chain_kinds", "finalize_grads", "stage_class_keys",
+__all__ = ["GradClass", "HeteroDDP", "chain_kinds", "finalize_grads", "force_param_sync",
+           "stage_class_keys",
            "vocab_zero"]
 
 
@@ -292,3 +293,19 @@ def finalize_grads(
                 c.scale_gradients(1.0 / total.item())
     if inner.config.num_moe_experts is not None:  # global_aux_loss counts, as megatron-core
         reset_model_temporary_tensors(inner.config, model)
+
+
+def force_param_sync(chunks: list[torch.nn.Module]) -> None:
+    """Gather every weight the last optimizer step updated, now: Megatron-LM's force_param_sync
+    before a checkpoint save. Under --overlap-param-gather the distributed optimizer writes
+    each rank's own shard of the weights and defers their all-gather to the next forward, so
+    until then a rank holds the other ranks' shards one step old, and the data-parallel rank
+    that writes a weight to the checkpoint would write those: a resumed run then starts from
+    weights the uninterrupted run never had."""
+    for chunk in chunks:
+        for ddp in getattr(chunk, "ddps", [chunk]):
+            cfg = getattr(ddp, "ddp_config", None)
+            if (isinstance(ddp, DistributedDataParallel) and cfg is not None
+                    and cfg.use_distributed_optimizer and cfg.overlap_param_gather):
+                ddp.start_param_sync(force_sync=True)
+

@@ -3,7 +3,10 @@ layerwise runtime, FlexSP), resumed across them with weights and optimizer state
 
 One corpus without end-of-document tokens, so a FlexSP sample is a single document and every
 backend computes the same causal loss on the same samples; dropout off; fp32.
-  S   stock (tp=2, dp=2), 6 iterations, a checkpoint every 2.
+  S   stock (tp=2, dp=2, distributed optimizer, --overlap-grad-reduce --overlap-param-gather),
+      6 iterations, a checkpoint every 2: each save comes right after an optimizer step whose
+      weight all-gather the flag defers to the next forward, so it must gather first, as
+      Megatron-LM's force_param_sync does (else H and T resume from one-step-old shards).
   H   a heterogeneous plan (layers 0-1 tp=2 + SP, dp=2, ZeRO-1; layers 2-3 tp=2, Ulysses 2),
       loading S's iteration 2 (weights and Adam moments; one optimizer per rank saved them, two
       of different kinds load them): iterations 3-4 continue S's losses.
@@ -89,7 +92,8 @@ def _continues(got: dict[int, float], expected: dict[int, float], iterations: ra
 def stock(data: list[str], tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
     save = tmp_path_factory.mktemp("format_stock")
     losses = _run([*data, *BATCH, "--tensor-model-parallel-size", "2", "--train-iters", "6",
-                   "--save", str(save), "--save-interval", "2"])
+                   "--use-distributed-optimizer", "--overlap-grad-reduce",
+                   "--overlap-param-gather", "--save", str(save), "--save-interval", "2"])
     assert sorted(losses) == list(range(1, 7))
     return losses, save
 

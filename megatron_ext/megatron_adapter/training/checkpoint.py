@@ -33,6 +33,7 @@ from megatron.core import dist_checkpointing, package_info, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from megatron_ext.errors import PlanError
+from megatron_ext.megatron_adapter.ddp import force_param_sync
 from megatron_ext.megatron_adapter.training import checkpoint_optim, checkpoint_write
 from megatron_ext.megatron_adapter.training.checkpoint_files import (
     TRACKER_FILE,
@@ -259,6 +260,7 @@ def save_checkpoint(root: str | Path, backend: Backend, scheduler: Any, state: T
 
     step(prepare, on_rank0_only=True)
     _wait_for_prewarm()  # also before an async save: its writer sends results through the queue
+    force_param_sync(backend.model)  # --overlap-param-gather: no rank may save stale shards
     sd = _state_dict(backend, scheduler, state, plan, is_loading=False,
                      optimizer=PARAM_KEYED if with_optimizer else None)
     if saver is None:
