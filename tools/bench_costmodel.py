@@ -44,9 +44,11 @@ table marked as not comparable, writes `summary: null`, and exits 4 (--report-an
 regardless): the probes follow the compute side of a load change, not the collective curves
 profiled before it.
 
---quick: one round and one model-profiler repeat instead of two of each (same plans, grid and
-steps; the hardware profiler keeps at least HARDWARE_REPEATS samples per collective):
-about 4 minutes on the 2-core machine with nothing else running.
+--quick: one round and one model-profiler repeat instead of two of each, with twice the steps
+in that round (same plans and grid, as many timed steps per plan as the full run: a plan's
+fastest step is the figure, and two samples of it moved by up to 20% on the 2-core machine; the
+hardware profiler keeps at least HARDWARE_REPEATS samples per collective): about 6 minutes on
+the 2-core machine with nothing else running.
 """
 
 from __future__ import annotations
@@ -217,8 +219,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="do not probe the machine beside the timed runs: predict every plan on "
                    "the profile as measured (the figures then move with the load)")
     p.add_argument("--quick", action="store_true",
-                   help="one round, one profiler repeat (%(prog)s in about a third of the "
-                   "default time; same plans, same profile grid)")
+                   help="one round, one profiler repeat, twice --steps in that round "
+                   "(%(prog)s in about half the default time; same plans, same profile grid, "
+                   "as many timed steps per plan)")
     p.add_argument("--pieces", type=int, default=0, metavar="N",
                    help="after the timed steps, run N more steps per plan with their pieces "
                    "timed (forward, backward, gradient sync, optimizer step, CPU seconds, page "
@@ -227,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="run N busy-loop processes (python: while True: pass) beside the whole "
                    "benchmark, profiling included: the load test (default 0)")
     args = p.parse_args(argv)
-    if args.quick:
-        args.rounds, args.repeats = 1, 1
+    if args.quick:  # as many timed steps per plan as the full run's 2 rounds x 2 steps
+        args.rounds, args.repeats, args.steps = 1, 1, 2 * args.steps
     t_start = time.perf_counter()
     facts = machine_facts()
     print(machine_line(facts))

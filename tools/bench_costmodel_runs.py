@@ -259,7 +259,8 @@ def fastest_cluster(profiles: list[Any]) -> Any:
     return dataclasses.replace(
         first, cluster=cluster, collectives=curves,
         overlap_slowdown=min(p.overlap_slowdown for p in profiles),
-        compute_slots_per_node=max(p.compute_slots_per_node for p in profiles))
+        compute_slots_per_node=max(p.compute_slots_per_node for p in profiles),
+        comm_cpu_share=statistics.median(p.comm_cpu_share for p in profiles))
 
 
 def fastest_model(profiles: list[Any]) -> Any:

@@ -48,10 +48,15 @@ class Checkpoint:
 class LoadLog:
     max_swing: float = 1.5
     """Largest allowed ratio of the slowest to the fastest reference loop."""
+    settle_s: float = 1.5
+    """Pause before each checkpoint's reference loop: the benchmark's own ranks leave the machine
+    for ~0.5 s after they report (their memory is returned), and a loop run at once read 24 ms
+    against 16, refusing runs for their own aftermath."""
     checkpoints: list[Checkpoint] = field(default_factory=list)
     start: float = field(default_factory=time.perf_counter)
 
     def checkpoint(self, label: str) -> Checkpoint:
+        time.sleep(self.settle_s)
         point = Checkpoint(label=label, wall_s=time.perf_counter() - self.start,
                            load_avg_1m=os.getloadavg()[0], reference_s=reference_loop_s())
         self.checkpoints.append(point)

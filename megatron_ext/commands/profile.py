@@ -126,7 +126,7 @@ def cluster_summary(profile: ClusterProfile) -> str:
     lines = [(f"{profile.device}, {profile.backend}: {c.num_nodes} node(s) x {c.gpus_per_node} "
              f"ranks, NVLink domain {c.nvlink_domain}, peak {c.peak_flops / 1e12:.3g} TFLOP/s "
              f"per rank, overlap slowdown {profile.overlap_slowdown:.2f}, compute slots per node "
-             f"{profile.compute_slots_per_node}"),
+             f"{profile.compute_slots_per_node}, comm CPU share {profile.comm_cpu_share:.2f}"),
              (f"{'collective':<15}{'g':>3}{'stride':>7}{'per node':>9}{'latency us':>12}"
              f"{'GB/s @max':>11}")]
     for cv in profile.collectives:

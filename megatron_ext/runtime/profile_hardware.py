@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import statistics
 import time
 from collections.abc import Callable
 
@@ -212,6 +213,40 @@ def profile_overlap(*, world: dist.ProcessGroup, device: torch.device, dtype: to
     return max(1.0, t_both / max(t_comm, t_comp)), raw
 
 
+def profile_comm_cpu_share(*, world: dist.ProcessGroup, device: torch.device,
+                           dtype: torch.dtype, sizes: list[int], local_world_size: int,
+                           slots: float, repeats: int) -> float:
+    """Share of a node's compute slots its ranks' collectives keep busy while they run: the
+    CPU seconds every rank of the node spends in them (all threads: the backend's own
+    included), over wall seconds x `slots`; median over the collectives and sizes, every rank
+    of the node in one group as a tensor-parallel group is. On a GPU 0: NCCL moves the data with
+    the GPU's own engines, and its share of the SMs is in the overlap slowdown. On CPU ranks
+    a transfer is CPU work, so a collective that runs beside compute takes this share of the
+    cores from it (planner/profile/cost.py)."""
+    if device.type != "cpu":
+        return 0.0
+    members = placement(dist.get_world_size(world), local_world_size, False)
+    handles = [dist.new_group(m) for m in members]  # every rank, same order
+    mine = handles[dist.get_rank() // local_world_size]
+    shares = []
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+        for num_bytes in sizes[:: max(1, len(sizes) // 4)]:
+            fn = _collective_fn(op, num_bytes, mine, device, dtype)
+            fn()
+            dist.barrier(group=world)
+            cpu0, t0 = time.process_time(), time.perf_counter()
+            for _ in range(repeats):
+                fn()
+            sample = torch.tensor([time.process_time() - cpu0, time.perf_counter() - t0],
+                                  dtype=torch.float64)
+            cpu = sample[:1].clone()
+            dist.all_reduce(cpu, group=mine)  # CPU seconds of the node's ranks
+            wall = sample[1:].clone()
+            dist.all_reduce(wall, op=dist.ReduceOp.MAX, group=mine)
+            shares.append(min(1.0, float(cpu) / (float(wall) * slots)))
+    return float(statistics.median(shares))
+
+
 def message_sizes(min_bytes: int, max_bytes: int, factor: int = 4) -> list[int]:
     """min, min * factor, ... below max, then max: at least two sizes."""
     if not 1 <= min_bytes < max_bytes:
@@ -264,6 +299,8 @@ def profile_hardware(*, world: dist.ProcessGroup, device: torch.device,
                          repeats=repeats, progress=progress)
     slowdown, _ = profile_overlap(world=world, device=device, dtype=dtype, num_bytes=sizes[-1],
                                   dim=mm_dim, repeats=repeats)
+    cpu_share = profile_comm_cpu_share(world=world, device=device, dtype=dtype, sizes=sizes,
+                                       local_world_size=local, slots=slots, repeats=repeats)
     ar = [c for c in curves if c.collective == "all_reduce"]
     intra = fitted_link([c for c in ar if not c.crosses_nodes])
     inter = fitted_link([c for c in ar if c.crosses_nodes]) or intra
@@ -275,6 +312,7 @@ def profile_hardware(*, world: dist.ProcessGroup, device: torch.device,
     return ClusterProfile(cluster=cluster, backend=str(dist.get_backend(world)),
                           device=_device_name(device), overlap_slowdown=slowdown,
                           compute_slots_per_node=round(slots, 3),
+                          comm_cpu_share=round(cpu_share, 3),
                           collectives=tuple(curves))
 
 

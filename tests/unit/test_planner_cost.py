@@ -410,3 +410,48 @@ def test_pipelined_exposed_closed_forms():
     assert pipelined_exposed_s(1.0, 4.0, 8) == pytest.approx(1.0 / 8)
     assert pipelined_exposed_s(4.0, 1.0, 4) == pytest.approx(3.0 + 1.0 / 4)
     assert bulk_exposed_s(1.0, 4.0) == 0.0 and bulk_exposed_s(4.0, 1.0) == 3.0
+
+
+def test_sequence_parallel_prices_each_collective_and_the_backward_regather():
+    """Under SP a layer's forward runs an all-gather and a reduce-scatter per block, each at its
+    own curve (gloo's reduce-scatter is not its all-gather); its backward also re-gathers the
+    sequence shard of each column-parallel linear's input for the weight gradient (megatron-core
+    LinearWithGradAccumulationAndAsyncCommunication.backward), beside the input-gradient GEMM:
+    exposed by what outlasts that GEMM. On a profile whose all-gather is slow next to the GEMMs
+    the backward pays exactly the two exposed re-gathers more than the forward."""
+    from megatron_ext.planner.cost import compute as C
+    from megatron_ext.planner.profile.profiles import ClusterProfile, CollectiveCurve
+    from megatron_ext.specs import ClusterSpec, LinkSpec
+
+    sizes = (1e3, 1e5, 1e7, 1e9)
+
+    def curve(op, g, per_byte):
+        return CollectiveCurve(collective=op, group_size=g, stride=1, ranks_per_node=g,
+                               num_bytes=sizes, seconds=tuple(1e-3 + n * per_byte for n in sizes))
+
+    spec = ClusterSpec(name="slow", num_nodes=1, gpus_per_node=4, memory_gib=80.0,
+                       peak_flops=1e15,
+                       intra_node=LinkSpec(bandwidth_bytes_per_s=1e9, latency_s=1e-5),
+                       inter_node=LinkSpec(bandwidth_bytes_per_s=1e9, latency_s=1e-5))
+    rates = {"all_reduce": 2e-9, "all_gather": 1e-9, "reduce_scatter": 3e-9,
+             "all_to_all": 1e-9, "p2p": 1e-9}
+    prof = ClusterProfile(cluster=spec, backend="gloo", device="cpu", overlap_slowdown=1.5,
+                          collectives=tuple(curve(op, 4, r) for op, r in rates.items()
+                                            if op != "p2p") + (curve("p2p", 2, 1e-9),))
+    model = model_preset("llama2-7b")
+    training = TrainingSpec(global_batch_size=8, seq_length=1024, precision="bf16",
+                            dropout=False)
+    cm = CostModel(model, spec, training, comm=prof)
+    table = StrategyTable.of([LayerStrategy(tp=4, sp=True, dp=1)])
+    costs = cm.layer_costs(table, 1)
+    rows = 1024.0
+    hidden = rows * model.hidden_size * 2
+    ag, rs = prof.collective_time_s("all_gather", 4, 4, hidden), prof.collective_time_s(
+        "reduce_scatter", 4, 4, hidden)
+    gemms = C.layer_gemms(model, np.array([4]))
+    regather = 0.0
+    for k, n in (gemms[0], gemms[-2]):
+        dgrad = 2.0 * rows * k * n / (1e15 * C.gemm_efficiency(cm.compute, min(rows, k, n)))
+        regather += max(0.0, 1.5 * ag - float(np.squeeze(dgrad)))
+    assert regather > 0
+    assert float(costs.comm_s[0]) == pytest.approx(2 * 2 * (ag + rs) + regather, rel=1e-9)

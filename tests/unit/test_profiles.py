@@ -55,7 +55,7 @@ def cluster_profile() -> ClusterProfile:
                                                           "reduce_scatter", "all_to_all")
                    for g, q in ((2, 2), (2, 1), (4, 2)))
     curves += (power_law_curve("p2p", 2, 2, k=0.6),)
-    return ClusterProfile(cluster=spec, backend="gloo", device="cpu", overlap_slowdown=1.3,
+    return ClusterProfile(cluster=spec, backend="nccl", device="gpu", overlap_slowdown=1.3,
                           compute_slots_per_node=None, collectives=curves)
 
 
@@ -128,6 +128,7 @@ def _model_json() -> dict:
     (lambda d: d.update(compute_slots_per_node=3), "compute_slots_per_node=3.0 must be in"),
     (lambda d: d.update(compute_slots_per_node="2"), "compute_slots_per_node='2'"),
     (lambda d: d.update(compute_burst_s=-0.1), "compute_burst_s=-0.1 must be >= 0"),
+    (lambda d: d.update(comm_cpu_share=1.5), "comm_cpu_share=1.5 must be in [0, 1]"),
 ])
 def test_cluster_profile_errors_are_one_line_and_name_the_field(tmp_path, mutate, needle):
     data = _cluster_json()
@@ -228,6 +229,27 @@ def test_layer_fit_recovers_a_cost_law_in_its_span():
     assert mp.activation_bytes(tp=1, sp=False, micro_batch_size=1, seq_length=32) is None
 
 
+def test_gloo_profiles_price_the_straight_line_through_every_point():
+    """gloo on CPU ranks: one fixed cost per call plus bytes over one bandwidth, its single
+    points scattered by the scheduler; the least-squares line t = a + b n through all (made
+    non-decreasing) points prices every size, exact when the points lie on a line."""
+    sizes = (1e3, 1e4, 1e5, 1e6)
+    line = CollectiveCurve(collective="all_gather", group_size=2, stride=1, ranks_per_node=2,
+                           num_bytes=sizes, seconds=tuple(2e-3 + n * 1e-9 for n in sizes))
+    noisy = dataclasses.replace(line, seconds=(4e-3, 2e-3, 2.1e-3, 3e-3))
+    base = dataclasses.replace(cluster_profile(), backend="gloo", device="cpu")
+    exact = dataclasses.replace(base, collectives=(line,))
+    assert exact.collective_time_s("all_gather", 2, 2, 3e5) == pytest.approx(2e-3 + 3e-4)
+    scattered = dataclasses.replace(base, collectives=(noisy,))
+    seconds = np.minimum.accumulate(np.array(noisy.seconds)[::-1])[::-1]  # (2, 2, 2.1, 3) ms
+    design = np.stack([np.ones(4), np.array(sizes)], axis=1)
+    (a, b), *_ = np.linalg.lstsq(design, seconds, rcond=None)
+    assert scattered.collective_time_s("all_gather", 2, 2, 1e4) == pytest.approx(a + b * 1e4)
+    # the same points under NCCL keep the exact interpolation
+    nccl = dataclasses.replace(scattered, backend="nccl")
+    assert nccl.collective_time_s("all_gather", 2, 2, 1e4) == pytest.approx(2e-3)
+
+
 def test_cluster_profile_is_a_comm_model_for_the_planner():
     cp = cluster_profile()
     training = TrainingSpec(global_batch_size=8, seq_length=64, precision="fp32")
@@ -320,6 +342,47 @@ def test_shared_compute_iteration_time():
     cm2 = ProfiledCostModel(MODEL, cluster, training, comm=with_slots,
                             model_profile=dataclasses.replace(model_profile(), concurrency=1))
     assert cm2.compute_slots_per_node() == 2.0
+
+
+def test_transfers_beside_compute_take_their_cpu_share_on_shared_cores():
+    """On CPU ranks a collective is CPU work: what the other tensor-parallel groups hide, and
+    the data-parallel reduction overlapped with backward, still take the profile's
+    comm_cpu_share of the node's slots. In solo-compute seconds per rank that is
+    share * hidden * slots / ranks per node (4 ranks over 2 slots: share * hidden / 2); with a
+    share of 0 (a GPU profile, or one that predates it) nothing changes."""
+    cluster = dataclasses.replace(cluster_profile().cluster, num_nodes=1, gpus_per_node=4)
+    training = TrainingSpec(global_batch_size=8, seq_length=64, precision="fp32",
+                            overlap_grad_reduce=True)
+    shared = dataclasses.replace(model_profile(), concurrency=4, sharing_slowdown=2.0)
+    comm = dataclasses.replace(cluster_profile(), cluster=cluster)
+    layout = PlanLayout(pp=1, stages=((0, 4),), layers=(LayerStrategy(tp=2, dp=2),) * 4,
+                        vocab=VocabStrategy(), micro_batch_size=4)
+    free = stage_work(ProfiledCostModel(MODEL, cluster, training, comm=comm,
+                                        model_profile=shared), layout)
+    busy = stage_work(ProfiledCostModel(
+        MODEL, cluster, training, comm=dataclasses.replace(comm, comm_cpu_share=0.8),
+        model_profile=shared), layout)
+    unshared = stage_work(ProfiledCostModel(
+        MODEL, cluster, training, comm=comm,
+        model_profile=dataclasses.replace(shared, concurrency=1)), layout)
+    hidden_f = unshared.forward_comm_s - free.forward_comm_s
+    assert float(hidden_f.min()) > 0
+    np.testing.assert_allclose(busy.forward_compute_s,
+                               free.forward_compute_s + 0.8 * hidden_f / 2, rtol=1e-12)
+    sums = stage_sums_of(ProfiledCostModel(MODEL, cluster, training, comm=comm,
+                                           model_profile=shared), layout)
+    hidden_tail = sums["sync"] + sums["gather"] - free.tail_comm_s
+    hidden_b = unshared.backward_comm_s - free.backward_comm_s
+    m = 8 // 4
+    np.testing.assert_allclose(busy.backward_compute_s, free.backward_compute_s
+                               + 0.8 * (hidden_b + hidden_tail / m) / 2, rtol=1e-12)
+    np.testing.assert_allclose(busy.forward_comm_s, free.forward_comm_s, rtol=1e-12)
+
+
+def stage_sums_of(cm: CostModel, layout: PlanLayout) -> dict:
+    from megatron_ext.planner.cost.evaluate import stage_sums
+
+    return stage_sums(cm, layout).arr
 
 
 def test_disturbed_samples_do_not_bend_the_fits():

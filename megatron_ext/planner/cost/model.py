@@ -230,13 +230,16 @@ class CostModel:
             flash_attention=t.flash_attention,
             fused_softmax=fused,
         )
-        # TP: 2 all-reduces (or all-gather + reduce-scatter under SP) of [rows, h] each way.
+        # TP: 2 all-reduces (or all-gather + reduce-scatter under SP) of [rows, h] each way,
+        # each collective at its own curve (gloo's reduce-scatter costs ~2.5x its all-gather).
         hidden_bytes = rows * m.hidden_size * e
         tp_ar = self.collective_s("all_reduce", hidden_bytes, table.tp, 1)
         tp_ag = self.collective_s("all_gather", hidden_bytes, table.tp, 1)
-        tp_sp = 2 * tp_ag  # AG + RS
+        tp_rs = self.collective_s("reduce_scatter", hidden_bytes, table.tp, 1)
+        tp_sp = tp_ag + tp_rs
         tp_one_way = 2 * np.where(table.sp, tp_sp, tp_ar)  # attention block + MLP block
-        tp_fwd = tp_bwd = tp_one_way  # forward (and recomputed forward), backward
+        tp_fwd = tp_one_way  # forward (and recomputed forward)
+        tp_bwd = tp_one_way + np.where(table.sp, self._sp_regather_s(table, rows, tp_ag), 0.0)
         if t.tp_comm_overlap:  # TE userbuffers hide most of the SP collectives (tp_overlap.py)
             over_f, over_b = overlapped_tp_s(self, table, rows, tp_ag)
             tp_fwd = np.where(table.sp, over_f, tp_one_way)
@@ -329,6 +332,24 @@ class CostModel:
         fwd = np.maximum(0.0, fwd_comm - comp.attention_forward_s)
         bwd = np.maximum(0.0, 2 * fwd_comm - 2.5 * comp.attention_forward_s)
         return fwd, bwd
+
+    def _sp_regather_s(self, table: StrategyTable, rows: FloatArray, tp_ag: FloatArray
+                       ) -> FloatArray:
+        """Exposed time of sequence parallelism's backward re-gathers: a column-parallel linear
+        keeps only its sequence shard of the input, so its backward all-gathers it again for the
+        weight gradient (megatron-core's LinearWithGradAccumulationAndAsyncCommunication and
+        Transformer Engine's Linear alike), asynchronously beside its input-gradient GEMM. Two
+        per layer (QKV and MLP-in), each exposed by what outlasts that GEMM, the transfer
+        stretched by the overlap slowdown as the other overlapped transfers are."""
+        gemms = C.layer_gemms(self.model, table.tp)
+        peak = self.cluster.peak_flops * (1.0 if self.element_bytes == 2
+                                          else self.compute.fp32_flops_ratio)
+        out = np.zeros_like(tp_ag)
+        for k, n in (gemms[0], gemms[-2]):  # the first column-parallel linear and MLP-in
+            smallest = np.minimum(np.minimum(rows, k), n)
+            dgrad_s = 2.0 * rows * k * n / (peak * C.gemm_efficiency(self.compute, smallest))
+            out = out + np.maximum(0.0, self.overlap_slowdown * tp_ag - dgrad_s)
+        return out
 
     def _data_parallel_s(
         self, table: StrategyTable, forward_s: ArrayLike, backward_s: ArrayLike,

@@ -175,7 +175,8 @@ def moe_layer_costs(cm: CostModel, table: StrategyTable, micro_batch_size: int) 
         attn_f, attn_b = attn_f + d_f, attn_b + d_b
     # Communication, one way (forward; backward repeats it).
     hidden_bytes = rows * h * e_b
-    tp_block = np.where(table.sp, 2 * cm.collective_s("all_gather", hidden_bytes, tp, 1),
+    tp_block = np.where(table.sp, cm.collective_s("all_gather", hidden_bytes, tp, 1)
+                        + cm.collective_s("reduce_scatter", hidden_bytes, tp, 1),
                         cm.collective_s("all_reduce", hidden_bytes, tp, 1))
     tp_one_way = (2 if f_s else 1) * tp_block
     uly_bytes = rows * (2 * C.q_dim(m) + 2 * C.kv_dim(m)) / tp * e_b

@@ -159,13 +159,22 @@ def stage_work(cm: CostModel, layout: PlanLayout) -> StageWork:
     compute_f, compute_b = f - comm_f, b - comm_b
     width = cm.cluster.num_gpus // layout.pp
     slots = cm.compute_slots_per_node() if isinstance(cm, ProfiledCostModel) else None
+    overlap = {"overlap_grad_reduce": cm.training.overlap_grad_reduce,
+               "overlap_param_gather": cm.training.overlap_param_gather}
+    tail = gradient_tail_s(f, b, arr["sync"], arr["gather"], 0.0, cm.overlap_slowdown,
+                           **overlap)
     if slots is not None:
         tp, total = _stage_tp(layout), slots * cm.cluster.num_nodes
-        comm_f = np.maximum(0.0, comm_f - hidden_comm_s(compute_f, width, tp, total))
-        comm_b = np.maximum(0.0, comm_b - hidden_comm_s(compute_b, width, tp, total))
-    tail = gradient_tail_s(f, b, arr["sync"], arr["gather"], 0.0, cm.overlap_slowdown,
-                           overlap_grad_reduce=cm.training.overlap_grad_reduce,
-                           overlap_param_gather=cm.training.overlap_param_gather)
+        hidden_f = np.minimum(comm_f, hidden_comm_s(compute_f, width, tp, total))
+        hidden_b = np.minimum(comm_b, hidden_comm_s(compute_b, width, tp, total))
+        comm_f, comm_b = comm_f - hidden_f, comm_b - hidden_b
+        # Transfers that run beside compute still take their CPU share of the cores: the other
+        # groups' hidden collectives, and the data-parallel reduction overlapped with backward.
+        per_rank = getattr(cm.comm, "comm_cpu_share", 0.0) * slots / cm.cluster.gpus_per_node
+        hidden_tail = arr["sync"] + arr["gather"] - tail
+        m = cm.training.global_batch_size // layout.micro_batch_size
+        compute_f = compute_f + per_rank * hidden_f
+        compute_b = compute_b + per_rank * (hidden_b + hidden_tail / m)
     return StageWork(forward_compute_s=compute_f, forward_comm_s=comm_f,
                      backward_compute_s=compute_b, backward_comm_s=comm_b, p2p_s=ex.p2p_s,
                      tail_comm_s=tail, optimizer_s=arr["opt"], width=width)

@@ -56,6 +56,16 @@ class CurveFit:
     """Fitted latency: intercept of t = alpha + n / beta over all points (relative weights)."""
     bytes_per_s: float
     """Algorithmic bandwidth of the largest sizes (slope of their alpha-beta fit)."""
+    line: tuple[float, float] = (0.0, 0.0)
+    """(seconds, seconds per byte) of the least-squares straight line t = a + b n through every
+    point (non-negative): `line_time_s`."""
+
+    def line_time_s(self, num_bytes: ArrayLike) -> ArrayLike:
+        """The straight line through all points: a collective with one fixed cost per call and
+        one bandwidth, whose points scatter more than its curve bends (gloo on shared CPU
+        cores, ClusterProfile.collective_time_s), priced from every size at once."""
+        n = np.maximum(np.asarray(num_bytes, dtype=float), 1.0)
+        return _scalar(self.line[0] + self.line[1] * n)
 
     def time_s(self, num_bytes: ArrayLike) -> ArrayLike:
         n = np.maximum(np.asarray(num_bytes, dtype=float), 1.0)
@@ -78,8 +88,10 @@ def fit_curve(num_bytes: np.ndarray, seconds: np.ndarray) -> CurveFit:
     slope = np.polyfit(num_bytes[tail], seconds[tail], 1)[0]
     if not slope > 0:  # flat tail (noise): fall back to the end-to-end slope
         slope = max((seconds[-1] - seconds[0]) / (num_bytes[-1] - num_bytes[0]), 1e-15)
+    (a, b), _ = nnls(rows * seconds[:, None], seconds)
     return CurveFit(log_bytes=np.log(num_bytes), log_seconds=np.log(seconds),
-                    alpha_s=float(alpha), bytes_per_s=float(1.0 / slope))
+                    alpha_s=float(alpha), bytes_per_s=float(1.0 / slope),
+                    line=(float(a), float(b)))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

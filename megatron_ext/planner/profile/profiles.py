@@ -64,6 +64,8 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
+_MIN_CURVE_S = 1e-7
+"""Floor of a gloo collective's time on its straight line (one timer tick)."""
 COLLECTIVES: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 Layout = Literal["intra", "inter"]
 ArrayLike = float | np.ndarray
@@ -166,6 +168,9 @@ class ClusterProfile:
     versions, which timed them after a burst on shared CPU cores and so priced the waits of
     ranks the scheduler left behind as communication (the shared-compute model counts them as
     compute already); re-profile to drop that double count."""
+    comm_cpu_share: float = 0.0
+    """Share of a node's compute slots its ranks' collectives keep busy while they run (CPU
+    ranks: the transfer is CPU work; 0 on GPUs and in profiles that predate it)."""
     collectives: tuple[CollectiveCurve, ...] = ()
     """Measured curves."""
     _index: dict = field(init=False, repr=False, compare=False)
@@ -176,6 +181,9 @@ class ClusterProfile:
                             "perfect overlap)")
         if not self.compute_burst_s >= 0:
             raise PlanError(f"compute_burst_s={self.compute_burst_s} must be >= 0")
+        if not 0.0 <= self.comm_cpu_share <= 1.0:
+            raise PlanError(f"comm_cpu_share={self.comm_cpu_share} must be in [0, 1]; re-run "
+                            "the profiler")
         slots = self.compute_slots_per_node
         if slots is not None and not 1.0 <= slots <= self.cluster.gpus_per_node:
             raise PlanError(f"compute_slots_per_node={slots} must be in [1, gpus_per_node="
@@ -204,6 +212,10 @@ class ClusterProfile:
         else:
             raise ValueError(f"layout={layout!r} must be 'intra', 'inter' or ranks per node")
         curve = self.curve(collective, group_size, q)
+        if curve is not None and self.backend == "gloo":
+            # a fixed cost per call plus bytes over one bandwidth (TCP, no protocol switches);
+            # the scheduler scatters single points by up to 2x from one profile to the next
+            return np.maximum(curve.fit.line_time_s(num_bytes), _MIN_CURVE_S)
         if curve is not None:
             return curve.time_s(num_bytes)
         return self._alpha_beta_s(collective, group_size, q, num_bytes)
@@ -230,6 +242,7 @@ class ClusterProfile:
                 "overlap_slowdown": self.overlap_slowdown,
                 "compute_slots_per_node": self.compute_slots_per_node,
                 "compute_burst_s": self.compute_burst_s,
+                "comm_cpu_share": self.comm_cpu_share,
                 "cluster": self.cluster.to_dict(),
                 "collectives": [c.to_dict() for c in self.collectives]}
 
@@ -237,8 +250,8 @@ class ClusterProfile:
     def from_dict(cls, data: Any) -> ClusterProfile:
         data = expect_object(data, "cluster profile")
         reject_unknown(data, {"schema_version", "kind", "backend", "device", "overlap_slowdown",
-                              "compute_slots_per_node", "compute_burst_s", "cluster",
-                              "collectives"}, "")
+                              "compute_slots_per_node", "compute_burst_s", "comm_cpu_share",
+                              "cluster", "collectives"}, "")
         _check_version(data, "cluster profile")
         _check_kind(data, "cluster_profile")
         items = expect_list(data.get("collectives", []), "collectives")
@@ -249,6 +262,7 @@ class ClusterProfile:
             compute_slots_per_node=get_optional_float(data, "compute_slots_per_node", "",
                                                       positive=True),
             compute_burst_s=get_float(data, "compute_burst_s", "", default=0.0),
+            comm_cpu_share=get_float(data, "comm_cpu_share", "", default=0.0),
             collectives=tuple(CollectiveCurve.from_dict(c, f"collectives[{i}]")
                               for i, c in enumerate(items)),
         )
