@@ -98,10 +98,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--no-overlap",
         dest="overlap",
         action="store_false",
-        help="plan for a run without --overlap-grad-reduce (Megatron-LM's default): the "
-        "data-parallel gradient reduction on the critical path. Default: on, priced and printed "
-        "with the plan's flags (--overlap-param-gather is not planned: a resumed run does not "
-        "continue the losses exactly with it yet)",
+        help="plan for a run without --overlap-grad-reduce / --overlap-param-gather "
+        "(Megatron-LM's defaults): the data-parallel gradient reduction and ZeRO-1's weight "
+        "all-gather on the critical path. Default: both on (param gather where the plan has a "
+        "distributed optimizer), priced and printed with the plan's flags",
     )
     p.add_argument(
         "--uniform",
@@ -191,10 +191,7 @@ def _cost_model(args: argparse.Namespace, model: ModelSpec) -> CostModel:
         allow_interleaving=args.interleaving,
         fp8=_fp8(args),
         overlap_grad_reduce=args.overlap,
-        # not planned: a run resumed from a checkpoint under --overlap-param-gather does not
-        # continue the losses of an uninterrupted one yet (tests/dist/test_slurm_real.py's
-        # kill-and-requeue test); `evaluate` still prices it when a plan or flags ask for it
-        overlap_param_gather=False,
+        overlap_param_gather=args.overlap,
     )
     if not args.cluster_profile and not args.model_profile:
         cluster = cluster_preset(
