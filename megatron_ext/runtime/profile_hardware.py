@@ -217,9 +217,10 @@ def profile_comm_cpu_share(*, world: dist.ProcessGroup, device: torch.device,
                            dtype: torch.dtype, sizes: list[int], local_world_size: int,
                            slots: float, repeats: int) -> float:
     """Share of a node's compute slots its ranks' collectives keep busy while they run: the
-    CPU seconds every rank of the node spends in them (all threads: the backend's own
-    included), over wall seconds x `slots`; median over the collectives and sizes, every rank
-    of the node in one group as a tensor-parallel group is. On a GPU 0: NCCL moves the data with
+    CPU seconds the node's ranks spend in them (all threads: the backend's own included), over
+    wall seconds x `slots`; median over the collectives and sizes, every node's ranks in one
+    group as a tensor-parallel group is, all nodes at once (summed over the world, so every rank
+    gets the same figure). On a GPU 0: NCCL moves the data with
     the GPU's own engines, and its share of the SMs is in the overlap slowdown. On CPU ranks
     a transfer is CPU work, so a collective that runs beside compute takes this share of the
     cores from it (planner/profile/cost.py)."""
@@ -240,10 +241,10 @@ def profile_comm_cpu_share(*, world: dist.ProcessGroup, device: torch.device,
             sample = torch.tensor([time.process_time() - cpu0, time.perf_counter() - t0],
                                   dtype=torch.float64)
             cpu = sample[:1].clone()
-            dist.all_reduce(cpu, group=mine)  # CPU seconds of the node's ranks
+            dist.all_reduce(cpu, group=world)  # CPU seconds of every rank
             wall = sample[1:].clone()
-            dist.all_reduce(wall, op=dist.ReduceOp.MAX, group=mine)
-            shares.append(min(1.0, float(cpu) / (float(wall) * slots)))
+            dist.all_reduce(wall, op=dist.ReduceOp.MAX, group=world)
+            shares.append(min(1.0, float(cpu) / (float(wall) * slots * len(members))))
     return float(statistics.median(shares))
 
 

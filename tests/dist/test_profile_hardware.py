@@ -56,6 +56,8 @@ def test_hardware_profile_structure_and_cli(tmp_path):
     assert 1.0 <= profile.compute_slots_per_node <= 2.0
     # collectives timed alone even when ranks share compute (their waits are compute)
     assert profile.compute_burst_s == 0.0
+    # gloo moves the data on the ranks' own cores: a collective keeps part of them busy
+    assert 0.0 < profile.comm_cpu_share <= 1.0
     found = {(cv.collective, cv.group_size, cv.stride): cv for cv in profile.collectives}
     ops = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
     # g=2: adjacent pairs stay in a node, strided pairs (stride 2) cross; g=4 spans both nodes
