@@ -38,7 +38,7 @@ from megatron_ext.planner.cost.memory import (
     state_bytes_per_param,
 )
 from megatron_ext.planner.cost.pipeline import OVERLAP_SLOWDOWN, gradient_tail_s
-from megatron_ext.planner.cost.tp_overlap import overlapped_tp_s
+from megatron_ext.planner.cost.tp_overlap import overlapped_tp_s, sp_regather_exposed_s
 from megatron_ext.planner.dp import MaxSwitch
 from megatron_ext.planner.space import StrategyTable
 from megatron_ext.planner.training import DEEPSPEED_MAX_LIVE_PARAMS, TrainingSpec
@@ -239,7 +239,8 @@ class CostModel:
         tp_sp = tp_ag + tp_rs
         tp_one_way = 2 * np.where(table.sp, tp_sp, tp_ar)  # attention block + MLP block
         tp_fwd = tp_one_way  # forward (and recomputed forward)
-        tp_bwd = tp_one_way + np.where(table.sp, self._sp_regather_s(table, rows, tp_ag), 0.0)
+        regather = sp_regather_exposed_s(self, table, rows, tp_ag)  # SP backward, beside dgrad
+        tp_bwd = tp_one_way + np.where(table.sp, regather, 0.0)
         if t.tp_comm_overlap:  # TE userbuffers hide most of the SP collectives (tp_overlap.py)
             over_f, over_b = overlapped_tp_s(self, table, rows, tp_ag)
             tp_fwd = np.where(table.sp, over_f, tp_one_way)
@@ -332,24 +333,6 @@ class CostModel:
         fwd = np.maximum(0.0, fwd_comm - comp.attention_forward_s)
         bwd = np.maximum(0.0, 2 * fwd_comm - 2.5 * comp.attention_forward_s)
         return fwd, bwd
-
-    def _sp_regather_s(self, table: StrategyTable, rows: FloatArray, tp_ag: FloatArray
-                       ) -> FloatArray:
-        """Exposed time of sequence parallelism's backward re-gathers: a column-parallel linear
-        keeps only its sequence shard of the input, so its backward all-gathers it again for the
-        weight gradient (megatron-core's LinearWithGradAccumulationAndAsyncCommunication and
-        Transformer Engine's Linear alike), asynchronously beside its input-gradient GEMM. Two
-        per layer (QKV and MLP-in), each exposed by what outlasts that GEMM, the transfer
-        stretched by the overlap slowdown as the other overlapped transfers are."""
-        gemms = C.layer_gemms(self.model, table.tp)
-        peak = self.cluster.peak_flops * (1.0 if self.element_bytes == 2
-                                          else self.compute.fp32_flops_ratio)
-        out = np.zeros_like(tp_ag)
-        for k, n in (gemms[0], gemms[-2]):  # the first column-parallel linear and MLP-in
-            smallest = np.minimum(np.minimum(rows, k), n)
-            dgrad_s = 2.0 * rows * k * n / (peak * C.gemm_efficiency(self.compute, smallest))
-            out = out + np.maximum(0.0, self.overlap_slowdown * tp_ag - dgrad_s)
-        return out
 
     def _data_parallel_s(
         self, table: StrategyTable, forward_s: ArrayLike, backward_s: ArrayLike,

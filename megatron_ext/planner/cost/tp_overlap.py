@@ -73,6 +73,19 @@ def bulk_exposed_s(comm_s: Any, gemm_s: Any) -> Any:
     return np.maximum(0.0, comm_s - gemm_s)
 
 
+def sp_regather_exposed_s(cm: CostModel, table: StrategyTable, rows: Any, all_gather_s: Any
+                          ) -> Any:
+    """Exposed seconds of sequence parallelism's backward re-gathers without userbuffers: a
+    column-parallel linear keeps only its sequence shard of the input, so its backward
+    all-gathers it again for the weight gradient (megatron-core's
+    LinearWithGradAccumulationAndAsyncCommunication and Transformer Engine's Linear alike),
+    asynchronously beside its input-gradient GEMM. Two per layer (QKV and MLP-in), each exposed
+    by what outlasts that GEMM, the transfer stretched by the overlap slowdown as the other
+    overlapped transfers are."""
+    stretched = cm.overlap_slowdown * all_gather_s
+    return sum(bulk_exposed_s(stretched, dgrad) for dgrad, _, _ in _block_gemms_s(cm, table, rows))
+
+
 def _block_gemms_s(cm: CostModel, table: StrategyTable, rows: Any
                    ) -> list[tuple[Any, Any, Any]]:
     """(fprop = dgrad, wgrad) seconds of each block's first and last GEMM as

@@ -172,9 +172,8 @@ def stage_work(cm: CostModel, layout: PlanLayout) -> StageWork:
         # groups' hidden collectives, and the data-parallel reduction overlapped with backward.
         per_rank = getattr(cm.comm, "comm_cpu_share", 0.0) * slots / cm.cluster.gpus_per_node
         hidden_tail = arr["sync"] + arr["gather"] - tail
-        m = cm.training.global_batch_size // layout.micro_batch_size
         compute_f = compute_f + per_rank * hidden_f
-        compute_b = compute_b + per_rank * (hidden_b + hidden_tail / m)
+        compute_b = compute_b + per_rank * (hidden_b + hidden_tail / sums.num_microbatches)
     return StageWork(forward_compute_s=compute_f, forward_comm_s=comm_f,
                      backward_compute_s=compute_b, backward_comm_s=comm_b, p2p_s=ex.p2p_s,
                      tail_comm_s=tail, optimizer_s=arr["opt"], width=width)
