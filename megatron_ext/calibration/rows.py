@@ -16,14 +16,21 @@ What the rows do not state is filled in by fixed rules (no per-row choice):
     these runs) and reduce the gradients after the last backward (that code had no
     --overlap-grad-reduce; Korthikanti et al. say so of their 530B DP-8 run); a row's
     `overlap_grad_reduce` / `overlap_param_gather` / `tp_comm_overlap` turn Megatron-LM's
-    flags on (the last where the source states it: MLPerf's TP_COMM_OVERLAP=True); DeepSpeed
+    flags on (the last where the source states it: MLPerf's TP_COMM_OVERLAP=True), and
+    `overlap_p2p_comm` prices the interleaved schedule's overlapped pipeline messages
+    (Megatron-Core's default with virtual stages, which the 2025 NeMo rows ran); DeepSpeed
     ZeRO-3 and PyTorch FSDP FULL_SHARD rows are zero=3; DeepSpeed ZeRO-1
     rows (Megatron-DeepSpeed, BLOOM) are zero=1 with DeepSpeed's pipeline engine: gradient
     reduction and weight gather after the last backward, not overlapped;
   - a row that states its network (`inter_node_bytes_per_s_per_gpu`, derived in cluster_notes
     from the cluster's published spec) is priced on the GPU preset with that inter-node
     bandwidth, and forms its own cluster (`cluster_label`) in sweeps and intervals; a row's
-    `run_date` splits a sweep where the source says the cluster changed between days.
+    `run_date` splits a sweep where the source says the cluster changed between days;
+  - a row whose GPU or kernels are not the preset's states them (`hardware_notes` says where
+    each figure comes from): `peak_flops` / `peak_fp8_flops` replace the preset's peaks and
+    `kernel_profile` (ComputeProfile fields: the memory bandwidth, the attention kernel's
+    share of peak) is laid over the cost model's constants, as a user's measured model
+    profile would be (`compute_of`).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from typing import Any
 from megatron_ext.flags.parser import parse_megatron_args
 from megatron_ext.flags.to_plan import plan_from_megatron_args
 from megatron_ext.plan import ParallelPlan
+from megatron_ext.planner.cost.compute import ComputeProfile
 from megatron_ext.presets import cluster_preset
 from megatron_ext.specs import ClusterSpec
 
@@ -137,7 +145,22 @@ def cluster_of(row: dict[str, Any]) -> ClusterSpec:
         link = dataclasses.replace(cluster.inter_node, bandwidth_bytes_per_s=float(
             row["inter_node_bytes_per_s_per_gpu"]))
         cluster = dataclasses.replace(cluster, inter_node=link)
+    if row.get("peak_flops"):
+        cluster = dataclasses.replace(cluster, peak_flops=float(row["peak_flops"]))
+    if row.get("peak_fp8_flops"):
+        cluster = dataclasses.replace(cluster, peak_fp8_flops=float(row["peak_fp8_flops"]))
     return cluster
+
+
+def compute_of(row: dict[str, Any], compute: ComputeProfile) -> ComputeProfile:
+    """`compute` with the row's `kernel_profile` laid over it: what the run's GPU and kernels
+    are known to reach where they are not what the constants assume (torchtitan's H100 rows:
+    HBM2e at 2.4 TB/s, PyTorch SDPA's FlashAttention-2 kernels)."""
+    stated = row.get("kernel_profile")
+    if not stated:
+        return compute
+    checked = ComputeProfile.from_dict(stated, f"row {row['id']}: kernel_profile")
+    return dataclasses.replace(compute, **{k: getattr(checked, k) for k in stated})
 
 
 def megatron_flags(row: dict[str, Any]) -> list[str]:
@@ -221,16 +244,21 @@ def run_settings(row: dict[str, Any]) -> dict[str, Any]:
     return {"flash_attention": flash_attention_of(row), "dropout": dropout_of(row),
             "engine": "deepspeed" if "DeepSpeed" in str(row.get("dp_sharding")) else "megatron",
             "overlap_grad_reduce": bool(row.get("overlap_grad_reduce", False)),
-            "overlap_param_gather": bool(row.get("overlap_param_gather", False))}
+            "overlap_param_gather": bool(row.get("overlap_param_gather", False)),
+            "overlap_p2p_comm": bool(row.get("overlap_p2p_comm", False))}
 
 
 def evaluate_flags(row: dict[str, Any]) -> list[str]:
-    """run_settings(row) as `megatron-ext evaluate` flags."""
+    """run_settings(row) and the row's kernel_profile (compute_of) as `megatron-ext evaluate`
+    flags."""
     s = run_settings(row)
     return ((["--no-flash-attention"] if not s["flash_attention"] else [])
             + (["--no-dropout"] if not s["dropout"] else []) + ["--engine", s["engine"]]
             + (["--overlap-grad-reduce"] if s["overlap_grad_reduce"] else [])
-            + (["--overlap-param-gather"] if s["overlap_param_gather"] else []))
+            + (["--overlap-param-gather"] if s["overlap_param_gather"] else [])
+            + (["--megatron-p2p-overlap"] if s["overlap_p2p_comm"] else [])
+            + [f"--compute-constant={k}={v!r}"
+               for k, v in (row.get("kernel_profile") or {}).items()])
 
 
 def eq3_flops(row: dict[str, Any]) -> float:

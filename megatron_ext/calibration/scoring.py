@@ -27,6 +27,7 @@ from megatron_ext.calibration.rows import (
     build_plan,
     cluster_label,
     cluster_of,
+    compute_of,
     measured_iteration_s,
     run_settings,
 )
@@ -45,7 +46,7 @@ def predict(row: dict[str, Any], plan: ParallelPlan,
     calibrated kernel constants, default the cost model's): what `megatron-ext evaluate
     PLAN.json` with rows.evaluate_flags(row) prints for the plan on cluster_of(row)."""
     cm = CostModel(plan.model, cluster_of(row), plan_training(plan, **run_settings(row)),
-                   compute=compute)
+                   compute=compute_of(row, compute or ComputeProfile()))
     ev = evaluate(cm, plan.layout)
     peak = max(ev.stage_peak_bytes)
     return {

@@ -150,6 +150,9 @@ def run_plan_from_args(args: argparse.Namespace) -> int:
     args.overlap_grad_reduce = args.overlap_grad_reduce or ns.overlap_grad_reduce
     args.overlap_param_gather = args.overlap_param_gather or ns.overlap_param_gather
     args.tp_comm_overlap = args.tp_comm_overlap or ns.tp_comm_overlap
+    # Megatron-LM overlaps the interleaved schedule's messages unless told not to
+    args.megatron_p2p_overlap = args.megatron_p2p_overlap or (
+        plan.virtual_stages > 1 and bool(getattr(ns, "overlap_p2p_comm", True)))
     if args.out:
         plan.save(args.out)
     else:
@@ -172,7 +175,9 @@ EVALUATE_SETTINGS = {"flash_attention": ("--no-flash-attention", True),
                      "dropout": ("--no-dropout", True), "engine": ("--engine", "megatron"),
                      "overlap_grad_reduce": ("--overlap-grad-reduce", False),
                      "overlap_param_gather": ("--overlap-param-gather", False),
-                     "tp_comm_overlap": ("--tp-comm-overlap", False)}
+                     "tp_comm_overlap": ("--tp-comm-overlap", False),
+                     "megatron_p2p_overlap": ("--megatron-p2p-overlap", False),
+                     "compute_constant": ("--compute-constant", [])}
 """Evaluate options with a default: dest -> (flag, default)."""
 
 

@@ -28,6 +28,7 @@ from megatron_ext.specs import ClusterSpec
 
 if TYPE_CHECKING:
     from megatron_ext.planner.cost.breakdown import Breakdown
+    from megatron_ext.planner.cost.compute import ComputeProfile
     from megatron_ext.planner.cost.model import CostModel
     from megatron_ext.planner.profile.profiles import ClusterProfile
 
@@ -100,6 +101,19 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
         "--overlap-param-gather", action="store_true",
         help="the run passed Megatron-LM's --overlap-param-gather (default off: ZeRO-1's weight "
         "all-gather runs after the optimizer step)",
+    )
+    p.add_argument(
+        "--compute-constant", action="append", default=[], metavar="NAME=VALUE",
+        help="a kernel constant of the analytic cost model where the run's GPU or kernels are "
+        "not what it assumes (a ComputeProfile field, e.g. attention_efficiency=0.35 for "
+        "FlashAttention-2 on H100, hbm_bytes_per_s=2.4e12 for HBM2e); repeatable",
+    )
+    p.add_argument(
+        "--megatron-p2p-overlap", action="store_true",
+        help="the run is Megatron-LM's interleaved schedule with its default point-to-point "
+        "overlap (overlap_p2p_comm; off there only with --no-overlap-p2p-communication): a "
+        "pipeline message costs what outlasts the chunk beside it. Default off: messages are on "
+        "the critical path, as megatron_ext's runtime sends them",
     )
     p.add_argument(
         "--tp-comm-overlap", action="store_true",
@@ -227,16 +241,41 @@ def _cost_model(plan: ParallelPlan, args: argparse.Namespace) -> CostModel:
                              engine=args.engine, moe_imbalance=args.moe_imbalance,
                              overlap_grad_reduce=args.overlap_grad_reduce,
                              overlap_param_gather=args.overlap_param_gather,
-                             tp_comm_overlap=args.tp_comm_overlap)
+                             tp_comm_overlap=args.tp_comm_overlap,
+                             overlap_p2p_comm=args.megatron_p2p_overlap)
+    compute = compute_constants(args.compute_constant)
+    if compute is not None and args.model_profile:
+        raise PlanError("--compute-constant sets the analytic kernel constants and "
+                        "--model-profile replaces them with measured ones; pass one of them")
     if profile is None and not args.model_profile:
-        return CostModel(plan.model, cluster, training)
+        return CostModel(plan.model, cluster, training, compute=compute)
     from megatron_ext.planner.profile.cost import ProfiledCostModel
     from megatron_ext.planner.profile.profiles import ModelProfile
 
     model_profile = ModelProfile.load(args.model_profile) if args.model_profile else None
     return ProfiledCostModel(
-        plan.model, cluster, training, comm=profile, model_profile=model_profile
+        plan.model, cluster, training, comm=profile, model_profile=model_profile, compute=compute
     )
+
+
+def compute_constants(items: list[str]) -> ComputeProfile | None:
+    """--compute-constant NAME=VALUE ... as the cost model's kernel constants (the defaults for
+    the rest); None when none is given."""
+    from megatron_ext.planner.cost.compute import ComputeProfile
+
+    if not items:
+        return None
+    values: dict[str, float] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        try:
+            values[name.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep:
+            raise PlanError(f"--compute-constant {item!r} is not NAME=NUMBER; e.g. "
+                            "--compute-constant attention_efficiency=0.35")
+    return ComputeProfile.from_dict(values, "--compute-constant")
 
 
 def _breakdown(cm: CostModel, plan: ParallelPlan) -> Breakdown:

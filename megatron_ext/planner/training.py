@@ -76,6 +76,13 @@ class TrainingSpec:
     feeds or follows and costs only what that GEMM cannot hide (cost/tp_overlap.py). Off
     (default): on the critical path. Priced only; `search` never sets it (the training runtime
     refuses it)."""
+    overlap_p2p_comm: bool = False
+    """Megatron-LM's interleaved schedule overlaps its pipeline messages with compute
+    (overlap_p2p_comm: on by default with virtual stages; --no-overlap-p2p-communication turns
+    it off): a message costs only what outlasts the chunk's forward beside it
+    (cost/evaluate.overlapped_p2p_s). Off (default): every message is on the critical path, as
+    in megatron_ext's layerwise runtime (it sends and waits), in 1F1B without interleaving and in
+    the Megatron code before Megatron-Core. Read only with virtual stages."""
     engine: Engine = "megatron"
     """What runs the step. megatron: Megatron-LM / megatron_ext, the gradient reduction and
     ZeRO-1's weight all-gather as the two overlap flags above say, ZeRO-3 gathers two whole

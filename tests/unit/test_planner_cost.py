@@ -330,6 +330,39 @@ def test_interleaved_evaluation_trades_bubble_for_memory_and_messages():
         extra + vocab_extra)
 
 
+def test_overlapped_p2p_costs_what_outlasts_the_chunk_forward():
+    """Megatron's interleaved schedule with overlap_p2p_comm (TrainingSpec.overlap_p2p_comm):
+    each message costs max(0, c - f_k / v) instead of c; without virtual stages the setting
+    changes nothing (Megatron-LM turns it off there). Pipeline stages across nodes (one 8-GPU
+    node per stage) make the messages large enough to matter; rel 1e-12: the same sums."""
+    from megatron_ext.planner.cost.evaluate import overlapped_p2p_s, stage_sums
+
+    cluster = cluster_preset("dgx-a100-80g", num_nodes=4)
+    model = model_preset("gpt3-6.7b")
+    s = LayerStrategy(tp=8, sp=True, dp=1)
+    kw = {"pp": 4, "layers": (s,) * 32, "vocab": VocabStrategy(tp=8), "micro_batch_size": 1}
+    chunks = PlanLayout(stages=tuple((4 * j, 4 * j + 4) for j in range(8)), virtual_stages=2,
+                        **kw)
+    plain = PlanLayout(stages=tuple((8 * k, 8 * k + 8) for k in range(4)), **kw)
+
+    def cm(overlap: bool) -> CostModel:
+        return CostModel(model, cluster, TrainingSpec(global_batch_size=16, seq_length=2048,
+                                                      overlap_p2p_comm=overlap))
+
+    waited, overlapped = evaluate(cm(False), chunks), evaluate(cm(True), chunks)
+    sums = stage_sums(cm(False), chunks)
+    c, f = sums.extras.p2p_s, sums.arr["f"]
+    assert float(c[0]) > 0 and float(f[0]) > 0
+    exposed = overlapped_p2p_s(c, f, 2)
+    assert list(exposed) == [max(0.0, float(ck - fk / 2)) for ck, fk in zip(c, f)]
+    m = 16
+    assert overlapped.breakdown["p2p_s"] == pytest.approx(2 * 2 * m * float(exposed[0]),
+                                                          rel=1e-12)
+    assert overlapped.iteration_s < waited.iteration_s
+    assert waited.breakdown["p2p_s"] == pytest.approx(2 * 2 * m * float(c[0]), rel=1e-12)
+    assert evaluate(cm(True), plain).iteration_s == evaluate(cm(False), plain).iteration_s
+
+
 def test_uniform_baseline_considers_interleaving():
     """With many micro-batches per stage the bubble is small; with few it dominates and the
     uniform baseline picks Megatron's interleaved schedule, scored exactly as `evaluate`."""

@@ -144,20 +144,32 @@ def stage_sums(cm: CostModel, layout: PlanLayout) -> StageSums:
                              + transient[k])
         else:
             arr["mem"][k] += ex.fixed_bytes[k] + arr["act"][k] + transient[k]
+    if v > 1 and cm.training.overlap_p2p_comm:
+        ex = dataclasses.replace(ex, p2p_s=overlapped_p2p_s(ex.p2p_s, arr["f"], v))
     return StageSums(arr=arr, extras=ex, num_microbatches=m, virtual_stages=v,
                      max_zero=max((s.zero for s in distinct), default=0))
+
+
+def overlapped_p2p_s(p2p_s: np.ndarray, forward_s: np.ndarray, v: int) -> np.ndarray:
+    """What a pipeline message leaves exposed under Megatron's interleaved schedule with
+    overlap_p2p_comm (megatron-core pipeline_parallel/schedules.py: each chunk's sends and
+    receives are posted asynchronously and waited on before the chunk that needs them): what
+    outlasts the chunk's forward it runs beside (the shorter pass, f_k / v)."""
+    return np.maximum(0.0, p2p_s - forward_s / v)
 
 
 def plan_training(plan: ParallelPlan, *, flash_attention: bool = True, dropout: bool = True,
                   engine: Engine = "megatron", moe_imbalance: float | None = None,
                   overlap_grad_reduce: bool = False, overlap_param_gather: bool = False,
-                  tp_comm_overlap: bool = False) -> TrainingSpec:
+                  tp_comm_overlap: bool = False, overlap_p2p_comm: bool = False
+                  ) -> TrainingSpec:
     """The training settings a plan is scored with (`megatron-ext evaluate` and the published
     runs' benchmark, megatron_ext/calibration): its batch, sequence, precision and overlap flags
     (plan.overlap_grad_reduce / overlap_param_gather, or the arguments' when they turn one on),
     and how the run executes, which the plan does not record (--no-flash-attention,
-    --no-dropout, --engine). `tp_comm_overlap` turns plan.tp_comm_overlap on under the plan's
-    own rule (plan_checks: a layer with tp > 1 and sp, sp wherever tp > 1)."""
+    --no-dropout, --engine, --megatron-p2p-overlap). `tp_comm_overlap` turns
+    plan.tp_comm_overlap on under the plan's own rule (plan_checks: a layer with tp > 1 and sp,
+    sp wherever tp > 1)."""
     if tp_comm_overlap and not plan.tp_comm_overlap:
         dataclasses.replace(plan, tp_comm_overlap=True)  # raises the plan's one-line refusal
     return TrainingSpec(
@@ -172,6 +184,7 @@ def plan_training(plan: ParallelPlan, *, flash_attention: bool = True, dropout: 
         overlap_grad_reduce=overlap_grad_reduce or plan.overlap_grad_reduce,
         overlap_param_gather=overlap_param_gather or plan.overlap_param_gather,
         tp_comm_overlap=tp_comm_overlap or plan.tp_comm_overlap,
+        overlap_p2p_comm=overlap_p2p_comm,
         moe_imbalance=DEFAULT_MOE_IMBALANCE if moe_imbalance is None else moe_imbalance,
     )
 

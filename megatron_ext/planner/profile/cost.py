@@ -79,15 +79,15 @@ class ProfiledCostModel(CostModel):
     """CostModel with measured communication and measured per-layer compute."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, *,
-                 comm: CommModel | None = None, model_profile: ModelProfile | None = None
-                 ) -> None:
+                 comm: CommModel | None = None, model_profile: ModelProfile | None = None,
+                 compute: C.ComputeProfile | None = None) -> None:
         """As CostModel; `comm` is typically a ClusterProfile, `model_profile` replaces the
-        layer compute and the kernel efficiencies (None: the analytic ones)."""
+        layer compute and the kernel efficiencies (None: the analytic ones, or `compute`'s)."""
         if model_profile is not None and model_profile.model != model:
             raise PlanError(f"the model profile was measured on model {model_profile.model.name!r}"
                             f" with a different shape than {model.name!r}; profile this model")
-        compute = (fitted_compute_profile(model_profile, cluster)
-                   if model_profile is not None else None)
+        if model_profile is not None:
+            compute = fitted_compute_profile(model_profile, cluster)
         super().__init__(model, cluster, training, comm=comm, compute=compute)
         self.model_profile = model_profile
 
