@@ -15,7 +15,10 @@ Runs tiny Llama-style models (fp32, CPU, 2 gloo ranks) through `build_model` /
                fused-kernel formula); the JSON keeps the formula alone as `fused_formula_bytes`.
   in flight    pipeline (pp 2, 4 micro-batches): the peak of the saved bytes alive at once on
                each stage (a finalizer per saved storage) over one micro-batch's saved bytes,
-               against Megatron's 1F1B count min(pp - stage, m) the cost model uses.
+               against Megatron's 1F1B count min(pp - stage, m) the cost model uses; and with
+               2 model chunks per rank (interleaved, 1 layer each) the peak bytes against
+               pipeline.interleaved_inflight's chunk counts x each chunk's measured bytes
+               (what cost/evaluate.stage_sums sums).
   states       weights, gradients and optimizer states per ZeRO level (0-3, dp 2) on the live
                tensors (megatron_adapter/state_memory.py), against memory.py
                state_bytes_breakdown x the layer's parameters per GPU.
@@ -61,6 +64,10 @@ ACTIVATION_GRID = [  # (label, strategy, dropout); labels starting "mha " use MH
     ("tp2 sp rc:full", L(tp=2, sp=True, recompute="full"), False),
     ("mha tp2 sp dropout", L(tp=2, sp=True), True),
     ("mha tp1 dp2 rc:sel", L(tp=1, dp=2, recompute="selective"), True),
+    ("cp2", L(tp=1, cp=2), False),
+    ("cp2 rc:sel", L(tp=1, cp=2, recompute="selective"), False),
+    ("ulysses2", L(tp=1, ulysses=2), False),
+    ("ulysses2 rc:sel", L(tp=1, ulysses=2, recompute="selective"), False),
 ]
 
 
@@ -69,12 +76,13 @@ def grid_model(label: str) -> ModelSpec:
 
 
 def plan_of(strategy: L, *, layers: int, pp: int = 1, num_mb: int = 1,
-            base: ModelSpec = MODEL) -> ParallelPlan:
+            base: ModelSpec = MODEL, virtual_stages: int = 1) -> ParallelPlan:
     model = dataclasses.replace(base, num_layers=layers)
-    stages = tuple((i * layers // pp, (i + 1) * layers // pp) for i in range(pp))
+    chunks = pp * virtual_stages
+    stages = tuple((i * layers // chunks, (i + 1) * layers // chunks) for i in range(chunks))
     return ParallelPlan(world_size=WORLD, pp=pp, stages=stages, layers=(strategy,) * layers,
                         model=model, micro_batch_size=MBS, global_batch_size=MBS * num_mb,
-                        seq_length=SEQ, precision="fp32",
+                        seq_length=SEQ, precision="fp32", virtual_stages=virtual_stages,
                         vocab=VocabStrategy(mode="tp", tp=strategy.tp))
 
 
@@ -112,6 +120,7 @@ class SavedBytes:
         self.live_bytes = 0
         self.peak_live_bytes = 0
         self.micro = -1
+        self.call_bytes: list[int] = []  # saved bytes of each forward call but the last
 
     def start(self) -> None:
         import gc
@@ -119,6 +128,8 @@ class SavedBytes:
         gc.collect()  # autograd graphs freed by their backward release their saved storages
         if self.micro == 0:
             self.first_bytes = self.bytes
+        if self.micro >= 0:
+            self.call_bytes.append(self.bytes)
         self.micro += 1
         self.seen, self.bytes, self.tensors = set(), 0, []
 
@@ -203,6 +214,20 @@ def inflight_rank(rank: int, world_size: int) -> dict:
             "num_microbatches": plan.num_microbatches}
 
 
+def interleaved_rank(rank: int, world_size: int) -> dict:
+    """pp 2 with 2 model chunks per rank (1 layer each), 4 micro-batches: the peak of the saved
+    bytes alive on the stage, and each chunk's saved bytes per micro-batch (forward call i runs
+    chunk (i // pp) % v in megatron-core's interleaved schedule)."""
+    warnings.filterwarnings("ignore")
+    plan = plan_of(L(tp=1), layers=4, pp=2, num_mb=4, virtual_stages=2)
+    counter = _run_plan(plan, dropout=False, track=True)
+    calls = counter.call_bytes
+    chunk_bytes = [calls[c * plan.pp] for c in range(plan.virtual_stages)]
+    return {"stage": rank, "peak_live_bytes": counter.peak_live_bytes,
+            "chunk_bytes": chunk_bytes, "num_microbatches": plan.num_microbatches,
+            "virtual_stages": plan.virtual_stages}
+
+
 def states_rank(rank: int, world_size: int) -> dict:
     warnings.filterwarnings("ignore")
     import torch
@@ -235,7 +260,8 @@ def states_rank(rank: int, world_size: int) -> dict:
     return out
 
 
-def report(act: list[dict], inflight: list[dict], states: list[dict]) -> dict:
+def report(act: list[dict], inflight: list[dict], states: list[dict],
+           interleaved: list[dict] | None = None) -> dict:
     import numpy as np
 
     from megatron_ext.planner.cost.compute import layer_params
@@ -244,7 +270,7 @@ def report(act: list[dict], inflight: list[dict], states: list[dict]) -> dict:
         state_bytes_breakdown,
         unfused_activation_bytes,
     )
-    from megatron_ext.planner.cost.pipeline import num_warmup
+    from megatron_ext.planner.cost.pipeline import interleaved_inflight, num_warmup
 
     rows = []
     codes = {"none": 0, "selective": 1, "full": 2}
@@ -253,7 +279,7 @@ def report(act: list[dict], inflight: list[dict], states: list[dict]) -> dict:
             continue
         measured = max(r[label] for r in act)
         shape = dict(b=MBS / s.dp, seq_length=SEQ, tp=np.array([s.tp]), sp=np.array([s.sp]),
-                     cp=np.array([1]), ulysses=np.array([1]),
+                     cp=np.array([s.cp]), ulysses=np.array([s.ulysses]),
                      recompute=np.array([codes[s.recompute]]), element_bytes=4, dropout=dropout)
         model = grid_model(label)
         fused = float(layer_activation_bytes(model, flash_attention=False, **shape)[0])
@@ -266,6 +292,13 @@ def report(act: list[dict], inflight: list[dict], states: list[dict]) -> dict:
         rows.append({"term": "micro-batches in flight (1F1B)", "case": f"pp2 stage {r['stage']}",
                      "measured_bytes": r["peak_live_bytes"] / r["microbatch_bytes"],
                      "predicted_bytes": min(predicted, r["num_microbatches"])})
+    for r in interleaved or []:
+        counts = interleaved_inflight(2, r["num_microbatches"], r["virtual_stages"])
+        predicted = float((counts[:, r["stage"], :] * np.array(r["chunk_bytes"])).sum(-1).max())
+        rows.append({"term": "in flight, interleaved (bytes)",
+                     "case": f"pp2 v{r['virtual_stages']} stage {r['stage']}",
+                     "measured_bytes": r["peak_live_bytes"], "predicted_bytes": predicted,
+                     "chunk_bytes": r["chunk_bytes"]})
     per_gpu = layer_params(MODEL)
     names = ("weights", "gradients", "optimizer states")
     for cls in states[0]["classes"]:
@@ -297,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
     act = run_distributed(activation_rank, world_size=WORLD, timeout_s=1800)
     inflight = run_distributed(inflight_rank, world_size=WORLD, timeout_s=600)
     states = run_distributed(states_rank, world_size=WORLD, timeout_s=600)
-    out = report(act, inflight, states)
+    interleaved = run_distributed(interleaved_rank, world_size=WORLD, timeout_s=600)
+    out = report(act, inflight, states, interleaved)
     print(f"{'term':40s} {'case':18s} {'measured':>12s} {'predicted':>12s} {'ratio':>6s}")
     for r in out["rows"]:
         print(f"{r['term']:40s} {r['case']:18s} {r['measured_bytes']:12.0f} "

@@ -81,3 +81,34 @@ def test_the_gpu_formula_is_unchanged_by_the_term():
     rows, q, kv, f = 4096, h, 1024, 28672
     want = 2 * rows * (4 * h / t + (q + 2 * kv + q + 3 * f) / t) + 4 * rows * 64 / t
     assert got == pytest.approx(want)
+
+
+@pytest.mark.parametrize("cp,ulysses", [(2, 1), (1, 2)])
+def test_context_and_ulysses_attention_keep_no_scores(cp, ulysses):
+    """Under CP or Ulysses the attention is blockwise (Transformer Engine's, which Megatron-LM's
+    CP requires; this package's ring attention, which saves q, k, v, its output and the fp32
+    log-sum-exp), so core attention keeps the log-sum-exp with or without the flash flag, and no
+    attention-dropout noise; the RoPE tables cover the rank's own chunk, s / (cp u) rows
+    (Ulysses rotates before its all-to-all). The selective case is the bench's list tensor by
+    tensor (exact there); rel 1e-12: the same integer sums."""
+    b, s, model = 4, 64, GQA
+    shape = dict(b=b, seq_length=s, tp=np.array([1]), sp=np.array([False]),
+                 cp=np.array([cp]), ulysses=np.array([ulysses]), element_bytes=4, dropout=False)
+    rows = b * s // (cp * ulysses)
+    lse = 4 * rows * model.num_attention_heads
+    none = dict(shape, recompute=np.array([0]))
+    flash = layer_activation_bytes(model, flash_attention=True, **none)[0]
+    assert layer_activation_bytes(model, flash_attention=False, **none)[0] == flash
+    sel = dict(shape, recompute=np.array([1]))
+    assert (layer_activation_bytes(model, flash_attention=False, **none)[0]
+            - layer_activation_bytes(model, flash_attention=False, **sel)[0]) == lse
+    e, h, f = 4, model.hidden_size, model.ffn_hidden_size
+    d = h // model.num_attention_heads
+    kv = model.num_query_groups * d
+    want = (6 * e * rows * h + 2 * 4 * rows + e * rows * h  # norms, inverse RMS, proj input
+            + e * rows * 2 * f + 3 * e * rows * f  # fc1 out, gate, silu, product
+            + 4 * (s // (cp * ulysses)) * d * 4  # RoPE tables of the rank's chunk
+            + e * rows * (h + 2 * kv) + e * rows * (h + kv))  # QKV output, rotated Q and K
+    got = (layer_activation_bytes(model, flash_attention=False, **sel)[0]
+           + unfused_activation_bytes(model, **sel)[0])
+    assert got == pytest.approx(want, rel=1e-12)

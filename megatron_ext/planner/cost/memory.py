@@ -12,8 +12,8 @@ Transformer Models", eq. 1-2, generalised to GQA and swiglu, with flash attentio
       input, MLP input) + 2 dropout masks of [rows, h] bytes
   sharded by TP:  Q, K, V [rows, q + 2kv] + projection input [rows, q] + activation input
       [rows, f or 2f (swiglu)] + second MLP GEMM input [rows, f]
-  core attention:  flash: fp32 log-sum-exp [rows, a/t]; otherwise scores, softmax and dropout
-      mask (2e + 1) * a/t * rows * s/cp
+  core attention:  flash, CP or Ulysses (blockwise): fp32 log-sum-exp [rows, a/t]; otherwise
+      scores, softmax and dropout mask (2e + 1) * a/t * rows * s/cp
 With full recomputation only the layer input [rows, h] (/t under SP) is kept; selective
 recomputation drops the core-attention term. Korthikanti's GPT case (f = 4h, kv = q = h, no
 flash, e = 2) gives sbh(10 + 24/t + 5as/(ht)) without SP and sbh(34/t + 5as/(ht)) with it.
@@ -21,7 +21,7 @@ flash, e = 2) gives sbh(10 + 24/t + 5as/(ht)) without SP and sbh(34/t + 5as/(ht)
 That formula is for fused kernels (Transformer Engine, Megatron's fused softmax / bias-dropout).
 The unfused local layers (this package's CPU runtime, and any run without Transformer Engine)
 keep more; `unfused_activation_bytes` is that difference, term by term, as autograd's saved
-tensors show it (tools/bench_memory.py lists them; d = head_dim, sl = s / cp):
+tensors show it (tools/bench_memory.py lists them; d = head_dim):
   norms         each of the 2 RMSNorms keeps its normalised output [rows, h] (e) and its fp32
                 inverse RMS [rows] (4 bytes), /t under SP
   SwiGLU        the gate's activation and the gated product: 2 more [rows, f], /t
@@ -30,9 +30,11 @@ tensors show it (tools/bench_memory.py lists them; d = head_dim, sl = s / cp):
                 attention, where K and V are expanded (copied) from the query groups to the
                 heads for the batched matmuls and nothing pins the QKV output: 2 (q - kv) more
   RoPE          the cos / sin tables of Q and K, 4 x [sl, d] fp32 per layer (full recompute: the
-                rotary table is a checkpoint input, 1 x [sl, d])
+                rotary table is a checkpoint input, 1 x [sl, d]); Ulysses rotates its own
+                sequence chunk before the all-to-all, so sl = s / (cp u)
   dropout       every mask is the multiplied fp32 noise (e bytes, not 1): (e - 1) more per
                 element of the 2 hidden masks, and of the attention mask without recompute
+                (none under CP / Ulysses: the blockwise attention keeps no scores)
 """
 
 from __future__ import annotations
@@ -129,6 +131,7 @@ def layer_activation_bytes(
         seq_length=seq_length,
         tp=tp,
         cp=cp,
+        ulysses=ulysses,
         element_bytes=e,
         flash_attention=flash_attention,
         dropout=dropout,
@@ -161,13 +164,14 @@ def unfused_activation_bytes(
     rows = b * seq_length / (np.asarray(cp) * np.asarray(ulysses))
     sp_div = np.where(sp, tp, 1)
     d = q_dim(model) // model.num_attention_heads
-    rope_rows = seq_length / np.asarray(cp) if model.position_embedding == "rope" else 0.0
+    seq_shards = np.asarray(cp) * np.asarray(ulysses)
+    rope_rows = seq_length / seq_shards if model.position_embedding == "rope" else 0.0
     norms = 2.0 * rows * (e * h + 4) / sp_div
     swiglu = 2.0 * e * rows * f / tp if model.activation == "swiglu" else 0.0
     q, kv = q_dim(model), kv_dim(model)
     masks = 2.0 * (e - 1) * rows * h / sp_div if dropout else 0.0
     scores = model.num_attention_heads / tp * rows * seq_length / np.asarray(cp)
-    attention_mask = (e - 1) * scores if dropout else 0.0
+    attention_mask = np.where(seq_shards > 1, 0.0, (e - 1) * scores) if dropout else 0.0
     pinned = e * rows * (q + kv) / tp  # rotated Q and K copies + the QKV output V pins
     expanded = 2.0 * e * rows * (q - kv) / tp  # GQA: K and V copied out to the heads
     rope = 4.0 * rope_rows * d * 4
@@ -191,14 +195,20 @@ def core_attention_bytes(
     element_bytes: int,
     flash_attention: bool,
     dropout: bool,
+    ulysses: ArrayLike = 1,
 ) -> ArrayLike:
-    """What core attention keeps: fp32 log-sum-exp with flash attention; otherwise the
-    [a/t, rows, s/cp] scores, softmax output and dropout mask."""
+    """What core attention keeps: fp32 log-sum-exp with flash attention, and under context
+    parallelism or Ulysses whatever the flag (blockwise attention: Transformer Engine's, which
+    Megatron-LM's CP requires, or this package's runtime/ring_attention.py, which saves q, k,
+    v, its output and the log-sum-exp); otherwise the [a/t, rows, s/cp] scores, softmax output
+    and dropout mask."""
     a = model.num_attention_heads
+    lse = 4.0 * rows * a / tp
     if flash_attention:
-        return 4.0 * rows * a / tp
+        return lse
     per_score = 2 * element_bytes + 1 if dropout else element_bytes
-    return per_score * a / tp * rows * seq_length / cp
+    scores = per_score * a / tp * rows * seq_length / cp
+    return np.where(np.asarray(cp) * np.asarray(ulysses) > 1, lse, scores)
 
 
 def layer_transient_bytes(
