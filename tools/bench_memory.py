@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from megatron_ext.plan import LayerStrategy as L
 from megatron_ext.plan import ParallelPlan, VocabStrategy
 from megatron_ext.runtime.testing import run_distributed
-from megatron_ext.specs import ModelSpec
+from megatron_ext.specs import MLASpec, ModelSpec
 
 MODEL = ModelSpec(
     name="bench-mem", num_layers=4, hidden_size=128, ffn_hidden_size=352,
@@ -50,6 +50,11 @@ MODEL = ModelSpec(
 MHA_MODEL = dataclasses.replace(MODEL, name="bench-mem-mha", hidden_size=192,
                                 ffn_hidden_size=512, num_attention_heads=6, num_query_groups=6)
 """A second shape to check the terms on (no grouped-query attention, other widths)."""
+MLA_MODEL = dataclasses.replace(
+    MODEL, name="bench-mem-mla", num_query_groups=4, qk_layernorm=True,
+    mla=MLASpec(q_lora_rank=48, kv_lora_rank=32, qk_head_dim=32, qk_pos_emb_head_dim=16,
+                v_head_dim=32, rope_type="rope"))
+"""Multi-latent attention (megatron-core's MLASelfAttention) on MODEL's width."""
 SEQ, MBS = 64, 4
 WORLD = 2
 ACTIVATION_GRID = [  # (label, strategy, dropout); labels starting "mha " use MHA_MODEL
@@ -68,10 +73,15 @@ ACTIVATION_GRID = [  # (label, strategy, dropout); labels starting "mha " use MH
     ("cp2 rc:sel", L(tp=1, cp=2, recompute="selective"), False),
     ("ulysses2", L(tp=1, ulysses=2), False),
     ("ulysses2 rc:sel", L(tp=1, ulysses=2, recompute="selective"), False),
+    ("mla tp1 dp2", L(tp=1, dp=2), False),
+    ("mla tp2 sp", L(tp=2, sp=True), False),
+    ("mla tp1 dp2 rc:sel", L(tp=1, dp=2, recompute="selective"), False),
 ]
 
 
 def grid_model(label: str) -> ModelSpec:
+    if label.startswith("mla "):
+        return MLA_MODEL
     return MHA_MODEL if label.startswith("mha ") else MODEL
 
 
@@ -319,6 +329,7 @@ def report(act: list[dict], inflight: list[dict], states: list[dict],
     return {"rows": rows, "within_5pct": sum(within), "total": len(rows),
             "saved_tensors_per_two_layers": act[0]["tensors"],
             "setup": {"model": MODEL.to_dict(), "mha_model": MHA_MODEL.to_dict(),
+                      "mla_model": MLA_MODEL.to_dict(),
                       "seq_length": SEQ, "micro_batch_size": MBS, "world_size": WORLD,
                       "precision": "fp32"}}
 
