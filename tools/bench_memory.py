@@ -55,6 +55,10 @@ MLA_MODEL = dataclasses.replace(
     mla=MLASpec(q_lora_rank=48, kv_lora_rank=32, qk_head_dim=32, qk_pos_emb_head_dim=16,
                 v_head_dim=32, rope_type="rope"))
 """Multi-latent attention (megatron-core's MLASelfAttention) on MODEL's width."""
+MLA_NOQ_MODEL = dataclasses.replace(
+    MLA_MODEL, name="bench-mem-mla-noq",
+    mla=dataclasses.replace(MLA_MODEL.mla, q_lora_rank=None, kv_lora_rank=24, v_head_dim=16))
+"""MLA without the query's compression (DeepSeek-V2-Lite's form), other latent and value widths."""
 SEQ, MBS = 64, 4
 WORLD = 2
 ACTIVATION_GRID = [  # (label, strategy, dropout); labels starting "mha " use MHA_MODEL
@@ -76,10 +80,14 @@ ACTIVATION_GRID = [  # (label, strategy, dropout); labels starting "mha " use MH
     ("mla tp1 dp2", L(tp=1, dp=2), False),
     ("mla tp2 sp", L(tp=2, sp=True), False),
     ("mla tp1 dp2 rc:sel", L(tp=1, dp=2, recompute="selective"), False),
+    ("mla-noq tp1 dp2", L(tp=1, dp=2), False),
+    ("mla tp1 dp2 rc:full", L(tp=1, dp=2, recompute="full"), False),
 ]
 
 
 def grid_model(label: str) -> ModelSpec:
+    if label.startswith("mla-noq "):
+        return MLA_NOQ_MODEL
     if label.startswith("mla "):
         return MLA_MODEL
     return MHA_MODEL if label.startswith("mha ") else MODEL

@@ -112,3 +112,51 @@ def test_context_and_ulysses_attention_keep_no_scores(cp, ulysses):
     got = (layer_activation_bytes(model, flash_attention=False, **sel)[0]
            + unfused_activation_bytes(model, **sel)[0])
     assert got == pytest.approx(want, rel=1e-12)
+
+
+def mla_saved_tensors(model: ModelSpec, *, b: int, s: int, recompute: str) -> int:
+    """Bytes an unfused fp32 MLA layer saves at tp 1 without SP or dropout, tensor by tensor as
+    the bench's hook lists them (megatron-core's MLASelfAttention with latent norms)."""
+    mla = model.mla
+    assert mla is not None
+    e, h, f, n = 4, model.hidden_size, model.ffn_hidden_size, model.num_attention_heads
+    rows, d_q = b * s, mla.qk_head_dim + mla.qk_pos_emb_head_dim
+    if recompute == "full":
+        return e * rows * h  # the layer input; MLA's rotary table is built inside attention
+    saved = [e * rows * h] * 6 + [4 * rows] * 2  # layer norms: in / normalised / out, 1/RMS
+    saved += [e * rows * n * mla.v_head_dim]  # projection input
+    saved += [e * rows * 2 * f] + [e * rows * f] * 3  # fc1 out, gate, silu, product
+    saved += [e * rows * n * d_q] * 2 + [e * rows * n * mla.v_head_dim]  # q, k^T, v
+    saved += [e * rows * (mla.kv_lora_rank + mla.qk_pos_emb_head_dim)]  # KV down output
+    saved += [e * rows * mla.kv_lora_rank] * 2 + [4 * rows]  # kv norm: normalised, out, 1/RMS
+    if mla.q_lora_rank:  # q down output, q norm: normalised, out, 1/RMS
+        saved += [e * rows * mla.q_lora_rank] * 3 + [4 * rows]
+    saved += [4 * s * mla.qk_pos_emb_head_dim * 4]  # RoPE's four cos / sin tables
+    if recompute == "none":
+        saved += [e * b * n * s * s]  # softmax output
+    return sum(saved)
+
+
+@pytest.mark.parametrize("q_lora_rank,kv_lora_rank,v_head_dim", [(48, 32, 32), (None, 24, 16)])
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_mla_fused_formula_plus_unfused_term_is_what_the_layer_saves(q_lora_rank, kv_lora_rank,
+                                                                     v_head_dim, recompute):
+    """The bench's two MLA shapes (tools/bench_memory.py: exact there without SP); rel 1e-12:
+    integer sums."""
+    import dataclasses
+
+    from megatron_ext.specs import MLASpec
+
+    model = dataclasses.replace(
+        GQA, num_query_groups=4, qk_layernorm=True,
+        mla=MLASpec(q_lora_rank=q_lora_rank, kv_lora_rank=kv_lora_rank, qk_head_dim=32,
+                    qk_pos_emb_head_dim=16, v_head_dim=v_head_dim, rope_type="rope"))
+    b, s = 2, 64
+    shape = dict(b=b, seq_length=s, tp=np.array([1]), sp=np.array([False]), cp=np.array([1]),
+                 ulysses=np.array([1]),
+                 recompute=np.array([{"none": 0, "selective": 1, "full": 2}[recompute]]),
+                 element_bytes=4, dropout=False)
+    got = (layer_activation_bytes(model, flash_attention=False, **shape)[0]
+           + unfused_activation_bytes(model, **shape)[0])
+    assert got == pytest.approx(mla_saved_tensors(model, b=b, s=s, recompute=recompute),
+                                rel=1e-12)

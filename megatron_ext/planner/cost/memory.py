@@ -180,9 +180,29 @@ def unfused_activation_bytes(
     full = 1.0 * rope_rows * d * 4
     recompute = np.asarray(recompute)
     out = np.where(recompute == 2, full, np.where(recompute == 1, selective, none))
-    if model.mla is not None:  # measured only for standard attention
-        out = np.where(recompute == 2, full, norms + swiglu + masks)
+    if model.mla is not None:
+        # full recompute keeps the layer input alone: MLA builds its rotary table inside the
+        # attention, so no table is a checkpoint input
+        out = np.where(recompute == 2, 0.0,
+                       norms + swiglu + masks + _mla_unfused_bytes(model, rows, rope_rows, sp_div,
+                                                                   e))
     return float(out) if np.ndim(out) == 0 else out
+
+
+def _mla_unfused_bytes(model: ModelSpec, rows: ArrayLike, rope_rows: ArrayLike,
+                       sp_div: ArrayLike, e: int) -> ArrayLike:
+    """MLA's part of the unfused term (tools/bench_memory.py, two MLA shapes, exact without SP):
+    each latent RMSNorm (--qk-layernorm) keeps its normalised output and fp32 inverse RMS beyond
+    the input and output the fused formula counts; the KV down-projection's RoPE columns stay
+    alive through the latent's view of that output; RoPE's four cos / sin tables are
+    [sl, d_rope] fp32."""
+    mla = model.mla
+    assert mla is not None
+    latents = (mla.q_lora_rank or 0) + mla.kv_lora_rank
+    norms = (2 if mla.q_lora_rank else 1) if model.qk_layernorm else 0
+    latent_norms = rows * (e * latents + 4 * norms) if model.qk_layernorm else 0.0
+    pinned = e * rows * mla.qk_pos_emb_head_dim
+    return (latent_norms + pinned) / sp_div + 4.0 * rope_rows * mla.qk_pos_emb_head_dim * 4
 
 
 def core_attention_bytes(
