@@ -267,14 +267,12 @@ def compute_constants(items: list[str]) -> ComputeProfile | None:
         return None
     values: dict[str, float] = {}
     for item in items:
-        name, sep, value = item.partition("=")
+        name, _, value = item.partition("=")  # no "=": value "" fails float() too
         try:
             values[name.strip()] = float(value)
         except ValueError:
-            sep = ""
-        if not sep:
             raise PlanError(f"--compute-constant {item!r} is not NAME=NUMBER; e.g. "
-                            "--compute-constant attention_efficiency=0.35")
+                            "--compute-constant attention_efficiency=0.35") from None
     return ComputeProfile.from_dict(values, "--compute-constant")
 
 

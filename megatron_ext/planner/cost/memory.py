@@ -198,9 +198,10 @@ def _mla_unfused_bytes(model: ModelSpec, rows: ArrayLike, rope_rows: ArrayLike,
     [sl, d_rope] fp32."""
     mla = model.mla
     assert mla is not None
-    latents = (mla.q_lora_rank or 0) + mla.kv_lora_rank
-    norms = (2 if mla.q_lora_rank else 1) if model.qk_layernorm else 0
-    latent_norms = rows * (e * latents + 4 * norms) if model.qk_layernorm else 0.0
+    latent_norms: ArrayLike = 0.0
+    if model.qk_layernorm:
+        norms = 2 if mla.q_lora_rank else 1
+        latent_norms = rows * (e * ((mla.q_lora_rank or 0) + mla.kv_lora_rank) + 4 * norms)
     pinned = e * rows * mla.qk_pos_emb_head_dim
     return (latent_norms + pinned) / sp_div + 4.0 * rope_rows * mla.qk_pos_emb_head_dim * 4
 
