@@ -9,13 +9,13 @@ All logic lives in megatron_ext.megatron_adapter.training (entry.main checks the
 torch and megatron-core are imported).
 """
 
-import sys
-
 # The guard is required, and the import sits inside it: megatron-core's checkpoint writer starts
 # a spawn-context Manager whose child re-imports this file
 # (megatron/core/dist_checkpointing/strategies/filesystem_async.py:54); keeping
 # the import here makes that child start in milliseconds instead of re-importing megatron-core.
+# exit_process leaves without the interpreter's finalization (console.exit_process says why).
 if __name__ == "__main__":
+    from megatron_ext.megatron_adapter.training.console import exit_process
     from megatron_ext.megatron_adapter.training.entry import main
 
-    sys.exit(main())
+    exit_process(main())

@@ -22,16 +22,21 @@ argument errors come back in well under a second).
   prints it (once per node); the other local ranks that hit the same error exit 0 before it
   (`report_user_error`), so torchrun's summary lists the line once, as local rank 0's failure,
   instead of once per rank.
+- Exit (`exit_process`): the process ends with `os._exit` once Python's own exit work is done,
+  without the interpreter's finalization; see that function for why.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
 import re
 import sys
+import threading
 import time
+from typing import NoReturn
 
 from megatron_ext.warning_filters import install
 
@@ -244,3 +249,32 @@ def record_exception(err: BaseException) -> None:
     from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
     get_error_handler().record_exception(err)
+
+
+def exit_process(code: int) -> NoReturn:
+    """End pretrain_gpt.py with `code`: join the threads Python would join, run the atexit
+    handlers (multiprocessing's, which stop the checkpoint writer's Manager; logging's flush),
+    flush stdout and stderr, then `os._exit` instead of finalizing the interpreter.
+
+    Why: the process groups are destroyed by then (pretrain.launch), but their C++ objects live
+    on while anything still references them, and the model and DDP do through the autograd
+    hooks megatron-core and FSDP2 register (a cycle through C++ that Python's collector cannot
+    see): gloo's worker threads outlive the groups. A worker that releases a finished
+    collective's tensors after Python dropped its own handle has to take the GIL to free them;
+    once finalization has begun, Python 3.11-3.13 answer that request with pthread_exit, whose
+    unwinding through the worker's noexcept frames aborts the process ("terminate called
+    without an active exception", SIGABRT) after a run that trained and saved. Under load the
+    window between a collective's completion and its worker's release is wide enough to hit;
+    leaving without finalization closes it. Only a returned exit code comes here: an exception
+    keeps Python's own exit, traceback included (entry.main)."""
+    current = threading.current_thread()
+    for thread in threading.enumerate():
+        if thread is not current and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed pipe, or a stream closed by a handler
+            pass
+    os._exit(code)
