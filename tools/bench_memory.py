@@ -13,6 +13,11 @@ Runs tiny Llama-style models (fp32, CPU, 2 gloo ranks) through `build_model` /
                layer_activation_bytes (no flash attention on CPU; dropout as configured) plus
                unfused_activation_bytes (what the unfused local layers keep beyond that
                fused-kernel formula); the JSON keeps the formula alone as `fused_formula_bytes`.
+  MoE layers   megatron-core's MoE layer (4 experts, top-2, SequentialMLP, alltoall dispatcher)
+               under expert and expert-tensor parallelism: the bytes saved while each layer's
+               forward runs, against planner/cost/moe.py moe_activation_bytes +
+               moe_unfused_bytes at the rows that layer's local experts received (R, read from
+               the experts' input), so routing imbalance is measured, not assumed.
   in flight    pipeline (pp 2, 4 micro-batches): the peak of the saved bytes alive at once on
                each stage (a finalizer per saved storage) over one micro-batch's saved bytes,
                against Megatron's 1F1B count min(pp - stage, m) the cost model uses; and with
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import warnings
@@ -41,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from megatron_ext.plan import LayerStrategy as L
 from megatron_ext.plan import ParallelPlan, VocabStrategy
 from megatron_ext.runtime.testing import run_distributed
-from megatron_ext.specs import MLASpec, ModelSpec
+from megatron_ext.specs import MLASpec, ModelSpec, MoESpec
 
 MODEL = ModelSpec(
     name="bench-mem", num_layers=4, hidden_size=128, ffn_hidden_size=352,
@@ -59,6 +65,9 @@ MLA_NOQ_MODEL = dataclasses.replace(
     MLA_MODEL, name="bench-mem-mla-noq",
     mla=dataclasses.replace(MLA_MODEL.mla, q_lora_rank=None, kv_lora_rank=24, v_head_dim=16))
 """MLA without the query's compression (DeepSeek-V2-Lite's form), other latent and value widths."""
+MOE_MODEL = dataclasses.replace(MODEL, name="bench-mem-moe", moe=MoESpec(
+    num_experts=4, router_topk=2, ffn_hidden_size=96))
+MOE_GELU_MODEL = dataclasses.replace(MOE_MODEL, name="bench-mem-moe-gelu", activation="gelu")
 SEQ, MBS = 64, 4
 WORLD = 2
 ACTIVATION_GRID = [  # (label, strategy, dropout); labels starting "mha " use MHA_MODEL
@@ -82,6 +91,20 @@ ACTIVATION_GRID = [  # (label, strategy, dropout); labels starting "mha " use MH
     ("mla tp1 dp2 rc:sel", L(tp=1, dp=2, recompute="selective"), False),
     ("mla-noq tp1 dp2", L(tp=1, dp=2), False),
     ("mla tp1 dp2 rc:full", L(tp=1, dp=2, recompute="full"), False),
+]
+
+MOE_GRID = [  # (label, strategy); labels starting "moe-gelu " use MOE_GELU_MODEL
+    ("moe ep1 dp2", L(tp=1, dp=2)),
+    ("moe ep2 dp2", L(tp=1, dp=2, ep=2)),
+    ("moe ep2 dp2 rc:sel", L(tp=1, dp=2, ep=2, recompute="selective")),
+    ("moe tp2 sp etp2", L(tp=2, sp=True, etp=2)),
+    ("moe-gelu ep2 dp2", L(tp=1, dp=2, ep=2)),
+]
+VOCAB_GRID = [  # (label, strategy of the layers and of the vocabulary's tp, dropout)
+    ("vocab tp1 dp2", L(tp=1, dp=2), False),
+    ("vocab tp1 dp2 dropout", L(tp=1, dp=2), True),
+    ("vocab tp2 sp", L(tp=2, sp=True), False),
+    ("vocab tp2 sp dropout", L(tp=2, sp=True), True),
 ]
 
 
@@ -172,12 +195,17 @@ class SavedBytes:
         self.live_bytes -= nbytes
 
 
-def _run_plan(plan: ParallelPlan, *, dropout: bool, track: bool = False) -> SavedBytes:
+def _run_plan(plan: ParallelPlan, *, dropout: bool, track: bool = False,
+              instrument=None) -> SavedBytes:
     import torch
     from torch.autograd.graph import saved_tensors_hooks
 
     from megatron_ext.megatron_adapter.build import build_model
-    from megatron_ext.megatron_adapter.losses import layerwise_forward_step
+    from megatron_ext.megatron_adapter.losses import (
+        forward_step,
+        layerwise_forward_step,
+        vocab_view,
+    )
     from megatron_ext.megatron_adapter.optimizer import build_optimizer
     from megatron_ext.megatron_adapter.training.loop import train_step
     from megatron_ext.megatron_adapter.training.select import backend_for_model
@@ -194,11 +222,16 @@ def _run_plan(plan: ParallelPlan, *, dropout: bool, track: bool = False) -> Save
     excluded = {t.untyped_storage().data_ptr() for c in chunks for p in c.parameters()
                 for t in (p, getattr(p, "main_grad", None)) if t is not None}
     counter = SavedBytes(excluded, track=track)
+    if instrument is not None:
+        instrument(chunks, counter)
+
+    step = (layerwise_forward_step if plan.vocab.mode == "tp"
+            else functools.partial(forward_step, vocab_view, False))
 
     def probe(data_iterator, model):
         counter.start()
         with saved_tensors_hooks(counter.pack, lambda t: t):
-            return layerwise_forward_step(data_iterator, model)
+            return step(data_iterator, model)
 
     backend = backend_for_model(chunks, groups, optimizer, forward_step_func=probe)
     torch.manual_seed(0)
@@ -220,6 +253,59 @@ def activation_rank(rank: int, world_size: int, labels: list[str] | None = None)
             if t in extra:
                 extra.remove(t)
         out["tensors"][label] = sorted(extra, key=lambda t: -t[2])
+    return out
+
+
+def _hook_layers(chunks, counter: SavedBytes, layers: list[dict], etp: int | None = None) -> None:
+    """Append one dict per TransformerLayer forward to `layers`: its saved bytes (the counter's
+    growth between the layer's forward pre- and post-hook) and, with `etp`, the rows its local
+    experts received (the experts' input rows over etp: under expert-tensor parallelism the
+    experts run on the all-gathered rows of the etp group)."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    def pre(module, args):
+        layers.append({"start": counter.bytes, "recv": 0.0})
+
+    def post(module, args, output):
+        layers[-1]["bytes"] = counter.bytes - layers[-1].pop("start")
+
+    def experts_in(module, args):
+        layers[-1]["recv"] += args[0].shape[0] / etp
+
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, TransformerLayer):
+                module.register_forward_pre_hook(pre)
+                module.register_forward_hook(post)
+                if etp is not None:
+                    module.mlp.experts.register_forward_pre_hook(experts_in)
+
+
+def moe_rank(rank: int, world_size: int) -> dict:
+    """Per MoE grid case (3 layers, 1 micro-batch): each layer's saved bytes and routed rows."""
+    warnings.filterwarnings("ignore")
+    out: dict = {}
+    for label, strategy in MOE_GRID:
+        model = MOE_GELU_MODEL if label.startswith("moe-gelu ") else MOE_MODEL
+        layers: list[dict] = []
+        _run_plan(plan_of(strategy, layers=3, base=model), dropout=False,
+                  instrument=lambda chunks, counter, etp=strategy.expert_tp, layers=layers:
+                  _hook_layers(chunks, counter, layers, etp))
+        out[label] = layers
+    return out
+
+
+def vocab_rank(rank: int, world_size: int) -> dict:
+    """Per vocabulary grid case (pp 1, 2 layers, 1 micro-batch): the bytes saved outside the
+    transformer layers (embedding, final norm, output layer, loss)."""
+    warnings.filterwarnings("ignore")
+    out: dict = {}
+    for label, strategy, dropout in VOCAB_GRID:
+        layers: list[dict] = []
+        counter = _run_plan(plan_of(strategy, layers=2), dropout=dropout,
+                            instrument=lambda chunks, counter, layers=layers:
+                            _hook_layers(chunks, counter, layers))
+        out[label] = counter.bytes - sum(layer["bytes"] for layer in layers)
     return out
 
 
@@ -279,7 +365,8 @@ def states_rank(rank: int, world_size: int) -> dict:
 
 
 def report(act: list[dict], inflight: list[dict], states: list[dict],
-           interleaved: list[dict] | None = None) -> dict:
+           interleaved: list[dict] | None = None, moe: list[dict] | None = None,
+           vocab: list[dict] | None = None) -> dict:
     import numpy as np
 
     from megatron_ext.planner.cost.compute import layer_params
@@ -305,6 +392,8 @@ def report(act: list[dict], inflight: list[dict], states: list[dict],
         rows.append({"term": "activations per layer and micro-batch", "case": label,
                      "measured_bytes": measured, "predicted_bytes": fused + unfused,
                      "fused_formula_bytes": fused, "unfused_term_bytes": unfused})
+    rows.extend(moe_rows(moe or []))
+    rows.extend(vocab_rows(vocab or []))
     for r in inflight:
         predicted = num_warmup(r["stage"], 2, r["num_microbatches"]) + 1
         rows.append({"term": "micro-batches in flight (1F1B)", "case": f"pp2 stage {r['stage']}",
@@ -342,6 +431,61 @@ def report(act: list[dict], inflight: list[dict], states: list[dict],
                       "precision": "fp32"}}
 
 
+def moe_rows(moe: list[dict]) -> list[dict]:
+    """One row per MoE grid case: of layers 1 and 2 on either rank (layer 0 also saves the causal
+    mask every layer shares), the one whose experts received the most rows, against the cost
+    model at those rows."""
+    import numpy as np
+
+    from megatron_ext.planner.cost.memory import RECOMPUTE_CODES
+    from megatron_ext.planner.cost.moe import moe_activation_bytes, moe_unfused_bytes
+    from megatron_ext.planner.space import StrategyTable
+
+    rows = []
+    for label, s in MOE_GRID:
+        if not moe or label not in moe[0]:
+            continue
+        model = MOE_GELU_MODEL if label.startswith("moe-gelu ") else MOE_MODEL
+        table = StrategyTable.of([s])
+        measured = max((layer for r in moe for layer in r[label][1:]),
+                       key=lambda x: (x["recv"], x["bytes"]))
+        shape = dict(b=MBS / s.dp, seq_length=SEQ, recv=measured["recv"], element_bytes=4,
+                     recompute=np.array([RECOMPUTE_CODES[s.recompute]]), dropout=False)
+        fused = float(moe_activation_bytes(model, table, flash_attention=False, **shape)[0])
+        unfused = float(moe_unfused_bytes(model, table, **shape)[0])
+        rows.append({"term": "MoE layer activations (routed rows R)", "case": label,
+                     "measured_bytes": measured["bytes"], "predicted_bytes": fused + unfused,
+                     "fused_formula_bytes": fused, "unfused_term_bytes": unfused,
+                     "routed_rows": measured["recv"]})
+    return rows
+
+
+def vocab_rows(vocab: list[dict]) -> list[dict]:
+    """One row per vocabulary grid case (the larger rank), against planner/cost/vocab.py
+    vocab_activation_bytes plus what the unfused local final norm and dropout keep beyond it
+    (as in memory.unfused_activation_bytes: the norm's normalised output and fp32 inverse RMS,
+    the dropout mask as fp32 noise)."""
+    import numpy as np
+
+    from megatron_ext.planner.cost.vocab import vocab_activation_bytes
+
+    rows = []
+    for label, s, dropout in VOCAB_GRID:
+        if not vocab or label not in vocab[0]:
+            continue
+        plan = plan_of(s, layers=2)
+        tokens = MBS * SEQ / (WORLD // plan.vocab.tp)
+        e, h, tv = 4, MODEL.hidden_size, plan.vocab.tp
+        fused = float(vocab_activation_bytes(MODEL, plan.vocab, 1, tokens, np.ones(1, dtype=int),
+                                             element_bytes=e, dropout=dropout)[0])
+        unfused = tokens / tv * (e * h + 4) + ((e - 1) * tokens * h / tv if dropout else 0.0)
+        rows.append({"term": "vocabulary layers (tp mode)", "case": label,
+                     "measured_bytes": max(r[label] for r in vocab),
+                     "predicted_bytes": fused + unfused, "fused_formula_bytes": fused,
+                     "unfused_term_bytes": unfused})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", default=None, help="write the results here")
@@ -350,10 +494,12 @@ def main(argv: list[str] | None = None) -> int:
     inflight = run_distributed(inflight_rank, world_size=WORLD, timeout_s=600)
     states = run_distributed(states_rank, world_size=WORLD, timeout_s=600)
     interleaved = run_distributed(interleaved_rank, world_size=WORLD, timeout_s=600)
-    out = report(act, inflight, states, interleaved)
-    print(f"{'term':40s} {'case':18s} {'measured':>12s} {'predicted':>12s} {'ratio':>6s}")
+    moe = run_distributed(moe_rank, world_size=WORLD, timeout_s=600)
+    vocab = run_distributed(vocab_rank, world_size=WORLD, timeout_s=600)
+    out = report(act, inflight, states, interleaved, moe, vocab)
+    print(f"{'term':40s} {'case':22s} {'measured':>12s} {'predicted':>12s} {'ratio':>6s}")
     for r in out["rows"]:
-        print(f"{r['term']:40s} {r['case']:18s} {r['measured_bytes']:12.0f} "
+        print(f"{r['term']:40s} {r['case']:22s} {r['measured_bytes']:12.0f} "
               f"{r['predicted_bytes']:12.0f} {r['ratio']:6.3f}")
     print(f"within 5%: {out['within_5pct']} of {out['total']}")
     if args.json:

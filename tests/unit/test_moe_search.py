@@ -92,8 +92,10 @@ def test_routed_activation_memory_by_hand() -> None:
     tokens = 1 * 256  # mbs 4 over dp 4, seq 256, no cp/tp
     routed = tokens * 2  # top-2, balanced
     e = 2
-    want_moe = (e * (routed * 64 + routed * 3 * 128 + tokens * 2 * 64)  # fc1 in/out, fc2 in, out
-                + 9 * tokens * 4 + 8 * tokens * 2)  # probs/logits + map, indices
+    want_moe = (e * (routed * 64 + routed * 3 * 128)  # fc1 in / out, fc2 in (no [T k, h] out:
+                # the probabilities multiply the activation inside the experts)
+                + 5 * tokens * 4 + 12 * tokens * 2  # probs fp32 + bool map; top-k ids, scores
+                + 12 * routed)  # the receive side's sort indices, permuted probabilities
     want_dense_mlp = e * tokens * 3 * 128  # swiglu input (2f) and fc2 input (f)
     got = float(moe.activation_bytes[0] - dense.activation_bytes[0])
     assert got == pytest.approx(want_moe - want_dense_mlp, rel=1e-12)

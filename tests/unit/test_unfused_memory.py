@@ -160,3 +160,71 @@ def test_mla_fused_formula_plus_unfused_term_is_what_the_layer_saves(q_lora_rank
            + unfused_activation_bytes(model, **shape)[0])
     assert got == pytest.approx(mla_saved_tensors(model, b=b, s=s, recompute=recompute),
                                 rel=1e-12)
+
+
+def moe_saved_tensors(*, rows: int, recv: int, experts: int, topk: int, f: int, swiglu: bool,
+                      recompute: str) -> int:
+    """Bytes the unfused fp32 MoE layer (GQA's attention, SequentialMLP) saves, as the bench
+    lists them for one layer: the attention part as a dense layer's, then the router and the
+    routed experts over `recv` rows (tools/bench_memory.py, exact at the measured rows)."""
+    e, h = 4, GQA.hidden_size
+    d = h // GQA.num_attention_heads
+    q, kv, a = h, GQA.num_query_groups * d, GQA.num_attention_heads
+    rope = 64 * d * 4
+    saved = [e * rows * h] * 6 + [4 * rows] * 2  # norms: input, normalised, output; 1/RMS
+    saved += [rope] * 4  # cos / sin of Q and K
+    saved += [e * rows * q]  # projection input
+    if recompute == "none":
+        saved += [e * rows * q] * 3  # rotated Q, K and V expanded to the heads
+        saved += [e * a * rows * 64]  # softmax output (rows = b s, s = 64)
+    else:
+        saved += [e * rows * (q + 2 * kv)]  # the QKV output, pinned by V's view
+        saved += [e * rows * q, e * rows * kv]  # rotated Q and K
+    saved += [8 * rows * topk, 4 * rows * topk]  # router: top-k indices, scores
+    saved += [8 * recv, rows * experts, 4 * rows * experts]  # sort indices, map, probs
+    saved += [e * recv * h, 4 * recv]  # fc1 input (the permuted tokens), permuted probs
+    per_row = (2 * f + 3 * f) if swiglu else (f + f)  # fc1 out + gate, silu, product / act
+    saved += [e * recv * (per_row + f)]  # ... + fc2 input
+    return sum(saved)
+
+
+@pytest.mark.parametrize("swiglu", [True, False])
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_moe_fused_formula_plus_unfused_term_is_what_the_layer_saves(swiglu, recompute):
+    """The bench's MoE layer at a measured routed-row count (R = 275 of T k = 256: imbalance
+    enters as measured); rel 1e-12: integer sums."""
+    import dataclasses
+
+    from megatron_ext.plan import LayerStrategy
+    from megatron_ext.planner.cost.moe import moe_activation_bytes, moe_unfused_bytes
+    from megatron_ext.planner.space import StrategyTable
+    from megatron_ext.specs import MoESpec
+
+    model = dataclasses.replace(GQA, activation="swiglu" if swiglu else "gelu",
+                                moe=MoESpec(num_experts=4, router_topk=2, ffn_hidden_size=96))
+    table = StrategyTable.of([LayerStrategy(dp=2, ep=2, recompute=recompute)])
+    shape = dict(b=2, seq_length=64, recv=275.0, element_bytes=4, dropout=False,
+                 recompute=np.array([{"none": 0, "selective": 1}[recompute]]))
+    got = (moe_activation_bytes(model, table, flash_attention=False, **shape)[0]
+           + moe_unfused_bytes(model, table, **shape)[0])
+    want = moe_saved_tensors(rows=128, recv=275, experts=4, topk=2, f=96, swiglu=swiglu,
+                             recompute=recompute)
+    assert got == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("element_bytes", [4, 2])
+def test_vocabulary_layers_keep_the_ids_the_norm_inputs_and_one_fp32_softmax(element_bytes):
+    """tp mode, one stage (pp 1), vocab tp 2, n tokens: the embedding's ids (int64) and
+    out-of-shard mask (bool), the dropout mask [n/t, h] (1 byte), the final norm's and output
+    layer's inputs [n/t, h], the loss's fp32 softmax [n, V/t] plus, in half precision, the
+    logits it was cast from, its target mask (bool) and targets (int64)."""
+    from megatron_ext.plan import VocabStrategy
+    from megatron_ext.planner.cost.vocab import vocab_activation_bytes
+
+    e, n, h, t = element_bytes, 256, GQA.hidden_size, 2
+    v = GQA.vocab_size // t  # 512 is already a multiple of 128 t
+    got = vocab_activation_bytes(GQA, VocabStrategy(mode="tp", tp=t), 1, float(n),
+                                 np.ones(1, dtype=int), element_bytes=e, dropout=True)[0]
+    softmax = n * v * 4 + (n * v * e if e != 4 else 0)
+    want = n * (8 + 1) + n * h // t + 2 * e * n * h // t + softmax + n * (1 + 8)
+    assert got == pytest.approx(want, rel=1e-12)

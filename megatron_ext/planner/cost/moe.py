@@ -30,9 +30,13 @@ u = 2 for swiglu else 1, rho the load-imbalance factor, B activation bytes):
                   d = dp cp ulysses (stride tp), experts over expert-DP = width / (e t)
                   (stride e t)
   activations     the dense layer's attention part, plus fc1 input t R h, fc1 output R u f,
-                  fc2 input R f, the combined expert outputs T k h (for the probabilities'
-                  gradient), probabilities/logits fp32 and routing map [T, E], indices 8 T k,
-                  and the shared experts' intermediates rows (u + 1) f_s / tp
+                  fc2 input R f (the routing probabilities multiply the activation inside the
+                  experts, experts.py:680-746 and 112-117, so the combine's unpermute saves
+                  nothing: token_dispatcher.py:319, 833), routing state 5 T E (fp32
+                  probabilities, bool map) + 12 T k (top-k indices int64, scores fp32) + 12 R
+                  (the receive side's sort indices int64, permuted probabilities fp32), and the
+                  shared experts' intermediates rows (u + 1) f_s / tp; `moe_activation_bytes`
+                  (tools/bench_memory.py measures it per layer at the measured R)
 
 megatron-core 0.16.1 sites: transformer/moe/token_dispatcher.py:348-850 (alltoall dispatcher),
 experts.py:820-925 (SequentialMLP), router.py:81-101 (gating), shared_experts.py,
@@ -58,7 +62,11 @@ from megatron_ext.planner.cost.compute import (  # noqa: F401  (the MoE shape, r
     shared_expert_params,
 )
 from megatron_ext.planner.cost.fp8 import moe_fp8_delta_s
-from megatron_ext.planner.cost.memory import layer_activation_bytes, layer_transient_bytes
+from megatron_ext.planner.cost.memory import (
+    layer_activation_bytes,
+    layer_transient_bytes,
+    unfused_activation_bytes,
+)
 from megatron_ext.planner.cost.memory import state_bytes_per_param as _per_param
 from megatron_ext.planner.cost.model import CostModel, LayerCosts
 from megatron_ext.planner.space import StrategyTable
@@ -219,17 +227,10 @@ def moe_layer_costs(cm: CostModel, table: StrategyTable, micro_batch_size: int) 
         dense_params / np.where(sharded, d, 1) + exp_params / np.where(sharded, edp, 1),
         cm.cluster, cm.compute)
     # Memory.
-    routed = (e_b * (et * recv * h + recv * (u + 1) * f + tokens * k * h)
-              + 9.0 * tokens * E + 8.0 * tokens * k)
-    swap = routed + e_b * rows * (u + 1) * (f_s - f_d) / tp  # shared experts for the dense MLP
-
     def act_of(recompute_codes: np.ndarray) -> np.ndarray:
-        dense_act = layer_activation_bytes(
-            m, b=b, seq_length=t.seq_length, tp=tp, sp=table.sp, cp=table.cp,
-            ulysses=table.ulysses, recompute=recompute_codes, element_bytes=e_b,
-            flash_attention=t.flash_attention, dropout=t.dropout)
-        return np.asarray(dense_act + np.where(np.asarray(recompute_codes) == 2, 0.0, swap),
-                          dtype=float)
+        return moe_activation_bytes(m, table, b=b, seq_length=t.seq_length, recv=recv,
+                                    recompute=recompute_codes, element_bytes=e_b,
+                                    flash_attention=t.flash_attention, dropout=t.dropout)
 
     act = act_of(table.recompute)
     act_none = act_of(np.zeros_like(table.recompute))
@@ -254,6 +255,56 @@ def moe_layer_costs(cm: CostModel, table: StrategyTable, micro_batch_size: int) 
         activation_bytes=act,
         transient_bytes=np.asarray(transient, dtype=float),
     )
+
+
+def moe_activation_bytes(model: ModelSpec, table: StrategyTable, *, b: ArrayLike,
+                         seq_length: int, recv: ArrayLike, recompute: ArrayLike,
+                         element_bytes: int, flash_attention: bool, dropout: bool) -> np.ndarray:
+    """Bytes one MoE layer keeps for its backward, per micro-batch on one GPU (module docstring):
+    the dense layer's (`layer_activation_bytes`) with its MLP intermediates swapped for the
+    routed experts' (R = `recv` rows received by this rank's local experts) and the shared
+    experts'; full recomputation keeps the layer input alone."""
+    moe = model.moe
+    assert moe is not None
+    e, h, E, k, u = element_bytes, model.hidden_size, moe.num_experts, moe.router_topk, _u(model)
+    f, f_s, f_d = moe.expert_ffn_hidden_size(model), moe.shared_expert_intermediate_size, \
+        model.ffn_hidden_size
+    tp, et = table.tp, table.etp
+    rows = b * seq_length / (table.cp * table.ulysses)
+    tokens = rows / np.where(table.sp, tp, 1)
+    routed = (e * (et * recv * h + recv * (u + 1) * f)
+              + 5.0 * tokens * E + 12.0 * tokens * k + 12.0 * recv)
+    swap = routed + e * rows * (u + 1) * (f_s - f_d) / tp  # shared experts for the dense MLP
+    dense = layer_activation_bytes(
+        model, b=b, seq_length=seq_length, tp=tp, sp=table.sp, cp=table.cp,
+        ulysses=table.ulysses, recompute=recompute, element_bytes=e,
+        flash_attention=flash_attention, dropout=dropout)
+    return np.asarray(dense + np.where(np.asarray(recompute) == 2, 0.0, swap), dtype=float)
+
+
+def moe_unfused_bytes(model: ModelSpec, table: StrategyTable, *, b: ArrayLike, seq_length: int,
+                      recv: ArrayLike, recompute: ArrayLike, element_bytes: int,
+                      dropout: bool) -> np.ndarray:
+    """What the unfused local MoE layer (megatron-core's SequentialMLP, this package's CPU
+    runtime) keeps beyond `moe_activation_bytes`: the dense layer's unfused term
+    (memory.unfused_activation_bytes) with its SwiGLU pair over the shared experts' width
+    instead of the dense MLP's, plus per routed row the activation's output before the
+    probabilities multiply it and, under SwiGLU, the gate's activation and the gated product:
+    (3 if swiglu else 1) [R, f] (tools/bench_memory.py)."""
+    moe = model.moe
+    assert moe is not None
+    e, u = element_bytes, _u(model)
+    f, f_s, f_d = moe.expert_ffn_hidden_size(model), moe.shared_expert_intermediate_size, \
+        model.ffn_hidden_size
+    tp = table.tp
+    rows = b * seq_length / (table.cp * table.ulysses)
+    dense = unfused_activation_bytes(
+        model, b=b, seq_length=seq_length, tp=tp, sp=table.sp, cp=table.cp,
+        ulysses=table.ulysses, recompute=recompute, element_bytes=e, dropout=dropout)
+    swiglu_pair = 2.0 * e * rows * (f_s - f_d) / tp if u == 2 else 0.0
+    routed = (3.0 if u == 2 else 1.0) * e * recv * f
+    return np.asarray(dense + np.where(np.asarray(recompute) == 2, 0.0, swiglu_pair + routed),
+                      dtype=float)
 
 
 def valid_for(model: ModelSpec, table: StrategyTable) -> np.ndarray:  # [K, S] bool

@@ -33,6 +33,7 @@ from megatron_ext.planner.cost import compute as C
 from megatron_ext.planner.cost.comm import GroupLayout
 from megatron_ext.planner.cost.memory import state_bytes_per_param
 from megatron_ext.planner.cost.pipeline import interleaved_inflight
+from megatron_ext.specs import ModelSpec
 
 if TYPE_CHECKING:
     from megatron_ext.planner.cost.model import CostModel
@@ -134,8 +135,6 @@ def _place(cm: CostModel, vocab: VocabStrategy, pp: int, width: int, tokens: flo
     stats = (
         2 * float(cm.comm.time_s("all_reduce", tokens * 4.0, cm.layout(tv, 1))) if tv > 1 else 0.0
     )
-    norm_in = e * tokens * model.hidden_size / tv  # final-norm input, [n/t_v, h]
-    logits = tokens * shard_rows
     last = pp - 1
     if vocab.mode == "tp":
         params[0] += weight_params + pos
@@ -145,18 +144,48 @@ def _place(cm: CostModel, vocab: VocabStrategy, pp: int, width: int, tokens: flo
         bwd[0] += emb_b + tp_gather
         fwd[last] += out_f + tp_gather + stats
         bwd[last] += out_b + tp_gather
-        if cm.training.dropout:
-            fixed[0] += inflight[0] * tokens * model.hidden_size / tv
-        fixed[last] += inflight[last] * 2 * norm_in + logits * (4 + e)
     else:
         params += weight_params * (1 if model.tied_embeddings else 2)
         params[0] += pos
         fwd += out_f + emb_f + stats
         bwd += out_b + emb_b
         overlap += _vocab_parallel_comm_s(cm, pp, width, tv, hidden)
-        fixed += logits * (2 * 4 + e) + 2 * hidden
-        fixed[last] += inflight[last] * norm_in
+    fixed = vocab_activation_bytes(model, vocab, pp, tokens, inflight, element_bytes=e,
+                                   dropout=cm.training.dropout)
     return params, fwd, bwd, fixed, overlap
+
+
+def vocab_activation_bytes(model: ModelSpec, vocab: VocabStrategy, pp: int, tokens: float,
+                           inflight: np.ndarray, *, element_bytes: int, dropout: bool
+                           ) -> np.ndarray:
+    """Activation bytes of the vocabulary layers per stage [pp]; `tokens` = n, one replica's
+    tokens per micro-batch, `inflight` the micro-batches alive per stage.
+
+    mode "tp": the first stage keeps, per in-flight micro-batch, the embedding's token ids
+    (int64; with t_v > 1 also its out-of-shard mask, bool) and the embedding dropout's mask
+    ([n/t_v, h], 1 byte); the last stage the final norm's input and the output layer's input
+    ([n/t_v, h] each) per in-flight micro-batch, and for the one micro-batch whose loss runs the
+    cross-entropy's fp32 softmax [n, V/t_v], its target mask (bool) and shard-local targets
+    (int64) (megatron-core tensor_parallel/cross_entropy.py:28, 65, 187: the logits are cast to
+    fp32 and exponentiated in place, so fp32 logits are kept once and half-precision ones add
+    their own e bytes while the loss's forward runs). tools/bench_memory.py measures it."""
+    e, tv, h = element_bytes, vocab.tp, model.hidden_size
+    spread = pp if vocab.mode == "vocab_parallel" else 1
+    shard_rows = padded_vocab_size(model.vocab_size, tv * spread) / (tv * spread)
+    norm_in = e * tokens * h / tv  # final-norm input, [n/t_v, h]
+    logits = tokens * shard_rows
+    fixed = np.zeros(pp)
+    last = pp - 1
+    if vocab.mode == "tp":
+        ids = tokens * (8 + (1 if tv > 1 else 0))
+        mask = tokens * h / tv if dropout else 0.0
+        fixed[0] += inflight[0] * (ids + mask)
+        fixed[last] += (inflight[last] * 2 * norm_in + logits * (4 + (e if e != 4 else 0))
+                        + 9 * tokens)
+    else:
+        fixed += logits * (2 * 4 + e) + 2 * tokens * h * e
+        fixed[last] += inflight[last] * norm_in
+    return fixed
 
 
 def _vocab_parallel_comm_s(cm: CostModel, pp: int, width: int, tv: int, hidden: float) -> float:
