@@ -716,7 +716,13 @@ class _ExactStage:
     room for a faster strategy on a layer or two. The repair changes one layer at a time to
     the strategy that lowers the DP objective (layer time + switch costs) the most while the
     stage's exact memory (fixed + states + in-flight activations + largest transient) fits,
-    until no change helps. Each layer is priced as its kind (dense or MoE)."""
+    until no change helps. Each layer is priced as its kind (dense or MoE).
+
+    The DP's per-layer objective spreads a layer's gradient tail (exposed reduction, optimizer)
+    over the m micro-batches, which is its weight on the bottleneck stage. The first stage
+    finishes the iteration last (cost/pipeline.py one_f_one_b: nothing runs after its backward),
+    so there the tail is exposed in full: a second repair of that stage weighs it once, and
+    `evaluate` keeps the fastest of the candidates."""
 
     def __init__(
         self,
@@ -733,16 +739,19 @@ class _ExactStage:
         self.valid, self.kinds = valid, kinds
         self.mbs, self.m = mbs, m
         self.switch = cm.transition_s(table, mbs)
+        self.objective_full_tail = np.stack([  # [K, S]: the tail weighed once (m = 1)
+            np.where(ok, c.objective_s(1, cm.overlap_slowdown, cm.training), np.inf)
+            for c, ok in zip(costs, valid)])
 
     def repair(self, picks: list[int], fixed: float, inflight: int,
-               kinds: np.ndarray) -> list[int]:
+               kinds: np.ndarray, objective: np.ndarray | None = None) -> list[int]:
         picks = list(picks)
         mem = np.stack([np.where(ok, c.memory_bytes(inflight), 0.0)
                         for c, ok in zip(self.costs, self.valid)])  # [K, S]
         trans = np.stack([np.where(ok, c.transient_bytes, 0.0)
                           for c, ok in zip(self.costs, self.valid)])
         cap = self.cm.memory_cap_bytes - fixed
-        obj, sw = self.objective, self.switch
+        obj, sw = self.objective if objective is None else objective, self.switch
         n = len(picks)
         for _ in range(4 * n * obj.shape[1]):
             arr = np.array(picks)
@@ -768,21 +777,26 @@ class _ExactStage:
         return picks
 
     def layout(self, picks: list[list[int]], vocab: VocabStrategy, ex: StageExtras) -> PlanLayout:
-        """The backtracked layout, repaired stage by stage (the better of the two exactly)."""
-        first = self._to_layout(picks, vocab)
+        """The backtracked layout, repaired stage by stage, and with the first stage repaired
+        again under its full tail (the fastest of the distinct candidates, exactly)."""
         repaired, start = [], 0
         for k, p in enumerate(picks):
             stage_kinds = self.kinds[start:start + len(p)]
             repaired.append(self.repair(p, float(ex.fixed_bytes[k]), int(ex.inflight[k]),
                                         stage_kinds))
             start += len(p)
-        if repaired == picks:
-            return first
-        second = self._to_layout(repaired, vocab)
-        a, b = evaluate(self.cm, first), evaluate(self.cm, second)
-        if b.feasible and (not a.feasible or b.iteration_s < a.iteration_s):
-            return second
-        return first
+        first_stage = self.repair(repaired[0], float(ex.fixed_bytes[0]), int(ex.inflight[0]),
+                                  self.kinds[:len(picks[0])], self.objective_full_tail)
+        candidates = [picks]
+        for option in (repaired, [first_stage, *repaired[1:]]):
+            if option not in candidates:
+                candidates.append(option)
+        if len(candidates) == 1:
+            return self._to_layout(picks, vocab)
+        scored = [(evaluate(self.cm, layout), layout)
+                  for layout in (self._to_layout(c, vocab) for c in candidates)]
+        feasible = [(ev.iteration_s, i) for i, (ev, _) in enumerate(scored) if ev.feasible]
+        return scored[min(feasible)[1] if feasible else 0][1]
 
     def _to_layout(self, picks: list[list[int]], vocab: VocabStrategy) -> PlanLayout:
         layers: list[LayerStrategy] = []

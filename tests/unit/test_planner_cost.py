@@ -488,3 +488,35 @@ def test_sequence_parallel_prices_each_collective_and_the_backward_regather():
         regather += max(0.0, 1.5 * ag - float(np.squeeze(dgrad)))
     assert regather > 0
     assert float(costs.comm_s[0]) == pytest.approx(2 * 2 * (ag + rs) + regather, rel=1e-9)
+
+
+@pytest.mark.parametrize("barriers", [1, 2])
+def test_vocabulary_parallel_passes_hold_their_states_receives_and_ids(barriers):
+    """vocab_parallel_state_bytes by hand for pp 4, t_v 1, m 8, bf16 (runtime/vocab/passes.py;
+    tools/bench_memory.py measures it exactly at pp 2): c S states (fp32 softmax [n, v], X [n, h],
+    with one barrier the fp32 input-gradient partial and label rows), the broadcast receives
+    posted W = p + barriers + 2 ahead, every micro-batch's ids (9 n), the first stage's two
+    summed embeddings, the last stage's token gradients; the last stage roots X and the token
+    gradients, the first the embedding gradient."""
+
+    from megatron_ext.planner.cost.vocab import output_state_bound, vocab_parallel_state_bytes
+
+    model = model_preset("llama2-7b")  # V 32000 padded to 32256 (128 x 4): 8064 rows, h 4096
+    n, h, v, e, m, pp = 2048.0, 4096, 8064, 2, 8, 4
+    c = output_state_bound(pp, m)
+    assert list(c) == [2, 2, 2, 3]
+    got = vocab_parallel_state_bytes(model, VocabStrategy(mode="vocab_parallel", tp=1,
+                                                          algorithm=barriers),
+                                     pp, n, m, element_bytes=e, output_states=c)
+    state = n * v * 4 + n * h * e + (2 * n * h * 4 if barriers == 1 else 0) + (29 + 48) * n
+    w = pp + barriers + 2
+    x_posted = [min(w + int(k), m) - int(k) for k in c]
+    want = [c[k] * state + 9 * n * m for k in range(pp)]
+    for k in range(pp):
+        if k != pp - 1:  # X and the token gradients come from the last stage's root
+            want[k] += x_posted[k] * n * h * e + min(w, m) * 4 * n
+        if k != 0:  # the embedding gradient from the first stage's root
+            want[k] += min(w, m) * n * h * e
+    want[0] += 2 * n * h * e
+    want[-1] += barriers * 4 * n
+    assert list(got) == pytest.approx(want, rel=1e-12)

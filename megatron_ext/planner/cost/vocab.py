@@ -14,7 +14,8 @@ split over all p * t_v ranks (shard V / (p t_v)); every stage computes its logit
 micro-batch, so the last stage no longer carries the output layer. Its collectives (broadcast of
 the last stage's hidden state, the statistics all-reduces, the input-gradient all-reduce, the
 embedding all-reduce and gradient broadcast) run on a side stream, hidden behind the stage's own
-layer compute; it costs one more in-flight micro-batch on every stage.
+layer compute; it costs one more in-flight micro-batch on every stage (two with 2 barriers),
+and the passes hold their own state (`vocab_parallel_state_bytes`).
 
 The vocabulary layers use the distributed optimizer (ZeRO-1 over dp_v) iff `vocab_zero` >= 1;
 plans set it when any transformer layer uses zero >= 1 (Megatron's global flag).
@@ -88,7 +89,8 @@ def stage_extras(
         peak = interleaved_inflight(pp, num_microbatches, virtual_stages).max(axis=0)  # [p, v]
         inflight = peak[:, -1].copy()
         inflight[0] = peak[0, 0]
-    params, fwd, bwd, fixed, overlap = _place(cm, vocab, pp, width, tokens, inflight)
+    params, fwd, bwd, fixed, overlap = _place(cm, vocab, pp, width, tokens, inflight,
+                                              num_microbatches)
     fwd = fwd + cm.compute.host_for(cm.cluster).microbatch_s  # every stage: schedule, data
     per_param = state_bytes_per_param(
         min(vocab_zero, 1),
@@ -114,7 +116,7 @@ def stage_extras(
 
 
 def _place(cm: CostModel, vocab: VocabStrategy, pp: int, width: int, tokens: float,
-           inflight: np.ndarray
+           inflight: np.ndarray, num_microbatches: int
            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(params, forward s, backward s, activation bytes, side-stream comm s) per stage [pp]."""
     model, e, tv = cm.model, cm.element_bytes, vocab.tp
@@ -151,13 +153,14 @@ def _place(cm: CostModel, vocab: VocabStrategy, pp: int, width: int, tokens: flo
         bwd += out_b + emb_b
         overlap += _vocab_parallel_comm_s(cm, pp, width, tv, hidden)
     fixed = vocab_activation_bytes(model, vocab, pp, tokens, inflight, element_bytes=e,
-                                   dropout=cm.training.dropout)
+                                   dropout=cm.training.dropout,
+                                   num_microbatches=num_microbatches)
     return params, fwd, bwd, fixed, overlap
 
 
 def vocab_activation_bytes(model: ModelSpec, vocab: VocabStrategy, pp: int, tokens: float,
-                           inflight: np.ndarray, *, element_bytes: int, dropout: bool
-                           ) -> np.ndarray:
+                           inflight: np.ndarray, *, element_bytes: int, dropout: bool,
+                           num_microbatches: int | None = None) -> np.ndarray:
     """Activation bytes of the vocabulary layers per stage [pp]; `tokens` = n, one replica's
     tokens per micro-batch, `inflight` the micro-batches alive per stage.
 
@@ -168,7 +171,11 @@ def vocab_activation_bytes(model: ModelSpec, vocab: VocabStrategy, pp: int, toke
     cross-entropy's fp32 softmax [n, V/t_v], its target mask (bool) and shard-local targets
     (int64) (megatron-core tensor_parallel/cross_entropy.py:28, 65, 187: the logits are cast to
     fp32 and exponentiated in place, so fp32 logits are kept once and half-precision ones add
-    their own e bytes while the loss's forward runs). tools/bench_memory.py measures it."""
+    their own e bytes while the loss's forward runs). tools/bench_memory.py measures it.
+
+    mode "vocab_parallel": what the passes hold (`vocab_parallel_state_bytes`, with
+    `output_state_bound` S states; `num_microbatches` m, default the most in flight) plus the
+    last stage's final-norm input per in-flight micro-batch."""
     e, tv, h = element_bytes, vocab.tp, model.hidden_size
     spread = pp if vocab.mode == "vocab_parallel" else 1
     shard_rows = padded_vocab_size(model.vocab_size, tv * spread) / (tv * spread)
@@ -183,9 +190,60 @@ def vocab_activation_bytes(model: ModelSpec, vocab: VocabStrategy, pp: int, toke
         fixed[last] += (inflight[last] * 2 * norm_in + logits * (4 + (e if e != 4 else 0))
                         + 9 * tokens)
     else:
-        fixed += logits * (2 * 4 + e) + 2 * tokens * h * e
+        m = int(np.max(inflight)) if num_microbatches is None else num_microbatches
+        fixed += vocab_parallel_state_bytes(model, vocab, pp, tokens, m, element_bytes=e,
+                                            output_states=output_state_bound(pp, m))
         fixed[last] += inflight[last] * norm_in
     return fixed
+
+
+def output_state_bound(pp: int, num_microbatches: int) -> np.ndarray:
+    """Micro-batches whose output-layer S state a stage holds at once under the planned
+    vocabulary-parallel schedule, bounded: 3 on the last stage, 2 elsewhere (the planner's
+    schedules keep 1-3, the last stage the most, depending on the pass costs:
+    tests/unit/test_vocab_schedule.py checks <= 3; tools/bench_memory.py measures it)."""
+    return np.minimum(num_microbatches, np.where(np.arange(pp) == pp - 1, 3, 2))
+
+
+def vocab_parallel_state_bytes(model: ModelSpec, vocab: VocabStrategy, pp: int, tokens: float,
+                               num_microbatches: int, *, element_bytes: int,
+                               output_states: np.ndarray) -> np.ndarray:
+    """Bytes the vocabulary-parallel passes hold at their peak on one rank of each stage [pp]
+    (runtime/vocab/passes.py; n = `tokens`, v = V / (p t_v) shard rows, R = p t_v ranks):
+      S states   per micro-batch between its S and T pass (`output_states` of them): the fp32
+                 softmax [n, v], the hidden state X [n, h] the logits GEMM saved, with one
+                 barrier the fp32 input-gradient partial and label rows [n, h] each, and
+                 29 n + 12 R n bytes of per-token statistics and their all-gather
+      receives   each broadcast kind posted W = `receive_window` micro-batches ahead (receive
+                 j + W when j is consumed; all m at once when m <= W): X [n, h] (min(W + c, m)
+                 buffers, c of them the S states' X), the embedding gradient [n, h] and the
+                 token gradients [n] fp32 (min(W, m) each); with t_v = 1 the last stage roots
+                 X and the token gradients, the first stage the embedding gradient
+      lookups    every micro-batch's token ids and shard mask (9 n) from IF to IB
+      first stage  two summed embeddings [n, h] awaiting their transformer forward
+      last stage   its own token gradients [n] fp32 (two micro-batches' with 2 barriers)
+    tools/bench_memory.py measures it (exact at the measured c on both barrier counts)."""
+    from megatron_ext.planner.vocab.schedule_ops import receive_window
+
+    e, tv, h, m = element_bytes, vocab.tp, model.hidden_size, num_microbatches
+    ranks = pp * tv
+    rows = padded_vocab_size(model.vocab_size, ranks) / ranks
+    hidden = tokens * h * e
+    one_barrier = vocab.algorithm == 1
+    state = (tokens * rows * 4 + hidden + (2 * tokens * h * 4 if one_barrier else 0.0)
+             + (29 + 12 * ranks) * tokens)
+    window = receive_window(pp, vocab.algorithm)
+    last = pp - 1
+    stage = np.arange(pp)
+    roots = tv == 1
+    x_posted = np.minimum(window + output_states, m) - output_states
+    receives = (np.where(roots & (stage == last), 0.0, x_posted * hidden
+                         + min(window, m) * 4 * tokens)
+                + np.where(roots & (stage == 0), 0.0, min(window, m) * hidden))
+    out = output_states * state + receives + m * 9 * tokens
+    out[0] += 2 * hidden
+    out[last] += vocab.algorithm * 4 * tokens
+    return np.asarray(out, dtype=float)
 
 
 def _vocab_parallel_comm_s(cm: CostModel, pp: int, width: int, tv: int, hidden: float) -> float:
