@@ -7,8 +7,9 @@ its optimizer state checkpointed and resumed bit for bit.
 The search plans tiny-llama for the 4-rank gloo cluster measured on the development machine
 (`examples/profiles/cpu-gloo-4.json`, real output of `megatron-ext profile hardware`) with a
 tight memory budget: `--memory-gib 1.045` leaves ~3 MiB per rank after the fixed 1 GiB + 4%
-reserve, so the search trades recomputation against ZeRO-1's optimizer-state savings layer by
-layer instead of recomputing everything (uniform best: rc:full on all 4 layers). The plan is
+reserve, so the search gives layers different ZeRO levels (ZeRO-2 on the first, ZeRO-1 on the
+rest, all recomputed: data parallelism over all 4 ranks then fits one stage; uniform best: pp 2,
+rc:full and ZeRO-1 on all 4 layers). The plan is
 written by the CLI and loaded from disk; nothing in it is edited. It then trains 5 steps through
 `build_model`/`train_step` against the single-process megatron-core reference of
 tests/dist/runtime_parity.py (same initial weights, same fixed data).
