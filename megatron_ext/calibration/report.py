@@ -112,6 +112,11 @@ def print_report(out: dict[str, Any]) -> None:
           f"(median pred/meas {s['median_ratio']:.3f})")
     print(f"memory false negatives: {len(s['memory_false_negatives'])} "
           f"{' '.join(s['memory_false_negatives'])}")
+    mem = s["reported_memory"]
+    if mem["rows"]:
+        print(f"memory against the {mem['rows']} rows that report it: predicted peak / reported "
+              f"median {mem['median_ratio']:.2f}, range {mem['min_ratio']:.2f}-"
+              f"{mem['max_ratio']:.2f}, {mem['within_10pct']} within 10%")
     print(f"min Spearman within a source's layouts of one model: {s['min_group_spearman']:.3f}")
     print(f"sweeps: min Spearman {s['min_sweep_spearman']:.3f}, max top-1 regret "
           f"{100 * s['max_sweep_top1_regret']:.1f}%; of >= {BIG_SWEEP} layouts: min Spearman "

@@ -7,6 +7,7 @@ the command calls; then the errors, rankings and the held-out refit of all of th
 from __future__ import annotations
 
 import dataclasses
+import re
 import statistics
 from typing import Any
 
@@ -56,6 +57,39 @@ def predict(row: dict[str, Any], plan: ParallelPlan,
         "fits": ev.feasible,
         "num_microbatches": plan.num_microbatches,
     }
+
+
+def quoted_memory_gb(row: dict[str, Any]) -> float | None:
+    """The per-GPU memory a row's quoted table reports in its `Mem` column ("56GB"), or None.
+    The quote holds the table's header and the row (`| ... | Mem | ... | row: | ... | 56GB |`)."""
+    quote = str(row.get("quote", ""))
+    if "row:" not in quote:
+        return None
+    header, cells = quote.rsplit("row:", 1)
+    names = [c.strip() for c in header[header.find("|"):].split("|")]
+    values = [c.strip() for c in cells.split("|")]
+    if "Mem" not in names or len(names) != len(values):
+        return None
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*GB", values[names.index("Mem")])
+    return float(match.group(1)) if match else None
+
+
+def reported_memory(rows: list[dict[str, Any]], results: list[dict[str, Any]]
+                    ) -> dict[str, Any]:
+    """Predicted peak memory (evaluate's, its reserve for the CUDA context and fragmentation
+    included) over the per-GPU memory the rows' sources report. Only BigScience's tr11 tables
+    report it; they do not say how it was measured, so it is read as GiB, as nvidia-smi's
+    MiB-based figures are. Nothing is fitted to it."""
+    by_id = {r["id"]: r for r in results}
+    pairs = [(row["id"], by_id[row["id"]]["peak_gib"] / gb) for row in rows
+             if (gb := quoted_memory_gb(row)) is not None and row["id"] in by_id]
+    ratios = [ratio for _, ratio in pairs]
+    return {"rows": len(pairs),
+            "median_ratio": statistics.median(ratios) if ratios else float("nan"),
+            "min_ratio": min(ratios, default=float("nan")),
+            "max_ratio": max(ratios, default=float("nan")),
+            "within_10pct": sum(abs(r - 1) <= 0.10 for r in ratios),
+            "ratios": dict(pairs)}
 
 
 def run(rows: list[dict[str, Any]], *, loso: bool = True) -> dict[str, Any]:
@@ -128,6 +162,7 @@ def run(rows: list[dict[str, Any]], *, loso: bool = True) -> dict[str, Any]:
             "pessimistic": sum(r["ratio"] > 1 for r in results),
             "median_ratio": statistics.median(r["ratio"] for r in results) if results else 1.0,
             "memory_false_negatives": [r["id"] for r in results if not r["fits"]],
+            "reported_memory": reported_memory(rows, results),
             "min_group_spearman": min((g["spearman"] for g in rank), default=float("nan")),
             "min_sweep_spearman": min((g["spearman"] for g in sw), default=float("nan")),
             "max_sweep_top1_regret": max((g["top1_regret"] for g in sw), default=float("nan")),

@@ -228,3 +228,20 @@ def test_deepspeed_pipeline_and_stated_network_rows():
     out = run([row, earlier], loso=False)
     assert out["rows"][0]["cluster"] == "jean-zay-a100-80g"
     assert out["sweeps"] == []  # one layout per (model, cluster, date, batch, seq)
+
+
+def test_reported_memory_reads_the_quoted_mem_column():
+    """BigScience's tr11 rows quote their table's header and row; the Mem cell is the per-GPU
+    memory the source reports, compared (not fitted) with the predicted peak."""
+    from megatron_ext.calibration.scoring import quoted_memory_gb, reported_memory
+
+    rows = json.loads(Path(DEFAULT_DATA).read_text())["rows"]
+    row = next(r for r in rows if r["id"] == "bloom-prequel-181B-tp8pp2dp24-mb1-gbs2016")
+    assert quoted_memory_gb(row) == 65.0  # "| 65GB | 145.45 | 109.11 | 02-25 |"
+    assert quoted_memory_gb(ROWS[0]) is None  # SC'21 reports no memory
+    with_mem = [r for r in rows if quoted_memory_gb(r) is not None]
+    assert {r["source"] for r in with_mem} == {"BigScience tr11 (BLOOM) prequel topology search"}
+    summary = reported_memory([row, ROWS[0]], [{"id": row["id"], "peak_gib": 52.0},
+                                               {"id": ROWS[0]["id"], "peak_gib": 70.0}])
+    assert summary["rows"] == 1 and summary["median_ratio"] == pytest.approx(0.8)
+    assert summary["within_10pct"] == 0
