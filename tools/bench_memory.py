@@ -510,7 +510,7 @@ def report(act: list[dict], inflight: list[dict], states: list[dict],
             "bounds": len(bounds),
             "saved_tensors_per_two_layers": act[0]["tensors"],
             "setup": {"model": MODEL.to_dict(), "mha_model": MHA_MODEL.to_dict(),
-                      "mla_model": MLA_MODEL.to_dict(),
+                      "mla_model": MLA_MODEL.to_dict(), "moe_model": MOE_MODEL.to_dict(),
                       "seq_length": SEQ, "micro_batch_size": MBS, "world_size": WORLD,
                       "precision": "fp32"}}
 
