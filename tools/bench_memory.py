@@ -561,7 +561,8 @@ def vocab_rows(vocab: list[dict]) -> list[dict]:
         tokens = MBS * SEQ / (WORLD // plan.vocab.tp)
         e, h, tv = 4, MODEL.hidden_size, plan.vocab.tp
         fused = float(vocab_activation_bytes(MODEL, plan.vocab, 1, tokens, np.ones(1, dtype=int),
-                                             element_bytes=e, dropout=dropout)[0])
+                                             element_bytes=e, dropout=dropout,
+                                             num_microbatches=1)[0])
         unfused = tokens / tv * (e * h + 4) + ((e - 1) * tokens * h / tv if dropout else 0.0)
         rows.append({"term": "vocabulary layers (tp mode)", "case": label,
                      "measured_bytes": max(r[label] for r in vocab),

@@ -224,7 +224,8 @@ def test_vocabulary_layers_keep_the_ids_the_norm_inputs_and_one_fp32_softmax(ele
     e, n, h, t = element_bytes, 256, GQA.hidden_size, 2
     v = GQA.vocab_size // t  # 512 is already a multiple of 128 t
     got = vocab_activation_bytes(GQA, VocabStrategy(mode="tp", tp=t), 1, float(n),
-                                 np.ones(1, dtype=int), element_bytes=e, dropout=True)[0]
+                                 np.ones(1, dtype=int), element_bytes=e, dropout=True,
+                                 num_microbatches=1)[0]
     softmax = n * v * 4 + (n * v * e if e != 4 else 0)
     want = n * (8 + 1) + n * h // t + 2 * e * n * h // t + softmax + n * (1 + 8)
     assert got == pytest.approx(want, rel=1e-12)

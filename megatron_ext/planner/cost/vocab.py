@@ -160,7 +160,7 @@ def _place(cm: CostModel, vocab: VocabStrategy, pp: int, width: int, tokens: flo
 
 def vocab_activation_bytes(model: ModelSpec, vocab: VocabStrategy, pp: int, tokens: float,
                            inflight: np.ndarray, *, element_bytes: int, dropout: bool,
-                           num_microbatches: int | None = None) -> np.ndarray:
+                           num_microbatches: int) -> np.ndarray:
     """Activation bytes of the vocabulary layers per stage [pp]; `tokens` = n, one replica's
     tokens per micro-batch, `inflight` the micro-batches alive per stage.
 
@@ -174,7 +174,7 @@ def vocab_activation_bytes(model: ModelSpec, vocab: VocabStrategy, pp: int, toke
     their own e bytes while the loss's forward runs). tools/bench_memory.py measures it.
 
     mode "vocab_parallel": what the passes hold (`vocab_parallel_state_bytes`, with
-    `output_state_bound` S states; `num_microbatches` m, default the most in flight) plus the
+    `output_state_bound` S states over the step's `num_microbatches`) plus the
     last stage's final-norm input per in-flight micro-batch."""
     e, tv, h = element_bytes, vocab.tp, model.hidden_size
     spread = pp if vocab.mode == "vocab_parallel" else 1
@@ -190,7 +190,7 @@ def vocab_activation_bytes(model: ModelSpec, vocab: VocabStrategy, pp: int, toke
         fixed[last] += (inflight[last] * 2 * norm_in + logits * (4 + (e if e != 4 else 0))
                         + 9 * tokens)
     else:
-        m = int(np.max(inflight)) if num_microbatches is None else num_microbatches
+        m = num_microbatches
         fixed += vocab_parallel_state_bytes(model, vocab, pp, tokens, m, element_bytes=e,
                                             output_states=output_state_bound(pp, m))
         fixed[last] += inflight[last] * norm_in
