@@ -3,10 +3,12 @@ upstream expe_summary.csv byte for byte, 44 lines of Megatron-DeepSpeed runs on 
 80GB nodes) as rows of the published-runs schema, one rule for every row from the run scripts:
 Llama-style 32 x 4096, FFN 11008 SwiGLU, 32 heads, RoPE, RMSNorm, untied embeddings, no biases,
 seq 4096, bf16, flash attention v2, no dropout, no recompute, no sequence parallelism, DeepSpeed
-ZeRO stage 0 (gradients reduced after the last backward, with or without the pipeline engine),
-the BLOOM rows' Jean Zay network as cluster `jean-zay-a100-80g-2024`; vocabulary 32000 (1_seq4k)
-or 65024 (2_vocab_65k), one model each. The line of 3_recompute_activation (no script) is left
-out; a layout measured three times is one run at the mean. Source "Lucie-7B parallelism
+0.12.6 with ZeRO stage 0 and bf16, i.e. its BF16_Optimizer (ZeRO-1's optimizer-state split;
+gradients reduced after the last backward, with or without the pipeline engine), synchronous
+kernel launches (CUDA_LAUNCH_BLOCKING=1) of the fork's own kernel count, the BLOOM rows' Jean
+Zay network as cluster `jean-zay-a100-80g-2024`; vocabulary 32000 (1_seq4k) or 65024
+(2_vocab_65k), one model each. The line of 3_recompute_activation (no script) is left out; a
+layout measured three times is one run at the mean. Source "Lucie-7B parallelism
 (OpenLLM-France)".
 """
 
@@ -64,16 +66,36 @@ LUCIE_RULES: dict[str, Any] = {  # fields of a published row (JSON values)
     "dropout": False,
     "measured_unit": "global batch / samples_per_seconds (CSV; = gbz x 4096 / token_per_second)",
     "flops_convention": "none (time only)",
+    "kernel_profile": {"host_overlap_power": 1.0, "layer_forward_kernels": 38,
+                       "layer_backward_kernels": 94},
+    "hardware_notes": (
+        "host_overlap_power 1: the scripts export CUDA_LAUNCH_BLOCKING=1 (every launch waits for "
+        "its kernel, so host and GPU time add); layer_forward_kernels 38: the layer of "
+        "OpenLLM-France/Megatron-DeepSpeed @ fd5c47a counted op by op (tools/data/lucie/"
+        "README.md): apex RMSNorm 2, 4 GEMMs, rotary embedding of q and k 10 each, 3 layout "
+        "copies before and 1 after flash attention, its cu_seqlens arange and kernel 2, "
+        "SiLU and product 2, dropout(p=0) and residual add 2 x 2; layer_backward_kernels 94: "
+        "2 x 38 plus DeepSpeed 0.12.6's BF16_Optimizer per micro-batch and weight tensor "
+        "(6 per layer): zero the bf16 gradient, cast it to fp32, add it to the fp32 copy"),
     "not_for_calibration": (
-        "a setting is missing from the scripts: TP1 PP2 micro-batch 2 ran in 80 GB where the "
-        "stated settings need ~90-100 GB (6 runs that ran are predicted not to fit), and each is "
-        "predicted at 0.49-0.85 of its time; the scripts also export CUDA_LAUNCH_BLOCKING=1. "
-        "Scored and held out like every source, but no constant or interval is fitted on it"),
+        "the data-parallel reduction across 16-32 nodes runs 2-4x slower than the Jean Zay "
+        "network figure these rows use (no 2024 measurement of that network was found), and "
+        "the count of kernels and the synchronous launches are this run's own: scored and "
+        "held out like every source, but no constant or interval is fitted on it"),
 }
 """What every Lucie row gets that its CSV line does not say (tools/data/lucie/README.md)."""
-LUCIE_ZERO = {0: "none (DeepSpeed engine, ZeRO stage 0: gradients all-reduced after the last "
-                 "backward, overlap_comm off)"}
-"""The CSV's z column -> dp_sharding (every line says 0; no other stage is described)."""
+LUCIE_ZERO = {0: "DeepSpeed ZeRO-1 (config stage 0, but DeepSpeed 0.12.6 wraps a bf16 run's "
+                 "optimizer in BF16_Optimizer: fp32 master weights and Adam moments split over "
+                 "the data-parallel ranks, gradients all-reduced in bf16 after the last "
+                 "backward, the bf16 weights all-gathered after the step)"}
+"""The CSV's z column -> dp_sharding (every line says 0; no other stage is described). With
+bf16 and ZeRO stage 0, DeepSpeed 0.12.6 (what the repository's requirements pin) picks the
+BFLOAT16 wrapper (engine.py `_do_optimizer_sanity_check`), whose BF16_Optimizer partitions the
+fp32 weights and optimizer state over the data-parallel group like ZeRO-1; the engine reduces
+the fp32 gradient buffer in `communication_data_type`, bf16 for a bf16 run, and `step` all-
+gathers the updated bf16 weights. Bytes moved per parameter: 2 x 2 (bf16 ring all-reduce) + 2
+(gather), the same as ZeRO-1's fp32 reduce-scatter (4) + bf16 gather (2) the cost model prices
+for zero=1 on DeepSpeed's engine."""
 
 
 def _lucie_fix() -> str:

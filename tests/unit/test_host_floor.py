@@ -158,3 +158,37 @@ def test_moe_layers_get_the_host_floor_too():
                              flash_attention=training.flash_attention, dropout=training.dropout)
     assert moe.forward_s[0] >= float(f) > off.forward_s[0]
     assert moe.backward_s[0] >= float(b) > off.backward_s[0]
+
+
+def test_stated_kernel_counts_and_synchronous_launches():
+    """A profile's own kernel counts replace the fused layer's (backward: 2x forward unless
+    stated), and power 1 (CUDA_LAUNCH_BLOCKING=1) adds host and GPU time exactly."""
+    model = model_preset("llama2-7b")
+    host = C.A100_HOST
+    kw = dict(tp=1, flash_attention=True, dropout=False)
+    f0, b0, a0 = C.layer_host_s(model, host, **kw)
+    fused = C.layer_forward_kernels(model, flash_attention=True, dropout=False)
+    assert float(f0) == pytest.approx(fused * host.kernel_s)
+    assert float(b0) == pytest.approx(C.BACKWARD_KERNELS_PER_FORWARD * fused * host.kernel_s)
+    f1, b1, a1 = C.layer_host_s(model, host, forward_kernels=38, **kw)
+    assert (float(f1), float(b1)) == pytest.approx((38 * host.kernel_s, 76 * host.kernel_s))
+    _, b2, _ = C.layer_host_s(model, host, forward_kernels=38, backward_kernels=94, **kw)
+    assert float(b2) == pytest.approx(94 * host.kernel_s)
+    assert a1 == a0  # selective recompute replays core attention only
+    gpu, hst = np.array([1e-3, 5e-3]), np.array([2e-3, 1e-3])
+    np.testing.assert_allclose(C.host_bound_s(gpu, hst, 1.0), gpu + hst, rtol=1e-12)
+    assert np.all(C.host_bound_s(gpu, hst, C.HOST_OVERLAP_POWER) < gpu + hst)
+    # 0 stands for the fused count; a negative count is refused with the field named
+    prof = C.ComputeProfile.from_dict({"layer_forward_kernels": 0, "layer_backward_kernels": 94})
+    assert (prof.layer_forward_kernels, prof.layer_backward_kernels) == (0.0, 94.0)
+    with pytest.raises(PlanError, match="layer_forward_kernels"):
+        C.ComputeProfile.from_dict({"layer_forward_kernels": -3})
+    # through the cost model: the stated counts make a host-bound layer slower
+    cluster = cluster_preset("dgx-a100-80g", num_nodes=1)
+    training = TrainingSpec(global_batch_size=8, seq_length=256)
+    table = StrategyTable.of([LayerStrategy(tp=1, dp=8)])
+    base = CostModel(model, cluster, training).layer_costs(table, 1)
+    sync = CostModel(model, cluster, training, compute=C.ComputeProfile(
+        host_overlap_power=1.0, layer_forward_kernels=38, layer_backward_kernels=94)
+    ).layer_costs(table, 1)
+    assert sync.forward_s[0] > base.forward_s[0] and sync.backward_s[0] > base.backward_s[0]

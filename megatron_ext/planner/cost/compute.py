@@ -106,6 +106,11 @@ HOST_OVERLAP_POWER = 3.25
 """k of the soft maximum (gpu^k + host^k)^(1/k) of a pass (fitted with A100_HOST)."""
 
 
+ZERO_MEANS_DEFAULT = frozenset({"hbm_bytes_per_s", "layer_forward_kernels",
+                                "layer_backward_kernels"})
+"""ComputeProfile fields whose 0 stands for the cost model's own figure."""
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ComputeProfile:
     """Efficiencies of the GPU on this model's kernels; a model profile overrides the defaults."""
@@ -139,7 +144,18 @@ class ComputeProfile:
     host_microbatch_s: float = -1.0
     """Fixed seconds per micro-batch and stage (HostConstants.microbatch_s); -1: the preset's."""
     host_overlap_power: float = HOST_OVERLAP_POWER
-    """k of the soft maximum (gpu^k + host^k)^(1/k) of a pass's GPU and host time."""
+    """k of the soft maximum (gpu^k + host^k)^(1/k) of a pass's GPU and host time. 1 is a run
+    with synchronous launches (CUDA_LAUNCH_BLOCKING=1): each launch returns only once its
+    kernel has finished, so the host issues the next kernel while the GPU idles and the two
+    times add."""
+    layer_forward_kernels: float = 0.0
+    """Kernels one GPU launches in a layer's forward, tensor-parallel collectives not counted;
+    0: Megatron-Core's fused layer (`layer_forward_kernels`). An implementation that runs the
+    rotary embedding, the activation or layout copies as separate ops states its own count."""
+    layer_backward_kernels: float = 0.0
+    """Kernels of a layer's backward per micro-batch, with any the optimizer wrapper launches
+    per micro-batch (a cast-and-add of each gradient into an fp32 copy); 0:
+    BACKWARD_KERNELS_PER_FORWARD x the forward's."""
 
     @classmethod
     def from_dict(cls, data: Any, path: str = "compute") -> ComputeProfile:
@@ -150,10 +166,13 @@ class ComputeProfile:
         for name in cls.__dataclass_fields__:
             host = name.startswith("host_") and name != "host_overlap_power"
             value = get_float(data, name, path, default=getattr(defaults, name),
-                              positive=not host and name != "hbm_bytes_per_s")
+                              positive=not host and name not in ZERO_MEANS_DEFAULT)
             if host and name in data and value < 0:
                 raise PlanError(f"{path}.{name}={value} must be >= 0 seconds (0 turns it off; "
                                 "leave it out for the cluster preset's value)")
+            if name in ZERO_MEANS_DEFAULT and value < 0:
+                raise PlanError(f"{path}.{name}={value} must be >= 0 (0 or left out: the cost "
+                                "model's own figure)")
             values[name] = value
         return cls(**values)
 
@@ -537,20 +556,25 @@ bias gradient of each GEMM; the backward of each fused elementwise op and norm).
 
 def layer_host_s(
     model: ModelSpec, host: HostConstants, *, tp: ArrayLike, flash_attention: bool,
-    dropout: bool, fused_softmax: ArrayLike = True,
+    dropout: bool, fused_softmax: ArrayLike = True, forward_kernels: float = 0.0,
+    backward_kernels: float = 0.0,
 ) -> tuple[np.ndarray, np.ndarray, ArrayLike]:
     """(forward, backward, core-attention forward) host seconds of one layer pass on one GPU:
     kernels x host.kernel_s, plus per tensor-parallel collective one more kernel and
     host.collective_step_s per ring step (two blocks per pass, each an all-reduce or, under
-    sequence parallelism, an all-gather plus a reduce-scatter: 2 (t - 1) steps per block)."""
-    kernels = layer_forward_kernels(model, flash_attention=flash_attention, dropout=dropout,
-                                    fused_softmax=fused_softmax)
+    sequence parallelism, an all-gather plus a reduce-scatter: 2 (t - 1) steps per block).
+    `forward_kernels` / `backward_kernels` (ComputeProfile's, > 0) replace the counts of
+    Megatron-Core's fused layer."""
+    kernels = forward_kernels if forward_kernels > 0 else layer_forward_kernels(
+        model, flash_attention=flash_attention, dropout=dropout, fused_softmax=fused_softmax)
+    backward = (backward_kernels if backward_kernels > 0
+                else BACKWARD_KERNELS_PER_FORWARD * kernels)
     tp = np.asarray(tp, dtype=float)
     steps = 2 * 2.0 * (tp - 1.0)  # two blocks, two phases of t-1 steps each
     collectives = np.where(tp > 1, 2.0, 0.0)
     coll = collectives * host.kernel_s + steps * host.collective_step_s
     fwd = kernels * host.kernel_s + coll
-    bwd = BACKWARD_KERNELS_PER_FORWARD * kernels * host.kernel_s + coll
+    bwd = backward * host.kernel_s + coll
     attn = core_attention_kernels(flash_attention=flash_attention, dropout=dropout,
                                   fused_softmax=fused_softmax)
     return fwd, bwd, attn * host.kernel_s

@@ -255,7 +255,9 @@ class CostModel:
         # host-bound.
         host_f, host_b, host_attn = C.layer_host_s(
             m, self.compute.host_for(self.cluster), tp=table.tp,
-            flash_attention=t.flash_attention, dropout=t.dropout, fused_softmax=fused)
+            flash_attention=t.flash_attention, dropout=t.dropout, fused_softmax=fused,
+            forward_kernels=self.compute.layer_forward_kernels,
+            backward_kernels=self.compute.layer_backward_kernels)
         k = self.compute.host_overlap_power
         recompute = np.where(
             rc_full,

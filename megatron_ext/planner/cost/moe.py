@@ -200,7 +200,8 @@ def moe_layer_costs(cm: CostModel, table: StrategyTable, micro_batch_size: int) 
     # lower bound, the router and token dispatch launch more.
     host_f, host_b, host_attn = C.layer_host_s(
         m, prof.host_for(cm.cluster), tp=tp, flash_attention=t.flash_attention,
-        dropout=t.dropout, fused_softmax=fused)
+        dropout=t.dropout, fused_softmax=fused, forward_kernels=prof.layer_forward_kernels,
+        backward_kernels=prof.layer_backward_kernels)
     k_host = prof.host_overlap_power
     recompute = np.where(
         rc_full, C.host_bound_s(attn_f + moe_f + one_way + cp_fwd, host_f, k_host), 0.0)
