@@ -14,7 +14,12 @@ import sys
 from pathlib import Path
 
 from megatron_ext.calibration.sources import DEFAULT_DATA
-from megatron_ext.calibration.tp_gap import candidates, ceiling_sweep
+from megatron_ext.calibration.tp_gap import (
+    JEAN_ZAY,
+    candidates,
+    ceiling_sweep,
+    launch_blocking_check,
+)
 from megatron_ext.warning_filters import install as install_warning_filters
 
 
@@ -39,10 +44,18 @@ def main(argv: list[str] | None = None) -> int:
     for c in ceiling:
         print(f"  sigma {100 * c['sigma']:.1f}%: median Spearman {c['median_spearman']:.3f}, "
               f"P(Spearman >= 0.8) {c['p_at_least_0_8']:.2f}")
+    template = next(r for r in rows if r.get("cluster_label") == JEAN_ZAY)
+    pairs = launch_blocking_check(template)
+    print("\nsynchronous launches on the chronicle's 200B (TP 8, PP 10, micro-batch 1): time with "
+          "CUDA_LAUNCH_BLOCKING=1 over without")
+    print(f"  {'GPUs':>5s} {'GBS':>5s} {'measured':>9s} {'predicted':>9s}")
+    for p in pairs:
+        print(f"  {p['gpus']:5d} {p['global_batch_size']:5d} {p['measured_slowdown']:9.3f} "
+              f"{p['predicted_slowdown']:9.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {"candidates": results, "noise_ceiling": ceiling, "single_node_rows": extra},
-            indent=1) + "\n")
+            {"candidates": results, "noise_ceiling": ceiling, "single_node_rows": extra,
+             "launch_blocking_pairs": pairs}, indent=1) + "\n")
     return 0
 
 

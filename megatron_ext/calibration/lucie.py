@@ -92,8 +92,9 @@ LUCIE_ZERO = {0: "DeepSpeed ZeRO-1 (config stage 0, but DeepSpeed 0.12.6 wraps a
 bf16 and ZeRO stage 0, DeepSpeed 0.12.6 (what the repository's requirements pin) picks the
 BFLOAT16 wrapper (engine.py `_do_optimizer_sanity_check`), whose BF16_Optimizer partitions the
 fp32 weights and optimizer state over the data-parallel group like ZeRO-1; the engine reduces
-the fp32 gradient buffer in `communication_data_type`, bf16 for a bf16 run, and `step` all-
-gathers the updated bf16 weights. Bytes moved per parameter: 2 x 2 (bf16 ring all-reduce) + 2
+the gradients in `communication_data_type`, bf16 for a bf16 run (the pipeline engine the fp32
+buffer cast to it, without it the bf16 `.grad`s), and `step` all-gathers the updated bf16
+weights. Bytes moved per parameter: 2 x 2 (bf16 ring all-reduce) + 2
 (gather), the same as ZeRO-1's fp32 reduce-scatter (4) + bf16 gather (2) the cost model prices
 for zero=1 on DeepSpeed's engine."""
 

@@ -22,7 +22,13 @@ BLOOM rows' predicted/measured range and the ranking of the BLOOM sweeps:
      own algorithm and protocol model, so its latency is ~60 us per 8-way all-reduce, 30x
      short of the ~2 ms per collective the gap needs), i.e. 2 (t - 1) hops per all-reduce;
   5. measurement noise: the Spearman a perfect model reaches on the 11-layout sweep when each
-     measured time carries lognormal noise of the given size (one iteration's Sec/it).
+     measured time carries lognormal noise of the given size (one iteration's Sec/it);
+  6. synchronous launches: the chronicle adopts `CUDA_LAUNCH_BLOCKING=1` against hangs at 320
+     GPUs just before the topology search ("dealing with JZ hanging on the large model"), so the
+     rows state it (kernel_profile host_overlap_power 1: host and GPU time add); the candidate
+     "asynchronous launches" prices them without it. The same section measures a 200B model
+     with and without it (LAUNCH_BLOCKING_PAIRS): the check prints the slowdown the cost model
+     predicts for each pair next to the measured one.
 
 Nothing here changes the shipped cost model; a candidate patches calibration/scoring.py's
 cluster_of / predict or cost/compute.py's layer_gemm_forward_s for its own duration only.
@@ -42,6 +48,7 @@ import numpy as np
 from megatron_ext.calibration import scoring
 from megatron_ext.calibration.ranking import spearman
 from megatron_ext.calibration.rows import build_plan
+from megatron_ext.calibration.rows import compute_of as rows_compute_of
 from megatron_ext.plan import ParallelPlan
 from megatron_ext.planner.cost import compute
 from megatron_ext.planner.cost.compute import ArrayLike, ComputeProfile
@@ -60,6 +67,47 @@ SINGLE_NODE = [
     {"num_layers": 6, "micro_batch_size": 2, "iter_time_s": 119.19, "quote": "|     1 | 18B  |      6 |  8 |  1 |   2 | 2048 | 54GB | 119.19 | 157.02 | 02-21 |"},  # noqa: E501
     {"num_layers": 10, "micro_batch_size": 1, "iter_time_s": 205.52, "quote": "|     1 | 18B  |     10 |  8 |  1 |   1 | 2048 | 80GB | 205.52 | 142.59 | 02-21 |"},  # noqa: E501
 ]
+
+
+# The chronicle's runs of its 200B model with and without synchronous launches (same file,
+# "dealing with JZ hanging on the large model", "200B, measuring 2nd iter"; the 200B layout of
+# its "Best TFLOPs" section: TP=8, PP=10, NLAYERS=80, NHIDDEN=14400, NHEADS=96, SEQ_LEN=2048,
+# micro-batch 1, DP = GPUs / 80). TFLOPs with CUDA_LAUNCH_BLOCKING=1 ("async no") and without;
+# at the same global batch the time ratio is the inverse TFLOPs ratio.
+LAUNCH_BLOCKING_PAIRS = [
+    {"gpus": 80, "global_batch_size": 512, "tflops_blocking": 91.04, "tflops_async": 97.20},
+    {"gpus": 160, "global_batch_size": 512, "tflops_blocking": 84.59, "tflops_async": 84.44},
+    {"gpus": 160, "global_batch_size": 2048, "tflops_blocking": 90.29, "tflops_async": 90.25},
+]
+SYNCHRONOUS = {"host_overlap_power": 1.0}
+"""kernel_profile of a run with CUDA_LAUNCH_BLOCKING=1 (ComputeProfile.host_overlap_power)."""
+
+
+def launch_blocking_check(template: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per pair: the measured slowdown of synchronous launches (time with / time without) and
+    the cost model's (SYNCHRONOUS over the default), on the 200B layout."""
+    out = []
+    for pair in LAUNCH_BLOCKING_PAIRS:
+        r = {k: v for k, v in copy.deepcopy(template).items() if k != "kernel_profile"}
+        r.update(id=f"bloom-200B-{pair['gpus']}gpus-gbs{pair['global_batch_size']}",
+                 num_layers=80, hidden_size=14400, num_heads=96, num_kv_heads=96,
+                 ffn_hidden_size=4 * 14400, tp=8, pp=10, dp=pair["gpus"] // 80,
+                 num_gpus=pair["gpus"], global_batch_size=pair["global_batch_size"],
+                 micro_batch_size=1, tflops_per_gpu=None)
+        plan = build_plan(r)
+        asynchronous = scoring.predict(r, plan)["predicted_s"]
+        blocking = scoring.predict(dict(r, kernel_profile=SYNCHRONOUS), plan)["predicted_s"]
+        out.append({**pair, "measured_slowdown": round(
+            pair["tflops_async"] / pair["tflops_blocking"], 4),
+            "predicted_slowdown": round(blocking / asynchronous, 4)})
+    return out
+
+
+def asynchronous_jean_zay(row: dict[str, Any], profile: ComputeProfile) -> ComputeProfile:
+    """rows.compute_of with the jean-zay rows' synchronous launches taken out."""
+    if row.get("cluster_label") == JEAN_ZAY:
+        row = {k: v for k, v in row.items() if k != "kernel_profile"}
+    return rows_compute_of(row, profile)
 
 
 def single_node_rows(template: dict[str, Any]) -> list[dict[str, Any]]:
@@ -181,7 +229,7 @@ def ceiling_sweep(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def candidates(rows: list[dict[str, Any]]
                ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
     """Every candidate scored on the published rows: (results, noise ceiling, the chronicle's
-    single-node rows)."""
+    single-node rows). launch_blocking_check prices the chronicle's 200B pairs."""
     template = next(r for r in rows if r.get("cluster_label") == JEAN_ZAY)
     extra = single_node_rows(template)
     results: list[dict[str, Any]] = []
@@ -212,6 +260,8 @@ def candidates(rows: list[dict[str, Any]]
     for lat in (50e-6, 100e-6, 200e-6):
         add(f"jean-zay intra-node latency {lat * 1e6:.0f} us per ring step", with_patch(
             scoring, "cluster_of", jean_zay_intra(latency=lat), lambda: score(rows, extra)))
+    add("jean-zay asynchronous launches (no CUDA_LAUNCH_BLOCKING)", with_patch(
+        scoring, "compute_of", asynchronous_jean_zay, lambda: score(rows, extra)))
     big = ceiling_sweep(rows)
     ceiling = noise_ceiling([r["iter_time_s"] for r in big], [0.02, 0.03, 0.045, 0.065])
 

@@ -14,7 +14,10 @@ from megatron_ext.calibration.rows import build_plan, eq3_flops
 from megatron_ext.calibration.sources import DEFAULT_DATA
 from megatron_ext.calibration.tp_gap import (
     JEAN_ZAY,
+    LAUNCH_BLOCKING_PAIRS,
+    asynchronous_jean_zay,
     jean_zay_intra,
+    launch_blocking_check,
     noise_ceiling,
     single_node_rows,
     wave_quantized_gemm_s,
@@ -47,3 +50,26 @@ def test_patches_are_undone_and_noise_free_ceiling_is_one():
     assert (scoring.cluster_of, compute.layer_gemm_forward_s, scoring.predict) == before
     (c,) = noise_ceiling([1.0, 2.0, 3.0, 4.0], [0.0], trials=10)
     assert c["median_spearman"] == 1.0
+
+
+def test_jean_zay_rows_state_synchronous_launches_and_the_check_prices_both():
+    """BLOOM's rows ran with CUDA_LAUNCH_BLOCKING=1 (kernel_profile host_overlap_power 1); the
+    asynchronous candidate takes only that out; the chronicle's 200B pairs are priced with and
+    without it on the stated layout (measured slowdown = the inverse TFLOPs ratio)."""
+    from megatron_ext.planner.cost.compute import ComputeProfile
+
+    rows = json.loads(Path(DEFAULT_DATA).read_text())["rows"]
+    bloom = [r for r in rows if r.get("cluster_label") == JEAN_ZAY]
+    assert len(bloom) == 27
+    assert all(r["kernel_profile"] == {"host_overlap_power": 1.0} for r in bloom)
+    assert all("CUDA_LAUNCH_BLOCKING=1" in r["hardware_notes"] for r in bloom)
+    assert not any("kernel_profile" in r for r in rows if r not in bloom)
+    assert scoring.compute_of(bloom[0], ComputeProfile()).host_overlap_power == 1.0
+    async_profile = asynchronous_jean_zay(bloom[0], ComputeProfile())
+    assert async_profile == ComputeProfile()
+    pairs = launch_blocking_check(bloom[0])
+    assert [(p["gpus"], p["global_batch_size"]) for p in pairs] == [
+        (p["gpus"], p["global_batch_size"]) for p in LAUNCH_BLOCKING_PAIRS]
+    for p in pairs:
+        assert p["measured_slowdown"] == round(p["tflops_async"] / p["tflops_blocking"], 4)
+        assert p["predicted_slowdown"] > 1.0  # synchronous launches never make a step faster
