@@ -19,9 +19,11 @@ GB200 and GB300, torchtitan's H100 Float8 runs) are scored the same way, and the
 source at a time with the FP8 GEMM efficiency refitted on the others (calibration/fp8_fit.py).
 It prints per row predicted/measured, then the median |error|, how many rows are optimistic
 (predicted faster) or pessimistic, memory false negatives (runs that ran but are predicted not
-to fit), and Spearman's rank correlation of predicted vs measured GPU-seconds per token among
-the layouts of one model within one source (per-token GPU time, not iteration time, so runs on
-different GPU counts compare on efficiency, not on size).
+to fit) and the other side of that boundary (the file's `out_of_memory` layouts, which the
+source reports as out of memory: how many are predicted not to fit), and Spearman's rank
+correlation of predicted vs measured GPU-seconds per token among the layouts of one model
+within one source (per-token GPU time, not iteration time, so runs on different GPU counts
+compare on efficiency, not on size).
 
 The fixed rules that fill in what the rows do not state are in
 megatron_ext/calibration/rows.py; vTrain's runs (tools/data/vtrain/, --no-vtrain leaves
@@ -43,8 +45,8 @@ from megatron_ext.calibration.inputs import benchmark_rows
 from megatron_ext.calibration.lucie import LUCIE_DIR
 from megatron_ext.calibration.report import print_report
 from megatron_ext.calibration.residuals import residual_file, residual_text
-from megatron_ext.calibration.scoring import run
-from megatron_ext.calibration.sources import DEFAULT_DATA
+from megatron_ext.calibration.scoring import out_of_memory_boundary, run
+from megatron_ext.calibration.sources import DEFAULT_DATA, load_out_of_memory
 from megatron_ext.calibration.vtrain import VTRAIN_DIR
 from megatron_ext.errors import PlanError
 
@@ -72,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = benchmark_rows(args.data, with_vtrain=not args.no_vtrain,
                               with_lucie=not args.no_lucie, vtrain_dir=args.vtrain_dir,
                               lucie_dir=args.lucie_dir)
+        oom = load_out_of_memory(args.data)
     except (PlanError, OSError) as err:
         print(f"bench_published: {err}", file=sys.stderr)
         return 2
@@ -90,6 +93,13 @@ def main(argv: list[str] | None = None) -> int:
     out["timing"] = {"rows": len(rows), "wall_s": time.perf_counter() - wall,
                      "cpu_s": time.process_time() - cpu}
     print_report(out)
+    if oom and not args.rows:
+        out["out_of_memory"] = out_of_memory_boundary(oom)
+        boundary = out["out_of_memory"]
+        print(f"out of memory as reported: {boundary['predicted_not_to_fit']} of "
+              f"{boundary['layouts']} predicted not to fit ("
+              + ", ".join(f"{r['id']} {r['peak_gib']:.1f} GiB" for r in boundary["records"])
+              + f"; cap {boundary['records'][0]['cap_gib']:.1f} GiB)")
     if not args.no_loso:
         out["fp8_leave_one_source_out"] = fp8_leave_one_source_out(rows)
         print_fp8_report(out["fp8_leave_one_source_out"])

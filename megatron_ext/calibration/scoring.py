@@ -74,12 +74,27 @@ def quoted_memory_gb(row: dict[str, Any]) -> float | None:
     return float(match.group(1)) if match else None
 
 
+def out_of_memory_boundary(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The layouts a source reports as out of memory, predicted like its rows: how many the
+    cost model says do not fit (the fit boundary from the other side of memory_false_negatives:
+    runs that ran but are predicted not to fit)."""
+    out = []
+    for record in records:
+        p = predict(record, build_plan(record))
+        out.append({"id": record["id"], "source": record["source"], "fits": p["fits"],
+                    "peak_gib": p["peak_gib"], "cap_gib": p["cap_gib"]})
+    return {"layouts": len(out), "predicted_not_to_fit": sum(not r["fits"] for r in out),
+            "records": out}
+
+
 def reported_memory(rows: list[dict[str, Any]], results: list[dict[str, Any]]
                     ) -> dict[str, Any]:
     """Predicted peak memory (evaluate's, its reserve for the CUDA context and fragmentation
     included) over the per-GPU memory the rows' sources report. Only BigScience's tr11 tables
-    report it; they do not say how it was measured, so it is read as GiB, as nvidia-smi's
-    MiB-based figures are. Nothing is fitted to it."""
+    report it: nvidia-smi's used memory on the job's first node ("was quickly getting the memory
+    snapshot with: `pdsh -w jean-zay-iam01 ... nvidia-smi`", chronicles-prequel.md), i.e. the
+    CUDA context and the caching allocator's reserved blocks, not only live tensors; read as
+    GiB (nvidia-smi counts MiB). Nothing is fitted to it."""
     by_id = {r["id"]: r for r in results}
     pairs = [(row["id"], by_id[row["id"]]["peak_gib"] / gb) for row in rows
              if (gb := quoted_memory_gb(row)) is not None and row["id"] in by_id]

@@ -32,6 +32,12 @@ def load_published(path: str | Path = DEFAULT_DATA) -> list[dict[str, Any]]:
     return json.loads(Path(path).read_text())["rows"]
 
 
+def load_out_of_memory(path: str | Path = DEFAULT_DATA) -> list[dict[str, Any]]:
+    """The layouts a published-runs file reports as out of memory (`out_of_memory`: the
+    fields of a row without the measured ones); none where it has no such key."""
+    return list(json.loads(Path(path).read_text()).get("out_of_memory", []))
+
+
 def git_blob_id(data: bytes) -> str:
     """The id git gives a file's bytes (`git hash-object`): equal ids, equal files."""
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()

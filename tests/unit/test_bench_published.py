@@ -17,7 +17,7 @@ from megatron_ext.calibration.ranking import ranking
 from megatron_ext.calibration.residuals import GEMM_EFFICIENCY_GRID, fit_score
 from megatron_ext.calibration.rows import build_plan, cluster_of, measured_iteration_s
 from megatron_ext.calibration.scoring import predict, run
-from megatron_ext.calibration.sources import DEFAULT_DATA
+from megatron_ext.calibration.sources import DEFAULT_DATA, FP8_DATA
 from megatron_ext.calibration.vtrain import VTRAIN_SOURCES, vtrain_rows
 
 TOOLS = Path(__file__).resolve().parents[2] / "tools"
@@ -245,3 +245,27 @@ def test_reported_memory_reads_the_quoted_mem_column():
                                                {"id": ROWS[0]["id"], "peak_gib": 70.0}])
     assert summary["rows"] == 1 and summary["median_ratio"] == pytest.approx(0.8)
     assert summary["within_10pct"] == 0
+
+
+def test_out_of_memory_layouts_are_the_fit_boundary():
+    """The layouts BLOOM's tables report as OOM are kept apart from the measured rows, quote
+    their table row, carry no measured figure, and are predicted not to fit; the bench reports
+    them (the other side of memory_false_negatives)."""
+    from megatron_ext.calibration.scoring import out_of_memory_boundary
+    from megatron_ext.calibration.sources import load_out_of_memory
+
+    oom = load_out_of_memory()
+    assert len(oom) == 3
+    ids = {r["id"] for r in json.loads(Path(DEFAULT_DATA).read_text())["rows"]}
+    for record in oom:
+        assert record["id"] not in ids and record["id"].endswith("-oom")
+        assert "| OOM  |" in record["quote"] and "02-25" in record["quote"]
+        assert "iter_time_s" not in record and "tflops_per_gpu" not in record
+        cells = [c.strip() for c in record["quote"].rsplit("row:", 1)[1].split("|")[1:-1]]
+        assert [int(c) for c in cells[2:7]] == [record["dp"], record["tp"], record["pp"],
+                                                record["micro_batch_size"],
+                                                record["global_batch_size"]]
+    boundary = out_of_memory_boundary(oom)
+    assert boundary["layouts"] == boundary["predicted_not_to_fit"] == 3
+    assert all(r["peak_gib"] > r["cap_gib"] for r in boundary["records"])
+    assert load_out_of_memory(FP8_DATA) == []
