@@ -67,7 +67,7 @@ LUCIE_RULES: dict[str, Any] = {  # fields of a published row (JSON values)
     "measured_unit": "global batch / samples_per_seconds (CSV; = gbz x 4096 / token_per_second)",
     "flops_convention": "none (time only)",
     "kernel_profile": {"host_overlap_power": 1.0, "layer_forward_kernels": 38,
-                       "layer_backward_kernels": 94},
+                       "layer_backward_kernels": 94, "layer_extra_elementwise_passes": 33},
     "hardware_notes": (
         "host_overlap_power 1: the scripts export CUDA_LAUNCH_BLOCKING=1 (every launch waits for "
         "its kernel, so host and GPU time add); layer_forward_kernels 38: the layer of "
@@ -76,7 +76,11 @@ LUCIE_RULES: dict[str, Any] = {  # fields of a published row (JSON values)
         "copies before and 1 after flash attention, its cu_seqlens arange and kernel 2, "
         "SiLU and product 2, dropout(p=0) and residual add 2 x 2; layer_backward_kernels 94: "
         "2 x 38 plus DeepSpeed 0.12.6's BF16_Optimizer per micro-batch and weight tensor "
-        "(6 per layer): zero the bf16 gradient, cast it to fp32, add it to the fp32 copy"),
+        "(6 per layer): zero the bf16 gradient, cast it to fp32, add it to the fp32 copy; "
+        "layer_extra_elementwise_passes 33 (over [tokens, hidden / tp], beyond the fused "
+        "layer's): the rotary embedding's 12 passes over q and over k where a fused kernel "
+        "makes 2 (20), SiLU and product apart (2 more over [tokens, ffn / tp]: 5.4), the 4 "
+        "layout copies (8)"),
     "not_for_calibration": (
         "the data-parallel reduction across 16-32 nodes runs 2-4x slower than the Jean Zay "
         "network figure these rows use (no 2024 measurement of that network was found), and "

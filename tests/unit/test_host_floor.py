@@ -192,3 +192,19 @@ def test_stated_kernel_counts_and_synchronous_launches():
         host_overlap_power=1.0, layer_forward_kernels=38, layer_backward_kernels=94)
     ).layer_costs(table, 1)
     assert sync.forward_s[0] > base.forward_s[0] and sync.backward_s[0] > base.backward_s[0]
+
+
+def test_extra_elementwise_passes_cost_hbm_time():
+    """layer_extra_elementwise_passes adds that many passes over [tokens, hidden / tp] to the
+    forward's HBM traffic and twice as many to the backward's; GEMMs and attention unchanged."""
+    model = model_preset("llama2-7b")
+    cluster = cluster_preset("dgx-a100-80g", num_nodes=1)
+    kw = dict(b=2, seq_length=4096, tp=np.array([1, 2]), sp=np.array([False, False]),
+              seq_shards=1, element_bytes=2)
+    base = C.layer_compute(model, cluster, C.ComputeProfile(), **kw)
+    prof = C.ComputeProfile(layer_extra_elementwise_passes=33)
+    more = C.layer_compute(model, cluster, prof, **kw)
+    one_pass = 2 * 2 * 4096 * model.hidden_size / np.array([1, 2]) / prof.hbm_for(cluster)
+    np.testing.assert_allclose(more.forward_s - base.forward_s, 33 * one_pass, rtol=1e-9)
+    np.testing.assert_allclose(more.backward_s - base.backward_s, 66 * one_pass, rtol=1e-9)
+    np.testing.assert_allclose(more.attention_forward_s, base.attention_forward_s)

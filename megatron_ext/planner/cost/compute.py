@@ -107,7 +107,7 @@ HOST_OVERLAP_POWER = 3.25
 
 
 ZERO_MEANS_DEFAULT = frozenset({"hbm_bytes_per_s", "layer_forward_kernels",
-                                "layer_backward_kernels"})
+                                "layer_backward_kernels", "layer_extra_elementwise_passes"})
 """ComputeProfile fields whose 0 stands for the cost model's own figure."""
 
 
@@ -156,6 +156,10 @@ class ComputeProfile:
     """Kernels of a layer's backward per micro-batch, with any the optimizer wrapper launches
     per micro-batch (a cast-and-add of each gradient into an fp32 copy); 0:
     BACKWARD_KERNELS_PER_FORWARD x the forward's."""
+    layer_extra_elementwise_passes: float = 0.0
+    """HBM passes over a [tokens, hidden / tp] tensor that such an implementation's forward
+    makes beyond the fused layer's (`layer_elementwise_bytes`): an unfused rotary embedding,
+    activation or layout copies; the backward makes twice as many."""
 
     @classmethod
     def from_dict(cls, data: Any, path: str = "compute") -> ComputeProfile:
@@ -512,7 +516,11 @@ def layer_compute(
     else:  # batched GEMMs (backward: 2x forward FLOPs) plus the score traffic
         attn_s = attn_flops / (peak * profile.attention_efficiency) + score_f / hbm
         attn_bwd_s = 2.0 * attn_flops / (peak * profile.attention_efficiency) + score_b / hbm
-    elem_s = layer_elementwise_bytes(model, tokens, tp, sp, element_bytes) / hbm
+    elem_bytes = layer_elementwise_bytes(model, tokens, tp, sp, element_bytes)
+    if profile.layer_extra_elementwise_passes > 0:
+        elem_bytes = elem_bytes + (profile.layer_extra_elementwise_passes * element_bytes
+                                   * tokens * model.hidden_size / tp)
+    elem_s = elem_bytes / hbm
     return LayerCompute(
         forward_s=gemm_s + attn_s + elem_s,
         backward_s=2.0 * gemm_s + attn_bwd_s + 2.0 * elem_s,
