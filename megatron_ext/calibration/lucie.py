@@ -66,16 +66,18 @@ LUCIE_RULES: dict[str, Any] = {  # fields of a published row (JSON values)
     "dropout": False,
     "measured_unit": "global batch / samples_per_seconds (CSV; = gbz x 4096 / token_per_second)",
     "flops_convention": "none (time only)",
-    "kernel_profile": {"host_overlap_power": 1.0, "layer_forward_kernels": 38,
+    "kernel_profile": {"host_overlap_power": 1.0, "layer_forward_kernels": 40,
                        "layer_backward_kernels": 94, "layer_extra_elementwise_passes": 33},
     "hardware_notes": (
         "host_overlap_power 1: the scripts export CUDA_LAUNCH_BLOCKING=1 (every launch waits for "
-        "its kernel, so host and GPU time add); layer_forward_kernels 38: the layer of "
+        "its kernel, so host and GPU time add); layer_forward_kernels 40: the layer of "
         "OpenLLM-France/Megatron-DeepSpeed @ fd5c47a counted op by op (tools/data/lucie/"
         "README.md): apex RMSNorm 2, 4 GEMMs, rotary embedding of q and k 10 each, 3 layout "
         "copies before and 1 after flash attention, its cu_seqlens arange and kernel 2, "
-        "SiLU and product 2, dropout(p=0) and residual add 2 x 2; layer_backward_kernels 94: "
-        "2 x 38 plus DeepSpeed 0.12.6's BF16_Optimizer per micro-batch and weight tensor "
+        "SiLU and product 2, dropout(p=0) and residual add 2 x 2, and 2 host-to-device copies "
+        "(torch.tensor(0.0, device=...) for moe_loss and mlp_bias); layer_backward_kernels 94: "
+        "2 x the 38 compute kernels plus DeepSpeed 0.12.6's BF16_Optimizer per micro-batch and "
+        "weight tensor "
         "(6 per layer): zero the bf16 gradient, cast it to fp32, add it to the fp32 copy; "
         "layer_extra_elementwise_passes 33 (over [tokens, hidden / tp], beyond the fused "
         "layer's): the rotary embedding's 12 passes over q and over k where a fused kernel "
