@@ -97,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
         out["out_of_memory"] = out_of_memory_boundary(oom)
         boundary = out["out_of_memory"]
         print(f"out of memory as reported: {boundary['predicted_not_to_fit']} of "
-              f"{boundary['layouts']} predicted not to fit ("
-              + ", ".join(f"{r['id']} {r['peak_gib']:.1f} GiB" for r in boundary["records"])
-              + f"; cap {boundary['records'][0]['cap_gib']:.1f} GiB)")
+              f"{boundary['layouts']} predicted not to fit (" + ", ".join(
+                  f"{r['id']} {r['peak_gib']:.1f} of {r['cap_gib']:.1f} GiB"
+                  for r in boundary["records"]) + ")")
     if not args.no_loso:
         out["fp8_leave_one_source_out"] = fp8_leave_one_source_out(rows)
         print_fp8_report(out["fp8_leave_one_source_out"])
