@@ -31,7 +31,8 @@ setup(
     package_data={
         "megatron_ext.flags": ["megatron_lm_core_v*_flags.json"],
         # the prediction intervals' residual table (tools/bench_published.py --write-residuals)
-        "megatron_ext.planner.cost": ["residuals_a100.json"],
+        # and the A100 nodes' measured all-reduce times (planner/cost/measured_nccl.py)
+        "megatron_ext.planner.cost": ["residuals_a100.json", "nccl_a100.json"],
     },
     # the planner CLI: nothing here may pull torch or megatron-core (tests/unit/test_planner_install.py)
     install_requires=[

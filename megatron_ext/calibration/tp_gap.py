@@ -18,9 +18,11 @@ BLOOM rows' predicted/measured range and the ranking of the BLOOM sweeps:
      "Matrix multiplication background" guide; backward, 2x forward, with it), applied to
      every row (a GPU property), then with gemm_efficiency refitted without the BLOOM rows;
   4. a fixed cost per collective step: the jean-zay rows' intra-node hop latency raised from
-     NCCL's 3.4 us (Simple ring over NVLink; cost/comm.py prices every collective with NCCL's
-     own algorithm and protocol model, so its latency is ~60 us per 8-way all-reduce, 30x
-     short of the ~2 ms per collective the gap needs), i.e. 2 (t - 1) hops per all-reduce;
+     NCCL's 3.4 us (Simple ring over NVLink), 2 (t - 1) hops per all-reduce, priced by NCCL's
+     own algorithm and protocol model on that link. The shipped model prices these calls by
+     the A100 node's measured all-reduce (cost/measured_nccl.py): ~0.5 ms per 8-way
+     all-reduce of BLOOM's 59 MB activations, within 2% of NCCL's model at that size, and ~2 ms
+     short of what the gap needs per collective;
   5. measurement noise: the Spearman a perfect model reaches on the 11-layout sweep when each
      measured time carries lognormal noise of the given size (one iteration's Sec/it);
   6. synchronous launches: the chronicle adopts `CUDA_LAUNCH_BLOCKING=1` against hangs at 320

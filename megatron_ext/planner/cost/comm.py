@@ -1,6 +1,8 @@
 """Communication cost: collectives as NCCL runs them (per message size the cheapest ring or tree
 under the LL, LL128 or Simple protocol, each a latency + bandwidth model, NCCL's own constants),
-knowing when a group crosses nodes.
+knowing when a group crosses nodes; inside an A100 node, all-reduces and ring gathers take
+their measured time (measured_nccl.py: nccl-tests on 2-8 A100, which NCCL's tuning constants put
+at 0.4-0.9x for the 1-32 MiB of a tensor-parallel block).
 
 Legend: p = group size, q = group members inside one node, n = p / q nodes spanned,
 N = bytes (all_reduce / broadcast: the buffer; all_gather: the gathered output; reduce_scatter:
@@ -20,6 +22,7 @@ from typing import Literal, Protocol
 
 import numpy as np
 
+from megatron_ext.planner.cost.measured_nccl import measured_time_s, table_for
 from megatron_ext.specs import ClusterSpec
 
 Collective = Literal["all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p"]
@@ -152,8 +155,10 @@ class AlphaBetaComm:
     node), LL a quarter (a third inside a node for gathers), a tree 0.9 x busbw / 2 of
     algorithm bandwidth. Latency: ring 2(p-1) hops for all-reduce, p-1 for gathers and reduce-
     scatters, 2(n-1) resp. n-1 of them over the network; tree 2((q-1) NVLink + log2 n network)
-    hops. The resulting curve is the one nccl-tests shows: ~25% of peak busbw at 1 MB, ~80% at
-    32 MB inside a DGX A100, latency-bound below ~256 KB.
+    hops. NCCL's constants choose its algorithm; they are not its measured time: inside an A100
+    node nccl-tests shows 9-13% of peak busbw at 1 MiB and 64-80% at 32 MiB where they give
+    ~25% and ~80%, so there the measured curve replaces them (measured_nccl.py, `formula_s` is
+    the model alone).
     """
 
     cluster: ClusterSpec
@@ -221,19 +226,31 @@ class AlphaBetaComm:
         if p == 1 and collective != "p2p":
             return num_bytes * 0.0
         if collective in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
-            best = self.ring_s(collective, num_bytes, layout, 2)
-            for proto in (0, 1):
-                best = np.minimum(best, self.ring_s(collective, num_bytes, layout, proto))
-            if collective == "all_reduce" and layout.crosses_nodes:
-                for proto in (0, 1, 2):
-                    best = np.minimum(best, self.tree_s(num_bytes, layout, proto))
-            return best if isinstance(best, np.ndarray) and best.ndim else float(best)
+            link = self.cluster.intra_node
+            table = None if layout.crosses_nodes or collective == "broadcast" else table_for(
+                self.cluster.name, (link.bandwidth_bytes_per_s, link.latency_s), p)
+            if table is not None:
+                return measured_time_s(table, collective, num_bytes,
+                                       lambda n: self.formula_s(collective, n, layout))
+            return self.formula_s(collective, num_bytes, layout)
         if collective == "all_to_all":
             return self._all_to_all_s(num_bytes, layout)
         if collective == "p2p":
             link = self.cluster.inter_node if layout.crosses_nodes else self.cluster.intra_node
             return p2p_time_s(num_bytes, link.bandwidth_bytes_per_s, link.latency_s)
         raise ValueError(f"unknown collective {collective!r}")
+
+    def formula_s(self, collective: str, num_bytes: ArrayLike, layout: GroupLayout
+                  ) -> ArrayLike:
+        """NCCL's tuning model of a ring / tree collective: the cheapest algorithm and
+        protocol (all_reduce, all_gather, reduce_scatter, broadcast)."""
+        best = self.ring_s(collective, num_bytes, layout, 2)
+        for proto in (0, 1):
+            best = np.minimum(best, self.ring_s(collective, num_bytes, layout, proto))
+        if collective == "all_reduce" and layout.crosses_nodes:
+            for proto in (0, 1, 2):
+                best = np.minimum(best, self.tree_s(num_bytes, layout, proto))
+        return best if isinstance(best, np.ndarray) and best.ndim else float(best)
 
     def _all_to_all_s(self, num_bytes: ArrayLike, layout: GroupLayout) -> ArrayLike:
         """Each rank sends N/p to every peer: (q-1)/p of N over NVLink, (p-q)/p of N through its
