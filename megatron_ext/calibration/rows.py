@@ -21,7 +21,8 @@ What the rows do not state is filled in by fixed rules (no per-row choice):
     (Megatron-Core's default with virtual stages, which the 2025 NeMo rows ran); DeepSpeed
     ZeRO-3 and PyTorch FSDP FULL_SHARD rows are zero=3; DeepSpeed ZeRO-1
     rows (Megatron-DeepSpeed, BLOOM) are zero=1 with DeepSpeed's pipeline engine: gradient
-    reduction and weight gather after the last backward, not overlapped;
+    reduction and weight gather after the last backward, not overlapped; rows on DeepSpeed's
+    BF16_Optimizer (Lucie-7B) run "deepspeed-bf16" (`engine_of`);
   - a row that states its network (`inter_node_bytes_per_s_per_gpu`, derived in cluster_notes
     from the cluster's published spec) is priced on the GPU preset with that inter-node
     bandwidth, and forms its own cluster (`cluster_label`) in sweeps and intervals; a row's
@@ -238,11 +239,20 @@ def build_plan(row: dict[str, Any]) -> ParallelPlan:
         )
     return plan
 
+def engine_of(row: dict[str, Any]) -> str:
+    """DeepSpeed rows run on DeepSpeed's engine, those whose `dp_sharding` names its
+    BF16_Optimizer (Lucie-7B, with or without the pipeline module) on "deepspeed-bf16"."""
+    sharding = str(row.get("dp_sharding"))
+    if "DeepSpeed" not in sharding:
+        return "megatron"
+    return "deepspeed-bf16" if "BF16_Optimizer" in sharding else "deepspeed"
+
+
 def run_settings(row: dict[str, Any]) -> dict[str, Any]:
     """How the row's run executes beyond its plan: planner.cost.evaluate.plan_training's
     keywords, which `megatron-ext evaluate` takes as evaluate_flags(row)."""
     return {"flash_attention": flash_attention_of(row), "dropout": dropout_of(row),
-            "engine": "deepspeed" if "DeepSpeed" in str(row.get("dp_sharding")) else "megatron",
+            "engine": engine_of(row),
             "overlap_grad_reduce": bool(row.get("overlap_grad_reduce", False)),
             "overlap_param_gather": bool(row.get("overlap_param_gather", False)),
             "overlap_p2p_comm": bool(row.get("overlap_p2p_comm", False))}

@@ -86,11 +86,13 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
         help="the run has no dropout (--hidden-dropout 0 --attention-dropout 0)",
     )
     p.add_argument(
-        "--engine", choices=["megatron", "deepspeed"], default="megatron",
+        "--engine", choices=["megatron", "deepspeed", "deepspeed-bf16"], default="megatron",
         help="what runs the step: megatron (default; its data-parallel traffic overlaps compute "
         "only with --overlap-grad-reduce / --overlap-param-gather); deepspeed "
         "(Megatron-DeepSpeed) reduces after the last backward and caps ZeRO-3's gathered "
-        "parameters at 1e9 (stage3_max_live_parameters)",
+        "parameters at 1e9 (stage3_max_live_parameters); deepspeed-bf16: DeepSpeed's "
+        "BF16_Optimizer (bf16, config ZeRO stage 0; plan layers zero 1), which all-reduces the "
+        "gradients in bf16 instead of reduce-scattering them and keeps a bf16 copy of each",
     )
     p.add_argument(
         "--overlap-grad-reduce", action="store_true",

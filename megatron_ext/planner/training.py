@@ -9,7 +9,15 @@ from megatron_ext.errors import PlanError
 from megatron_ext.specs import FP8Spec
 
 Precision = Literal["bf16", "fp16", "fp32"]
-Engine = Literal["megatron", "deepspeed"]
+Engine = Literal["megatron", "deepspeed", "deepspeed-bf16"]
+ENGINES: tuple[str, ...] = ("megatron", "deepspeed", "deepspeed-bf16")
+
+BF16_OPTIMIZER_REDUCE_BYTES = 2
+"""Bytes per gradient in DeepSpeed's BF16_Optimizer reduction: its pipeline engine all-reduces
+the optimizer's fp32 gradient buffer (PipelineEngine._bf16_reduce_grads) and the engine without
+it the parameters' bf16 .grad (allreduce_gradients at ZeRO stage 0); both go through
+DeepSpeedEngine.allreduce_bucket, which casts to communication_data_type, bf16 in a bf16 run
+unless the config sets it (DeepSpeed v0.12.6 runtime/engine.py)."""
 
 DEEPSPEED_MAX_LIVE_PARAMS = 1e9
 """DeepSpeed ZeRO-3's default stage3_max_live_parameters: it gathers module by module and holds
@@ -91,7 +99,14 @@ class TrainingSpec:
     0-1 gradients are reduced and ZeRO-1's weights gathered after the last micro-batch's
     backward, not overlapped (overlap_comm is off by default there); at stage 3 the
     reduce-scatter overlaps as with FSDP, and at most DEEPSPEED_MAX_LIVE_PARAMS parameters are
-    held gathered (stage3_max_live_parameters)."""
+    held gathered (stage3_max_live_parameters).
+    deepspeed-bf16: DeepSpeed's engine with its BF16_Optimizer, what a bf16 run whose DeepSpeed
+    config says ZeRO stage 0 gets (DeepSpeed 0.9-0.14): fp32 master weights and Adam moments
+    split over the data-parallel ranks (the plan's layers are zero 1) and the updated bf16
+    weights all-gathered after the step, as ZeRO-1; but the gradients all-reduced, not
+    reduce-scattered, after the last backward, in bf16 (BF16_OPTIMIZER_REDUCE_BYTES), and every
+    parameter's bf16 .grad kept beside the optimizer's full fp32 gradient buffer
+    (`keeps_half_grads`)."""
     fp8: FP8Spec | None = None
     """FP8 training as the user's flags give it (--fp8-format ...): which layers run FP8 is
     theirs; the search prices it (planner/cost/fp8.py) and places the layouts around it."""
@@ -111,15 +126,29 @@ class TrainingSpec:
         if not self.moe_imbalance >= 1.0:
             raise PlanError(f"--moe-imbalance={self.moe_imbalance} must be >= 1 (busiest rank's "
                             "routed tokens over the mean; 1 = balanced)")
-        if self.engine not in ("megatron", "deepspeed"):
-            raise PlanError(f"--engine={self.engine!r} must be megatron or deepspeed")
+        if self.engine not in ENGINES:
+            raise PlanError(f"--engine={self.engine!r} must be one of {', '.join(ENGINES)}")
+        if self.engine == "deepspeed-bf16" and self.precision != "bf16":
+            raise PlanError(f"--engine deepspeed-bf16 is DeepSpeed's bf16 optimizer; the plan's "
+                            f"precision is {self.precision}: use --engine deepspeed")
         if self.overlap_param_gather and not self.overlap_grad_reduce:
             raise PlanError("--overlap-param-gather needs --overlap-grad-reduce")
-        if self.engine == "deepspeed" and self.overlap_grad_reduce:
-            raise PlanError("--overlap-grad-reduce is Megatron-LM's; --engine deepspeed reduces "
-                            "the gradients after the last backward: drop one of them")
+        if self.is_deepspeed and self.overlap_grad_reduce:
+            raise PlanError(f"--overlap-grad-reduce is Megatron-LM's; --engine {self.engine} "
+                            "reduces the gradients after the last backward: drop one of them")
         if self.reserve_gib is not None and self.reserve_gib < 0:
             raise PlanError(f"reserve_gib={self.reserve_gib} must be >= 0")
+
+    @property
+    def is_deepspeed(self) -> bool:
+        """DeepSpeed's engine runs the step (either `engine` of it)."""
+        return self.engine != "megatron"
+
+    @property
+    def keeps_half_grads(self) -> bool:
+        """Every parameter's half-precision .grad is kept beside the fp32 gradient: DeepSpeed's
+        BF16_Optimizer (`deepspeed-bf16`) accumulates the bf16 grads into its own fp32 copy."""
+        return self.engine == "deepspeed-bf16"
 
     @property
     def half_precision(self) -> bool:

@@ -4,17 +4,21 @@ bad input is one line with exit 2 (a plan that does not fit: the report, then ex
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
 import pytest
 
 from megatron_ext.cli import main
+from megatron_ext.errors import PlanError
 from megatron_ext.flags.emit import plan_to_megatron_args
 from megatron_ext.plan import ParallelPlan
 from megatron_ext.planner.cost.breakdown import MEMORY_PARTS, breakdown
+from megatron_ext.planner.cost.evaluate import plan_training
 from megatron_ext.planner.cost.memory import state_bytes_breakdown, state_bytes_per_param
 from megatron_ext.planner.cost.model import CostModel
+from megatron_ext.planner.space import StrategyTable
 from megatron_ext.planner.training import TrainingSpec
 from megatron_ext.presets import cluster_preset
 
@@ -182,3 +186,44 @@ def test_plan_from_args_prices_megatrons_overlapped_pipeline_messages(tmp_path, 
     assert waited == pytest.approx(direct(), rel=1e-12)
     assert overlapped < waited
     capsys.readouterr()
+
+
+def test_deepspeed_bf16_engine_all_reduces_and_keeps_the_bf16_grads(tmp_path, capsys):
+    """--engine deepspeed-bf16 (DeepSpeed's BF16_Optimizer): a ZeRO-1 plan's gradient
+    reduction is a bf16 all-reduce (2 bytes per gradient), not ZeRO-1's fp32 reduce-scatter: as
+    many bytes on the wire, twice the ring steps; its weight all-gather stays; each parameter
+    keeps a bf16 .grad (2 bytes) more than ZeRO-1. rel 1e-12: the same sums."""
+    plan = ParallelPlan.load("examples/plans/llama2-7b_uniform_tp2_pp2.json")
+    assert plan.precision == "bf16" and {s.dp for s in plan.layers} == {2}
+    cluster = cluster_preset("dgx-a100-80g", num_nodes=1)
+    layer = dataclasses.replace(plan.layers[0], zero=1)
+    table = StrategyTable.of([layer])
+
+    def model(engine: str) -> CostModel:
+        return CostModel(plan.model, cluster, plan_training(plan, engine=engine))
+
+    bf16 = model("deepspeed-bf16").layer_costs(table, plan.micro_batch_size)
+    zero1 = model("deepspeed").layer_costs(table, plan.micro_batch_size)
+    params = model("deepspeed").layer_params / layer.tp
+    expected = model("deepspeed").bucketed_s("all_reduce", params, 2, table.shard_ranks, table.tp)
+    assert bf16.grad_sync_s[0] == pytest.approx(expected[0], rel=1e-12)
+    assert bf16.grad_sync_s[0] >= zero1.grad_sync_s[0]  # the same bytes, more ring steps
+    assert bf16.param_gather_s[0] == pytest.approx(zero1.param_gather_s[0], rel=1e-12)
+    extra = bf16.state_bytes[0] - zero1.state_bytes[0]
+    assert extra == pytest.approx(2.0 * params, rel=1e-12)
+    for d in (1, 2, 8):
+        parts = state_bytes_breakdown(1, d, half_precision=True, half_grads=True)
+        assert sum(parts) == pytest.approx(
+            state_bytes_per_param(1, d, half_precision=True, half_grads=True), rel=1e-12)
+    # the command takes it; refusals are one line, exit 2
+    out = tmp_path / "e.json"
+    assert main(["evaluate", "examples/plans/llama2-7b_uniform_tp2_pp2.json", "--engine",
+                 "deepspeed-bf16", "--json", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["evaluate", "examples/plans/llama3-8b_ulysses4_cp2_zero3.json", "--engine",
+                 "deepspeed-bf16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "zero=3" in err[0] and "--engine deepspeed" in err[0], err
+    with pytest.raises(PlanError, match="precision is fp16: use --engine deepspeed"):
+        TrainingSpec(global_batch_size=8, seq_length=128, precision="fp16",
+                     engine="deepspeed-bf16")

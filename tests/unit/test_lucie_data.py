@@ -38,6 +38,7 @@ from megatron_ext.calibration.rows import (
     layout_label,
     measured_iteration_s,
     megatron_flags,
+    run_settings,
 )
 from megatron_ext.calibration.scoring import predict, run
 from megatron_ext.calibration.sources import DEFAULT_DATA, git_blob_id
@@ -120,6 +121,8 @@ def test_rules_reach_the_plan_and_the_pricing():
     # the optimizer state split over 16 ranks: TP1 PP2 micro-batch 2 fits in 80 GB, as it ran
     assert stated["fits"] and stated["peak_gib"] < 60
     assert is_deepspeed_pipeline(r) and all(is_deepspeed_pipeline(x) for x in rows)
+    # DeepSpeed's BF16_Optimizer, with or without the pipeline module
+    assert {run_settings(x)["engine"] for x in rows} == {"deepspeed-bf16"}
     assert flash_attention_of(r) and not dropout_of(r)
     assert cluster_of(r).inter_node.bandwidth_bytes_per_s == 5.5e9
     assert cluster_label(r) == "jean-zay-a100-80g-2024"

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from megatron_ext.errors import PlanError
 from megatron_ext.plan import ParallelPlan, PlanLayout, Prediction
 from megatron_ext.planner.cost.compute import model_flops_per_token
 from megatron_ext.planner.cost.moe import per_layer_costs
@@ -172,6 +173,14 @@ def plan_training(plan: ParallelPlan, *, flash_attention: bool = True, dropout: 
     sp wherever tp > 1)."""
     if tp_comm_overlap and not plan.tp_comm_overlap:
         dataclasses.replace(plan, tp_comm_overlap=True)  # raises the plan's one-line refusal
+    if engine == "deepspeed-bf16":  # BF16_Optimizer splits the optimizer, nothing more
+        for i, s in enumerate(plan.layers):
+            if s.zero >= 2 or (s.zero == 0 and s.dp * s.cp * s.ulysses > 1):
+                raise PlanError(
+                    f"layers[{i}].zero={s.zero}: --engine deepspeed-bf16 (DeepSpeed's "
+                    "BF16_Optimizer) splits the optimizer states over the data-parallel ranks and "
+                    "nothing else; set zero 1 (--use-distributed-optimizer) or use --engine "
+                    "deepspeed")
     return TrainingSpec(
         global_batch_size=plan.global_batch_size,
         seq_length=plan.seq_length,

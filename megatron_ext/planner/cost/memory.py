@@ -50,7 +50,8 @@ RECOMPUTE_CODES = {"none": 0, "selective": 1, "full": 2}
 
 
 def state_bytes_per_param(
-    zero: ArrayLike, shard_ranks: ArrayLike, *, half_precision: bool, num_optimizer_states: int = 2
+    zero: ArrayLike, shard_ranks: ArrayLike, *, half_precision: bool, num_optimizer_states: int = 2,
+    half_grads: bool = False,
 ) -> ArrayLike:
     """Bytes per parameter of weights, gradients and optimizer states on one GPU.
 
@@ -60,6 +61,8 @@ def state_bytes_per_param(
     ZeRO-2/3 (FSDP2, megatron_adapter/fsdp.py): fp32 weight shards that are the master copy,
     fp32 gradient shards and the states, all over d: (4 + 4 + states) / d; ZeRO-2 also holds
     the layer's weights gathered (at the compute precision) from its forward to its backward.
+    `half_grads` (DeepSpeed's BF16_Optimizer, TrainingSpec.keeps_half_grads): ZeRO-0/1 also keep
+    every parameter's half-precision .grad (2) beside the full fp32 gradient.
     """
     zero = np.asarray(zero)
     d = np.asarray(shard_ranks, dtype=float)
@@ -70,13 +73,16 @@ def state_bytes_per_param(
     else:
         kept, sharded = 8.0, states
     fsdp = (4.0 + 4.0 + states) / d
+    if half_grads and half_precision:
+        kept += 2.0
     out = np.where(zero == 0, kept + sharded, np.where(
         zero == 1, kept + sharded / d, np.where(zero == 2, weight + fsdp, fsdp)))
     return float(out) if out.ndim == 0 else out
 
 
 def state_bytes_breakdown(
-    zero: ArrayLike, shard_ranks: ArrayLike, *, half_precision: bool, num_optimizer_states: int = 2
+    zero: ArrayLike, shard_ranks: ArrayLike, *, half_precision: bool, num_optimizer_states: int = 2,
+    half_grads: bool = False,
 ) -> tuple[ArrayLike, ArrayLike, ArrayLike]:
     """`state_bytes_per_param` split into (weights, gradients, optimizer states) bytes per
     parameter; they always sum to it (tests/unit/test_evaluate_command.py). ZeRO-0/1: the
@@ -89,7 +95,7 @@ def state_bytes_breakdown(
     weight = 2.0 if half_precision else 4.0
     master = 4.0 if half_precision else 0.0
     weights = np.where(zero <= 1, weight, np.where(zero == 2, weight + 4.0 / d, 4.0 / d))
-    grads = np.where(zero <= 1, 4.0, 4.0 / d)
+    grads = np.where(zero <= 1, 4.0 + (2.0 if half_grads and half_precision else 0.0), 4.0 / d)
     optim = np.where(zero == 0, master + states, np.where(zero == 1, (master + states) / d,
                                                           states / d))
     if weights.ndim == 0:

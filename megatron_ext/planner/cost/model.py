@@ -41,7 +41,11 @@ from megatron_ext.planner.cost.pipeline import OVERLAP_SLOWDOWN, gradient_tail_s
 from megatron_ext.planner.cost.tp_overlap import overlapped_tp_s, sp_regather_exposed_s
 from megatron_ext.planner.dp import MaxSwitch
 from megatron_ext.planner.space import StrategyTable
-from megatron_ext.planner.training import DEEPSPEED_MAX_LIVE_PARAMS, TrainingSpec
+from megatron_ext.planner.training import (
+    BF16_OPTIMIZER_REDUCE_BYTES,
+    DEEPSPEED_MAX_LIVE_PARAMS,
+    TrainingSpec,
+)
 from megatron_ext.specs import ClusterSpec, ModelSpec
 
 FloatArray = npt.NDArray[np.float64]
@@ -153,7 +157,7 @@ class CostModel:
         """Most parameters ZeRO-3 holds gathered at once; None: two whole layers (FSDP2 and
         Megatron-FSDP gather layer by layer). DeepSpeed's engine caps it
         (stage3_max_live_parameters, training.DEEPSPEED_MAX_LIVE_PARAMS by default)."""
-        return DEEPSPEED_MAX_LIVE_PARAMS if self.training.engine == "deepspeed" else None
+        return DEEPSPEED_MAX_LIVE_PARAMS if self.training.is_deepspeed else None
 
     @property
     def element_bytes(self) -> int:
@@ -354,6 +358,8 @@ class CostModel:
         grads = self.bucketed_s("reduce_scatter", params, grad_bytes, d, stride)
         weights = self.bucketed_s("all_gather", params, self.element_bytes, d, stride)
         all_reduce = self.bucketed_s("all_reduce", params, grad_bytes, d, stride)
+        if self.training.engine == "deepspeed-bf16":  # BF16_Optimizer: bf16 all-reduce
+            grads = self.bucketed_s("all_reduce", params, BF16_OPTIMIZER_REDUCE_BYTES, d, stride)
         sync = np.where(zero == 0, all_reduce, np.where(zero == 1, grads, 0.0))
         gather = np.where(zero == 1, weights, 0.0)
         # ZeRO-3 gathers weights before forward and again before backward (the recompute
@@ -390,6 +396,7 @@ class CostModel:
             table.shard_ranks,
             half_precision=t.half_precision,
             num_optimizer_states=t.num_optimizer_states,
+            half_grads=t.keeps_half_grads,
         )
         transient = layer_transient_bytes(
             act_none,

@@ -236,10 +236,11 @@ def moe_layer_costs(cm: CostModel, table: StrategyTable, micro_batch_size: int) 
     act = act_of(table.recompute)
     act_none = act_of(np.zeros_like(table.recompute))
     half, states = t.half_precision, t.num_optimizer_states
+    hg = t.keeps_half_grads
     state = (dense_params * _per_param(table.zero, d, half_precision=half,
-                                       num_optimizer_states=states)
+                                       num_optimizer_states=states, half_grads=hg)
              + exp_params * _per_param(table.zero, edp, half_precision=half,
-                                       num_optimizer_states=states))
+                                       num_optimizer_states=states, half_grads=hg))
     transient = layer_transient_bytes(act_none, act, zero=table.zero,
                                       params_per_gpu=dense_params + exp_params,
                                       element_bytes=e_b,
@@ -365,14 +366,14 @@ def per_layer_weight_grad_bytes(cm: CostModel, table: StrategyTable, index: np.n
     t, m = cm.training, cm.model
     half, states = t.half_precision, t.num_optimizer_states
     w_d, g_d, _ = state_bytes_breakdown(table.zero, table.shard_ranks, half_precision=half,
-                                        num_optimizer_states=states)
+                                        num_optimizer_states=states, half_grads=t.keeps_half_grads)
     params = cm.layer_params / table.tp
     weights, grads = params * np.asarray(w_d), params * np.asarray(g_d)
     index = np.asarray(index, dtype=np.int64)
     if m.moe is None:
         return weights[index], grads[index]
     w_e, g_e, _ = state_bytes_breakdown(table.zero, table.expert_dp, half_precision=half,
-                                        num_optimizer_states=states)
+                                        num_optimizer_states=states, half_grads=t.keeps_half_grads)
     dense_params = ((C.layer_params(m) - dense_mlp_params(m) + shared_expert_params(m))
                     / table.tp + router_params(m))
     exp_params = expert_params(m) / (table.ep * table.etp)
