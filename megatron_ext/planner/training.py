@@ -19,6 +19,12 @@ it the parameters' bf16 .grad (allreduce_gradients at ZeRO stage 0); both go thr
 DeepSpeedEngine.allreduce_bucket, which casts to communication_data_type, bf16 in a bf16 run
 unless the config sets it (DeepSpeed v0.12.6 runtime/engine.py)."""
 
+BF16_OPTIMIZER_ACCUMULATE_BYTES = 20.0
+"""HBM bytes per parameter DeepSpeed's BF16_Optimizer moves after every micro-batch's backward
+(PipelineEngine._exec_backward_pass, v0.12.6: clear_lp_grads zeroes the bf16 .grad, 2;
+update_hp_grads adds it into the fp32 buffer as hp_grad.add_(lp.grad.to(fp32)): read 2, write
+and read the fp32 copy 4 + 4, read and write the buffer 4 + 4)."""
+
 DEEPSPEED_MAX_LIVE_PARAMS = 1e9
 """DeepSpeed ZeRO-3's default stage3_max_live_parameters: it gathers module by module and holds
 at most this many parameters gathered, where FSDP2 and Megatron-FSDP hold two whole layers."""
@@ -106,7 +112,8 @@ class TrainingSpec:
     weights all-gathered after the step, as ZeRO-1; but the gradients all-reduced, not
     reduce-scattered, after the last backward, in bf16 (BF16_OPTIMIZER_REDUCE_BYTES), and every
     parameter's bf16 .grad kept beside the optimizer's full fp32 gradient buffer
-    (`keeps_half_grads`)."""
+    (`keeps_half_grads`), which it accumulates into after every micro-batch's backward
+    (BF16_OPTIMIZER_ACCUMULATE_BYTES of HBM traffic per parameter)."""
     fp8: FP8Spec | None = None
     """FP8 training as the user's flags give it (--fp8-format ...): which layers run FP8 is
     theirs; the search prices it (planner/cost/fp8.py) and places the layouts around it."""

@@ -15,11 +15,12 @@ from megatron_ext.errors import PlanError
 from megatron_ext.flags.emit import plan_to_megatron_args
 from megatron_ext.plan import ParallelPlan
 from megatron_ext.planner.cost.breakdown import MEMORY_PARTS, breakdown
+from megatron_ext.planner.cost.compute import ComputeProfile
 from megatron_ext.planner.cost.evaluate import plan_training
 from megatron_ext.planner.cost.memory import state_bytes_breakdown, state_bytes_per_param
 from megatron_ext.planner.cost.model import CostModel
 from megatron_ext.planner.space import StrategyTable
-from megatron_ext.planner.training import TrainingSpec
+from megatron_ext.planner.training import BF16_OPTIMIZER_ACCUMULATE_BYTES, TrainingSpec
 from megatron_ext.presets import cluster_preset
 
 HETERO = "examples/plans/llama2-7b_hetero_pp2.json"  # 3 strategies, recompute, pp=2
@@ -192,15 +193,19 @@ def test_deepspeed_bf16_engine_all_reduces_and_keeps_the_bf16_grads(tmp_path, ca
     """--engine deepspeed-bf16 (DeepSpeed's BF16_Optimizer): a ZeRO-1 plan's gradient
     reduction is a bf16 all-reduce (2 bytes per gradient), not ZeRO-1's fp32 reduce-scatter: as
     many bytes on the wire, twice the ring steps; its weight all-gather stays; each parameter
-    keeps a bf16 .grad (2 bytes) more than ZeRO-1. rel 1e-12: the same sums."""
+    keeps a bf16 .grad (2 bytes) more than ZeRO-1, folded into the fp32 buffer after every
+    micro-batch's backward. rel 1e-12: the same sums (1e-9 where a difference of sums)."""
     plan = ParallelPlan.load("examples/plans/llama2-7b_uniform_tp2_pp2.json")
     assert plan.precision == "bf16" and {s.dp for s in plan.layers} == {2}
     cluster = cluster_preset("dgx-a100-80g", num_nodes=1)
     layer = dataclasses.replace(plan.layers[0], zero=1)
     table = StrategyTable.of([layer])
 
-    def model(engine: str) -> CostModel:
-        return CostModel(plan.model, cluster, plan_training(plan, engine=engine))
+    def model(engine: str) -> CostModel:  # host floor off: a pass takes its GPU time
+        no_host = ComputeProfile(host_kernel_s=0.0, host_collective_step_s=0.0,
+                                 host_microbatch_s=0.0)
+        return CostModel(plan.model, cluster, plan_training(plan, engine=engine),
+                         compute=no_host)
 
     bf16 = model("deepspeed-bf16").layer_costs(table, plan.micro_batch_size)
     zero1 = model("deepspeed").layer_costs(table, plan.micro_batch_size)
@@ -211,6 +216,11 @@ def test_deepspeed_bf16_engine_all_reduces_and_keeps_the_bf16_grads(tmp_path, ca
     assert bf16.param_gather_s[0] == pytest.approx(zero1.param_gather_s[0], rel=1e-12)
     extra = bf16.state_bytes[0] - zero1.state_bytes[0]
     assert extra == pytest.approx(2.0 * params, rel=1e-12)
+    # after every micro-batch's backward it folds the bf16 grads into its fp32 buffer
+    hbm = model("deepspeed").compute.hbm_for(cluster)
+    assert bf16.backward_s[0] - zero1.backward_s[0] == pytest.approx(
+        BF16_OPTIMIZER_ACCUMULATE_BYTES * params / hbm, rel=1e-9)
+    assert bf16.forward_s[0] == zero1.forward_s[0]
     for d in (1, 2, 8):
         parts = state_bytes_breakdown(1, d, half_precision=True, half_grads=True)
         assert sum(parts) == pytest.approx(

@@ -42,6 +42,7 @@ from megatron_ext.planner.cost.tp_overlap import overlapped_tp_s, sp_regather_ex
 from megatron_ext.planner.dp import MaxSwitch
 from megatron_ext.planner.space import StrategyTable
 from megatron_ext.planner.training import (
+    BF16_OPTIMIZER_ACCUMULATE_BYTES,
     BF16_OPTIMIZER_REDUCE_BYTES,
     DEEPSPEED_MAX_LIVE_PARAMS,
     TrainingSpec,
@@ -274,8 +275,9 @@ class CostModel:
         )
         fwd = C.host_bound_s(comp.forward_s + tp_fwd + uly_one_way + cp_fwd + z3_fwd,
                              host_f, k)
-        bwd = C.host_bound_s(comp.backward_s + tp_bwd + uly_one_way + cp_bwd + z3_bwd,
-                             host_b, k) + recompute
+        accumulate = self.grad_accumulate_s(self._params_per_gpu(table))
+        bwd = C.host_bound_s(comp.backward_s + tp_bwd + uly_one_way + cp_bwd + z3_bwd
+                             + accumulate, host_b, k) + recompute
         # (a + u) + (a + u) is 2 (a + u) bit for bit: without the overlap nothing moves
         comm = (tp_fwd + uly_one_way) + (tp_bwd + uly_one_way) + cp_fwd + cp_bwd + z3_fwd + z3_bwd
         comm = comm + np.where(rc_full, tp_fwd + uly_one_way + cp_fwd, 0.0)
@@ -294,6 +296,16 @@ class CostModel:
             **self._layer_memory(table, b),
         )
         return fp8_layer_costs(self, table, b, costs) if self.training.fp8 else costs
+
+    def grad_accumulate_s(self, params: ArrayLike) -> ArrayLike:
+        """GPU seconds per micro-batch an engine spends folding `params` gradients into its own
+        copy after the backward: DeepSpeed's BF16_Optimizer (BF16_OPTIMIZER_ACCUMULATE_BYTES
+        through HBM per parameter); 0 for the others, whose backward writes the gradients in
+        place (Megatron's main_grad, FSDP2's reduce-scatter)."""
+        if self.training.engine != "deepspeed-bf16":
+            return 0.0 * np.asarray(params, dtype=float)
+        return BF16_OPTIMIZER_ACCUMULATE_BYTES * np.asarray(params, dtype=float) / (
+            self.compute.hbm_for(self.cluster))
 
     def fused_softmax(self, table: StrategyTable, b: FloatArray | float) -> npt.NDArray[np.bool_]:
         """Where the unfused attention path gets Megatron's fused softmax kernel (per strategy,

@@ -219,7 +219,8 @@ def moe_layer_costs(cm: CostModel, table: StrategyTable, micro_batch_size: int) 
         table, fwd_c, bwd_c, params=exp_params, shard_ranks=edp, stride=ep * et)
     z3_fwd, z3_bwd = z3f_d + z3f_e, z3b_d + z3b_e
     fwd = C.host_bound_s(attn_f + moe_f + one_way + cp_fwd + z3_fwd, host_f, k_host)
-    bwd = C.host_bound_s(attn_b + 2.0 * moe_f + one_way + cp_bwd + z3_bwd, host_b,
+    accumulate = cm.grad_accumulate_s(dense_params + exp_params)
+    bwd = C.host_bound_s(attn_b + 2.0 * moe_f + one_way + cp_bwd + z3_bwd + accumulate, host_b,
                          k_host) + recompute
     comm = 2 * one_way + cp_fwd + cp_bwd + z3_fwd + z3_bwd + np.where(rc_full,
                                                                       one_way + cp_fwd, 0.0)
