@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_ext.errors import PlanError
 from megatron_ext.plan import ParallelPlan
+from megatron_ext.planner.training import ENGINES
 from megatron_ext.presets import CLUSTER_PRESETS, cluster_preset
 from megatron_ext.specs import ClusterSpec
 
@@ -86,7 +87,7 @@ def add_evaluate_arguments(p: argparse.ArgumentParser) -> None:
         help="the run has no dropout (--hidden-dropout 0 --attention-dropout 0)",
     )
     p.add_argument(
-        "--engine", choices=["megatron", "deepspeed", "deepspeed-bf16"], default="megatron",
+        "--engine", choices=ENGINES, default="megatron",
         help="what runs the step: megatron (default; its data-parallel traffic overlaps compute "
         "only with --overlap-grad-reduce / --overlap-param-gather); deepspeed "
         "(Megatron-DeepSpeed) reduces after the last backward and caps ZeRO-3's gathered "

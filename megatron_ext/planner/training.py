@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 from megatron_ext.errors import PlanError
 from megatron_ext.specs import FP8Spec
 
 Precision = Literal["bf16", "fp16", "fp32"]
 Engine = Literal["megatron", "deepspeed", "deepspeed-bf16"]
-ENGINES: tuple[str, ...] = ("megatron", "deepspeed", "deepspeed-bf16")
+ENGINES: tuple[str, ...] = get_args(Engine)
 
 BF16_OPTIMIZER_REDUCE_BYTES = 2
 """Bytes per gradient in DeepSpeed's BF16_Optimizer reduction: its pipeline engine all-reduces
@@ -150,6 +150,16 @@ class TrainingSpec:
     def is_deepspeed(self) -> bool:
         """DeepSpeed's engine runs the step (either `engine` of it)."""
         return self.engine != "megatron"
+
+    @property
+    def zero1_grad_reduce(self) -> tuple[Literal["reduce_scatter", "all_reduce"], int]:
+        """(collective, bytes per gradient) of a ZeRO-1 layer's gradient reduction: Megatron's
+        distributed optimizer and DeepSpeed's ZeRO-1 reduce-scatter grad_reduce_bytes per
+        gradient; DeepSpeed's BF16_Optimizer all-reduces them in bf16
+        (BF16_OPTIMIZER_REDUCE_BYTES)."""
+        if self.engine == "deepspeed-bf16":
+            return "all_reduce", BF16_OPTIMIZER_REDUCE_BYTES
+        return "reduce_scatter", self.grad_reduce_bytes
 
     @property
     def keeps_half_grads(self) -> bool:

@@ -43,7 +43,6 @@ from megatron_ext.planner.dp import MaxSwitch
 from megatron_ext.planner.space import StrategyTable
 from megatron_ext.planner.training import (
     BF16_OPTIMIZER_ACCUMULATE_BYTES,
-    BF16_OPTIMIZER_REDUCE_BYTES,
     DEEPSPEED_MAX_LIVE_PARAMS,
     TrainingSpec,
 )
@@ -367,11 +366,10 @@ class CostModel:
         stride = table.tp if stride is None else stride
         zero = table.zero
         grad_bytes = self.training.grad_reduce_bytes
-        grads = self.bucketed_s("reduce_scatter", params, grad_bytes, d, stride)
+        zero1_op, zero1_bytes = self.training.zero1_grad_reduce
+        grads = self.bucketed_s(zero1_op, params, zero1_bytes, d, stride)
         weights = self.bucketed_s("all_gather", params, self.element_bytes, d, stride)
         all_reduce = self.bucketed_s("all_reduce", params, grad_bytes, d, stride)
-        if self.training.engine == "deepspeed-bf16":  # BF16_Optimizer: bf16 all-reduce
-            grads = self.bucketed_s("all_reduce", params, BF16_OPTIMIZER_REDUCE_BYTES, d, stride)
         sync = np.where(zero == 0, all_reduce, np.where(zero == 1, grads, 0.0))
         gather = np.where(zero == 1, weights, 0.0)
         # ZeRO-3 gathers weights before forward and again before backward (the recompute

@@ -34,7 +34,6 @@ from megatron_ext.planner.cost import compute as C
 from megatron_ext.planner.cost.comm import GroupLayout
 from megatron_ext.planner.cost.memory import state_bytes_per_param
 from megatron_ext.planner.cost.pipeline import interleaved_inflight
-from megatron_ext.planner.training import BF16_OPTIMIZER_REDUCE_BYTES
 from megatron_ext.specs import ModelSpec
 
 if TYPE_CHECKING:
@@ -275,10 +274,8 @@ def _vocab_data_parallel(
     layout = cm.layout(dpv, tv)
     gb = cm.training.grad_reduce_bytes  # bytes per gradient element in the reduction
     if vocab_zero >= 1:
-        sync = np.asarray(cm.comm.time_s("reduce_scatter", params * gb, layout), dtype=float)
-        if cm.training.engine == "deepspeed-bf16":  # BF16_Optimizer: bf16 all-reduce
-            sync = np.asarray(cm.comm.time_s(
-                "all_reduce", params * BF16_OPTIMIZER_REDUCE_BYTES, layout), dtype=float)
+        op, op_bytes = cm.training.zero1_grad_reduce
+        sync = np.asarray(cm.comm.time_s(op, params * op_bytes, layout), dtype=float)
         gather = np.asarray(
             cm.comm.time_s("all_gather", params * cm.element_bytes, layout), dtype=float
         )
